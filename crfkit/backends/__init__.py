@@ -1,0 +1,101 @@
+"""Which implementation runs the ops, and why.
+
+Backends, in order of preference:
+- "compiled": the C++ (and, when built for it, CUDA) kernels of crfkit._C, registered as
+  torch.ops.crfkit.* with autograd and fake implementations (crfkit/backends/compiled.py).
+- "reference": plain PyTorch (crfkit/reference.py): slower, always available.
+
+The environment variable CRFKIT_BACKEND (compiled | reference) forces one at import;
+crfkit.use_backend(name) switches within a block (the tests use it to run one suite on each).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from typing import Dict, Iterator
+
+from .. import reference
+
+_available: Dict[str, types.ModuleType] = {"reference": reference}
+_unavailable: Dict[str, str] = {}
+
+try:
+    from . import compiled
+
+    _available["compiled"] = compiled
+except Exception as error:  # ImportError, or an ABI mismatch (OSError / undefined symbol)
+    _unavailable["compiled"] = f"{type(error).__name__}: {error}"
+
+_PREFERENCE = ("compiled", "reference")
+
+
+def _initial_choice():
+    forced = os.environ.get("CRFKIT_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in _PREFERENCE:
+            raise ValueError(f"CRFKIT_BACKEND must be one of {_PREFERENCE}, got {forced!r}")
+        if forced not in _available:
+            raise ImportError(f"CRFKIT_BACKEND={forced} but it cannot be loaded: {_unavailable[forced]}")
+        return forced, f"forced by CRFKIT_BACKEND={forced}"
+    for name in _PREFERENCE:
+        if name in _available:
+            why = "the compiled extension loaded" if name == "compiled" else (
+                "the compiled extension is not available: " + _unavailable.get("compiled", "?")
+            )
+            return name, why
+    raise AssertionError("the reference backend is always available")
+
+
+_current, _reason = _initial_choice()
+
+
+def current():
+    """The backend module in use."""
+    return _available[_current]
+
+
+def available() -> tuple:
+    return tuple(name for name in _PREFERENCE if name in _available)
+
+
+def backend_info() -> dict:
+    """Which implementation runs crfkit's ops and why, e.g.
+
+    {'backend': 'compiled', 'reason': 'the compiled extension loaded',
+     'available': ('compiled', 'reference'), 'unavailable': {}, 'cuda_kernels': False}
+    """
+    cuda = False
+    if "compiled" in _available:
+        import torch
+
+        cuda = torch._C._dispatch_has_kernel_for_dispatch_key("crfkit::log_partition", "CUDA")
+    return {
+        "backend": _current,
+        "reason": _reason,
+        "available": available(),
+        "unavailable": dict(_unavailable),
+        "cuda_kernels": cuda,
+    }
+
+
+def set_backend(name: str) -> None:
+    """Use `name` ('compiled' or 'reference') from now on."""
+    global _current, _reason
+    if name not in _PREFERENCE:
+        raise ValueError(f"backend must be one of {_PREFERENCE}, got {name!r}")
+    if name not in _available:
+        raise RuntimeError(f"backend {name!r} is not available: {_unavailable.get(name)}")
+    _current, _reason = name, "chosen with crfkit.set_backend / use_backend"
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the block with backend `name`, then restore the previous one."""
+    global _current, _reason
+    saved = (_current, _reason)
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _current, _reason = saved

@@ -1,0 +1,144 @@
+"""The compiled (C++ / CUDA) backend: loads crfkit._C and registers, for each op,
+a fake (meta) implementation so that torch.compile can trace it, and its autograd formula.
+
+The backward of every op is itself a registered op (log_partition_backward,
+sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module
+raises ImportError when the extension is not built; crfkit.backends then falls back.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _C  # noqa: F401  (loading the library registers torch.ops.crfkit.*)
+from .. import reference
+
+ops = torch.ops.crfkit
+
+
+# ---- fake implementations: shapes and dtypes only ------------------------------------------
+@torch.library.register_fake("crfkit::log_partition")
+def _(emissions, transitions, start, end, lengths):
+    return emissions.new_empty(emissions.shape[0])
+
+
+@torch.library.register_fake("crfkit::marginals")
+def _(emissions, transitions, start, end, lengths):
+    return torch.empty_like(emissions)
+
+
+@torch.library.register_fake("crfkit::log_partition_backward")
+def _(grad_log_z, emissions, transitions, start, end, lengths):
+    return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
+
+
+@torch.library.register_fake("crfkit::viterbi")
+def _(emissions, transitions, start, end, lengths):
+    B, L, _T = emissions.shape
+    return emissions.new_empty((B, L), dtype=torch.long), emissions.new_empty(B)
+
+
+@torch.library.register_fake("crfkit::kbest_viterbi")
+def _(emissions, transitions, start, end, lengths, k):
+    B, L, _T = emissions.shape
+    return emissions.new_empty((B, k, L), dtype=torch.long), emissions.new_empty((B, k))
+
+
+@torch.library.register_fake("crfkit::sequence_score")
+def _(emissions, transitions, start, end, lengths, tags):
+    return emissions.new_empty(tags.shape[:2])
+
+
+@torch.library.register_fake("crfkit::sequence_score_backward")
+def _(grad_scores, emissions, lengths, tags):
+    T = emissions.shape[2]
+    return torch.empty_like(emissions), emissions.new_empty((T, T)), emissions.new_empty(T), emissions.new_empty(T)
+
+
+# ---- autograd ---------------------------------------------------------------------------------
+def _save_crf_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+
+
+def _log_partition_backward(ctx, grad_log_z):
+    emissions, transitions, start, end, lengths = ctx.saved_tensors
+    grads = ops.log_partition_backward(grad_log_z.contiguous(), emissions, transitions, start, end, lengths)
+    return (*grads, None)
+
+
+torch.library.register_autograd("crfkit::log_partition", _log_partition_backward, setup_context=_save_crf_inputs)
+
+
+def _marginals_backward(ctx, grad_marginals):
+    # The derivative of the marginals is a Hessian-vector product of log Z; it is taken through
+    # the reference (autograd over its forward pass, twice). Correct, but not a fused kernel.
+    emissions, transitions, start, end, lengths = ctx.saved_tensors
+    with torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (emissions, transitions, start, end)]
+        mu = reference.marginals(inputs[0], inputs[1], lengths, inputs[2], inputs[3])
+        grads = torch.autograd.grad(mu, inputs, grad_marginals, allow_unused=True)
+    return (*[torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)], None)
+
+
+torch.library.register_autograd("crfkit::marginals", _marginals_backward, setup_context=_save_crf_inputs)
+
+
+def _scatter_path_scores(emissions, lengths, paths, grad_scores):
+    """Gradient of path scores: ones at the emissions / transitions / start / end each path uses."""
+    return ops.sequence_score_backward(grad_scores.contiguous(), emissions, lengths, paths)
+
+
+def _save_for_decode(ctx, inputs, output):
+    emissions, _transitions, _start, _end, lengths = inputs[:5]
+    ctx.save_for_backward(emissions, lengths, output[0])
+
+
+def _viterbi_backward(ctx, grad_paths, grad_scores):
+    emissions, lengths, paths = ctx.saved_tensors
+    grads = _scatter_path_scores(emissions, lengths, paths.unsqueeze(1), grad_scores.unsqueeze(1))
+    return (*grads, None)
+
+
+def _kbest_backward(ctx, grad_paths, grad_scores):
+    emissions, lengths, paths = ctx.saved_tensors
+    return (*_scatter_path_scores(emissions, lengths, paths, grad_scores), None, None)
+
+
+torch.library.register_autograd("crfkit::viterbi", _viterbi_backward, setup_context=_save_for_decode)
+torch.library.register_autograd("crfkit::kbest_viterbi", _kbest_backward, setup_context=_save_for_decode)
+
+
+def _save_for_sequence_score(ctx, inputs, output):
+    emissions, _transitions, _start, _end, lengths, tags = inputs
+    ctx.save_for_backward(emissions, lengths, tags)
+
+
+def _sequence_score_backward(ctx, grad_scores):
+    emissions, lengths, tags = ctx.saved_tensors
+    return (*_scatter_path_scores(emissions, lengths, tags, grad_scores), None, None)
+
+
+torch.library.register_autograd(
+    "crfkit::sequence_score", _sequence_score_backward, setup_context=_save_for_sequence_score
+)
+
+
+# ---- the backend interface (same order of arguments as crfkit.reference) ----------------------
+def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:
+    return ops.log_partition(emissions, transitions, start, end, lengths)
+
+
+def marginals(emissions, transitions, lengths, start, end) -> Tensor:
+    return ops.marginals(emissions, transitions, start, end, lengths)
+
+
+def viterbi(emissions, transitions, lengths, start, end):
+    return ops.viterbi(emissions, transitions, start, end, lengths)
+
+
+def kbest_viterbi(emissions, transitions, k, lengths, start, end):
+    return ops.kbest_viterbi(emissions, transitions, start, end, lengths, k)
+
+
+def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
+    return ops.sequence_score(emissions, transitions, start, end, lengths, tags)

@@ -1,0 +1,197 @@
+"""crfkit's public operations on linear-chain CRFs: check the arguments, then run a backend.
+
+Shapes (batch first):
+    emissions    (B, L, T)  emissions[b, i, t]: score of tag t at position i of sentence b
+    transitions  (T, T)     transitions[s, t]: score of moving from tag s to tag t
+    start, end   (T,)       optional scores of the first / last tag (default 0)
+    lengths      (B,)       optional integer lengths; sentence b is positions 0 .. lengths[b]-1
+                            (default: all L). Padded positions are never read.
+    tags         (B, L)     integer tag indices (values at padded positions are ignored)
+
+Score of a tag sequence y of length n (n >= 1):
+    s(y) = start[y_0] + emissions[0, y_0] + sum_{i>=1} (transitions[y_{i-1}, y_i] + emissions[i, y_i]) + end[y_{n-1}]
+
+Conventions, the same in every backend:
+- A score of -inf forbids a tag, a transition, a first or last tag, in EVERY operation
+  (log Z, marginals, Viterbi, k-best); crfkit.constraints builds such masks for BIO / BIOES / ...
+  NaN or +inf anywhere a score is read raises ValueError (RuntimeError from the raw ops).
+- A length-0 sentence has exactly one tag sequence, the empty one, of score 0:
+  log Z = 0, marginals 0, Viterbi path all -1 with score 0, k-best row 0 = that empty path
+  (score 0, log_prob 0) and the other rows missing.
+- If every sequence of a sentence is forbidden: log Z = -inf, marginals 0, gradients 0 (no NaN),
+  Viterbi path -1 with score -inf, every k-best row missing.
+- k-best rows that hold no sequence (fewer than k allowed sequences) have path -1 and
+  score / log_prob -inf.
+- Ties: sequences of equal score are ordered by their tags read from the LAST position
+  backwards, smaller tag index first (so among all-equal scores, [1, 0] comes before [0, 1]).
+  Viterbi returns the first sequence in that order, identical to k-best row 0.
+- dtypes: float32 and float64 are computed as they are; float16 and bfloat16 emissions are
+  computed in float32 and the results are float32. transitions / start / end must have the
+  dtype of emissions, or float32 (or any half type) when emissions are half precision.
+- Non-contiguous and expanded inputs are accepted (copied to contiguous memory first).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import backends
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class KBest(NamedTuple):
+    """Result of kbest_viterbi: paths (B, K, L) int64, scores (B, K), log_probs (B, K)."""
+
+    paths: Tensor
+    scores: Tensor
+    log_probs: Tensor
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _check_tensor(name: str, x, dim: int, shape_text: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_text}, got {type(x).__name__}")
+    if x.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions {shape_text}, got shape {tuple(x.shape)}")
+
+
+def _prepare(emissions, transitions, lengths, start, end):
+    """Validate the CRF arguments and return them ready for a backend:
+    contiguous, in the compute dtype, start / end filled with zeros, lengths int64."""
+    _check_tensor("emissions", emissions, 3, "(batch, seq_len, num_tags)")
+    if not emissions.is_floating_point():
+        raise TypeError(f"emissions must be a floating-point tensor, got {emissions.dtype}")
+    B, L, T = emissions.shape
+    if T < 1:
+        raise ValueError("emissions must have at least one tag (num_tags = emissions.shape[2] >= 1)")
+    compute_dtype = torch.float32 if emissions.dtype in _HALF else emissions.dtype
+    accepted = (compute_dtype, *_HALF) if compute_dtype == torch.float32 and emissions.dtype in _HALF else (compute_dtype,)
+    device = emissions.device
+
+    def parameter(name, x, shape):
+        if x is None:
+            return emissions.new_zeros(shape, dtype=compute_dtype)
+        _check_tensor(name, x, len(shape), "(" + ", ".join(map(str, shape)) + ")")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} for num_tags = {T}, got {tuple(x.shape)}")
+        if x.dtype not in accepted:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but emissions has {emissions.dtype}; "
+                f"expected {' or '.join(str(d) for d in accepted)}"
+            )
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but emissions is on {device}; put them on one device")
+        return x.to(compute_dtype).contiguous()
+
+    if transitions is None:
+        raise TypeError("transitions is required: a (num_tags, num_tags) tensor")
+    transitions = parameter("transitions", transitions, (T, T))
+    start = parameter("start", start, (T,))
+    end = parameter("end", end, (T,))
+    lengths = _prepare_lengths(lengths, B, L, device)
+    return emissions.to(compute_dtype).contiguous(), transitions, lengths, start, end
+
+
+def _prepare_lengths(lengths, B: int, L: int, device) -> Tensor:
+    if lengths is None:
+        return torch.full((B,), L, dtype=torch.long, device=device)
+    _check_tensor("lengths", lengths, 1, "(batch,)")
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+        raise TypeError(f"lengths must be an integer tensor, got {lengths.dtype}")
+    if lengths.shape[0] != B:
+        raise ValueError(f"lengths must have shape ({B},) for a batch of {B}, got {tuple(lengths.shape)}")
+    if lengths.device != device:
+        raise ValueError(f"lengths is on {lengths.device} but emissions is on {device}; put them on one device")
+    if not _is_compiling() and B > 0:  # data-dependent: the kernels check again while compiled
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 0 or high > L:
+            raise ValueError(f"lengths must lie in [0, seq_len = {L}], got values in [{low}, {high}]")
+    return lengths.to(torch.long).contiguous()
+
+
+def log_partition(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+    """log Z(x) = logsumexp over all tag sequences of their score: (B,).
+
+    Differentiable in emissions, transitions, start and end; the gradient with respect to
+    emissions is the marginals, computed by an analytic forward-backward kernel.
+    """
+    return backends.current().log_partition(*_prepare(emissions, transitions, lengths, start, end))
+
+
+def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+    """P(y_i = t | x): (B, L, T), zero at padded positions. Differentiable (second-order
+    derivatives of log Z are taken through the reference implementation)."""
+    return backends.current().marginals(*_prepare(emissions, transitions, lengths, start, end))
+
+
+def viterbi(emissions, transitions, lengths=None, start=None, end=None):
+    """The best tag sequence: (paths (B, L) int64, scores (B,)); paths are -1 at padded
+    positions. scores are differentiable (they are the sequence scores of the paths)."""
+    return tuple(backends.current().viterbi(*_prepare(emissions, transitions, lengths, start, end)))
+
+
+def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=None) -> KBest:
+    """The k highest-scoring DISTINCT tag sequences, best first (exact k-best Viterbi).
+
+    Returns KBest(paths (B, k, L) int64, scores (B, k), log_probs (B, k)) with
+    log_probs = scores - log_partition. Row 0 equals viterbi(). Rows beyond the number of
+    allowed sequences of a sentence have path -1 and score / log_prob -inf; padded positions
+    are -1. scores and log_probs are differentiable. Ties: see the module docstring.
+    """
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    emissions, transitions, lengths, start, end = _prepare(emissions, transitions, lengths, start, end)
+    backend = backends.current()
+    paths, scores = backend.kbest_viterbi(emissions, transitions, k, lengths, start, end)[:2]
+    log_z = backend.log_partition(emissions, transitions, lengths, start, end)
+    missing = scores == float("-inf")
+    log_probs = torch.where(missing, scores, scores - log_z.unsqueeze(1))
+    return KBest(paths, scores, log_probs)
+
+
+def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=None) -> Tensor:
+    """Score s(x, y) of given tag sequences, differentiable.
+
+    tags (B, L) -> (B,), or (B, N, L) -> (B, N) for N sequences per sentence. Tags at real
+    positions must lie in [0, T); values at padded positions are ignored (e.g. -100).
+    """
+    emissions, transitions, lengths, start, end = _prepare(emissions, transitions, lengths, start, end)
+    B, L, T = emissions.shape
+    if not isinstance(tags, Tensor):
+        raise TypeError(f"tags must be a torch.Tensor (batch, seq_len), got {type(tags).__name__}")
+    if tags.dtype == torch.bool or tags.is_floating_point() or tags.is_complex():
+        raise TypeError(f"tags must be an integer tensor, got {tags.dtype}")
+    if tags.device != emissions.device:
+        raise ValueError(f"tags is on {tags.device} but emissions is on {emissions.device}")
+    squeeze = tags.dim() == 2
+    if not (squeeze or tags.dim() == 3) or tags.shape[0] != B or tags.shape[-1] != L:
+        raise ValueError(f"tags must have shape ({B}, {L}) or ({B}, N, {L}), got {tuple(tags.shape)}")
+    tags3 = (tags.unsqueeze(1) if squeeze else tags).to(torch.long).contiguous()
+    if not _is_compiling() and tags3.numel() > 0:
+        valid = torch.arange(L, device=tags.device) < lengths.view(B, 1, 1)
+        real = tags3[valid.expand_as(tags3)]
+        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= T):
+            raise ValueError(f"tags within the lengths must lie in [0, num_tags = {T}), got values in "
+                             f"[{int(real.min())}, {int(real.max())}]")
+    scores = backends.current().sequence_score(emissions, transitions, tags3, lengths, start, end)
+    return scores.squeeze(1) if squeeze else scores
+
+
+def lengths_from_mask(mask: Tensor) -> Tensor:
+    """(B, L) bool mask of real positions -> (B,) int64 lengths. The mask must be left-aligned
+    (each row a run of True followed by False): crfkit does not support holes."""
+    _check_tensor("mask", mask, 2, "(batch, seq_len)")
+    mask = mask.bool()
+    lengths = mask.sum(1)
+    prefix = torch.arange(mask.shape[1], device=mask.device) < lengths.unsqueeze(1)
+    if not _is_compiling() and not torch.equal(prefix, mask):
+        raise ValueError("mask must be left-aligned (True for the first lengths[b] positions, then False)")
+    return lengths

@@ -1,0 +1,123 @@
+"""crfkit.CRF: a linear-chain CRF layer (nn.Module) over the functional ops.
+
+Familiar to pytorch-crf users, with two deliberate differences:
+- batch first always: emissions (B, L, T);
+- CRF(...)(emissions, tags) returns the NEGATIVE log-likelihood, a loss to minimise
+  (pytorch-crf returns the log-likelihood; crf.log_likelihood(...) gives that).
+Masks from pytorch-crf / AllenNLP are accepted as `mask` (B, L) bool, left-aligned.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as F
+from .constraints import Constraints
+
+_REDUCTIONS = ("mean", "sum", "none", "token_mean")
+
+
+class CRF(nn.Module):
+    """Linear-chain CRF with learnable transitions (T, T) [from, to] and start / end scores (T,).
+
+    Args:
+        num_tags: T.
+        constraints: optional crfkit.constraints.Constraints (e.g. from
+            crfkit.constraints.allowed_transitions(labels, "BIO")); forbidden transitions,
+            first and last tags are -inf in every operation (training and decoding).
+        include_start_end: learn start / end scores (default True).
+    """
+
+    def __init__(self, num_tags: int, constraints: Optional[Constraints] = None, include_start_end: bool = True):
+        super().__init__()
+        if isinstance(num_tags, bool) or not isinstance(num_tags, int) or num_tags < 1:
+            raise ValueError(f"num_tags must be a positive int, got {num_tags!r}")
+        self.num_tags = num_tags
+        self.transitions = nn.Parameter(torch.empty(num_tags, num_tags))
+        self.start = nn.Parameter(torch.empty(num_tags)) if include_start_end else None
+        self.end = nn.Parameter(torch.empty(num_tags)) if include_start_end else None
+        if constraints is not None and constraints.num_tags != num_tags:
+            raise ValueError(f"constraints are for {constraints.num_tags} tags, the CRF has {num_tags}")
+        masks = constraints.as_scores(torch.float32) if constraints is not None else (None, None, None)
+        # Additive 0 / -inf masks; buffers so they follow .to(device) and land in state_dict.
+        self.register_buffer("transition_mask", masks[0])
+        self.register_buffer("start_mask", masks[1])
+        self.register_buffer("end_mask", masks[2])
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for p in (self.transitions, self.start, self.end):
+            if p is not None:
+                nn.init.uniform_(p, -0.1, 0.1)
+
+    def extra_repr(self) -> str:
+        return f"num_tags={self.num_tags}, constrained={self.transition_mask is not None}"
+
+    # The scores the ops see: parameters plus constraint masks.
+    def _parameters_for(self, emissions: Tensor):
+        def masked(p, mask):
+            if p is None:
+                return None if mask is None else mask
+            return p if mask is None else p + mask
+
+        return masked(self.transitions, self.transition_mask), masked(self.start, self.start_mask), masked(self.end, self.end_mask)
+
+    def _lengths(self, emissions: Tensor, lengths: Optional[Tensor], mask: Optional[Tensor]) -> Optional[Tensor]:
+        if mask is not None:
+            if lengths is not None:
+                raise ValueError("give lengths or mask, not both")
+            return F.lengths_from_mask(mask)
+        return lengths
+
+    def _args(self, emissions, lengths, mask):
+        transitions, start, end = self._parameters_for(emissions)
+        return transitions, self._lengths(emissions, lengths, mask), start, end
+
+    def log_partition(self, emissions: Tensor, lengths: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Tensor:
+        """log Z per sentence: (B,)."""
+        transitions, lengths, start, end = self._args(emissions, lengths, mask)
+        return F.log_partition(emissions, transitions, lengths, start, end)
+
+    def log_likelihood(self, emissions: Tensor, tags: Tensor, lengths=None, mask=None) -> Tensor:
+        """log P(tags | x) per sentence: (B,), <= 0."""
+        transitions, lengths, start, end = self._args(emissions, lengths, mask)
+        score = F.sequence_score(emissions, transitions, tags, lengths, start, end)
+        return score - F.log_partition(emissions, transitions, lengths, start, end)
+
+    def nll(self, emissions: Tensor, tags: Tensor, lengths=None, mask=None, reduction: str = "mean") -> Tensor:
+        """Negative log-likelihood of gold tags (B, L), >= 0.
+
+        reduction: 'mean' over sentences (default), 'sum', 'none' (per sentence, (B,)),
+        or 'token_mean' (sum divided by the number of real tokens).
+        """
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        nll = -self.log_likelihood(emissions, tags, lengths, mask)
+        if reduction == "none":
+            return nll
+        if reduction == "sum":
+            return nll.sum()
+        if reduction == "mean":
+            return nll.mean()
+        n_tokens = self._lengths(emissions, lengths, mask)
+        n_tokens = emissions.shape[0] * emissions.shape[1] if n_tokens is None else n_tokens.sum()
+        return nll.sum() / n_tokens
+
+    forward = nll
+
+    def decode(self, emissions: Tensor, lengths=None, mask=None):
+        """Viterbi: (paths (B, L) int64 with -1 at padding, scores (B,))."""
+        transitions, lengths, start, end = self._args(emissions, lengths, mask)
+        return F.viterbi(emissions, transitions, lengths, start, end)
+
+    def kbest(self, emissions: Tensor, k: int, lengths=None, mask=None) -> F.KBest:
+        """k best distinct paths with scores and true log-probabilities (see crfkit.kbest_viterbi)."""
+        transitions, lengths, start, end = self._args(emissions, lengths, mask)
+        return F.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+
+    def marginals(self, emissions: Tensor, lengths=None, mask=None) -> Tensor:
+        """P(y_i = t | x): (B, L, T)."""
+        transitions, lengths, start, end = self._args(emissions, lengths, mask)
+        return F.marginals(emissions, transitions, lengths, start, end)

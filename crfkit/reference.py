@@ -1,0 +1,164 @@
+"""Plain-PyTorch reference for every crfkit op: log space, one loop over positions, no tricks.
+
+It is the parity oracle for the compiled kernels (and is itself checked against brute-force
+enumeration in tests/test_reference.py) and the fallback when the extension is missing.
+Gradients come from autograd. Argument checking is crfkit.functional's job; these functions
+assume well-formed inputs but accept the same optional arguments as the public API.
+
+Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,); lengths (B,).
+Scores are accumulated as ((score + transitions) + emissions) left to right, exactly like the
+compiled kernels, so decoded scores and ties agree to the last bit.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+def _defaults(emissions: Tensor, lengths: Optional[Tensor], start: Optional[Tensor], end: Optional[Tensor]):
+    B, L, T = emissions.shape
+    if lengths is None:
+        lengths = torch.full((B,), L, dtype=torch.long, device=emissions.device)
+    if start is None:
+        start = emissions.new_zeros(T)
+    if end is None:
+        end = emissions.new_zeros(T)
+    return lengths.long(), start, end
+
+
+def _check_values(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor):
+    """NaN / +inf checks that the compiled kernels do while they scan."""
+    def bad(x):
+        return bool((torch.isnan(x) | (x == float("inf"))).any())
+
+    for name, x in (("transitions", transitions), ("start", start), ("end", end)):
+        if bad(x):
+            raise ValueError(f"crfkit: {name} contains NaN or +inf (use -inf to forbid)")
+    valid = _valid_positions(lengths, emissions.shape[1]).unsqueeze(-1)
+    if bad(emissions.masked_fill(~valid, 0)):
+        raise ValueError("crfkit: emissions contains NaN or +inf within the lengths (use -inf to forbid a tag)")
+
+
+def _valid_positions(lengths: Tensor, L: int) -> Tensor:
+    """(B, L) bool: position i of sentence b is real."""
+    return torch.arange(L, device=lengths.device) < lengths.unsqueeze(1)
+
+
+def _logsumexp(x: Tensor, dim: int) -> Tensor:
+    """logsumexp whose value is -inf and whose gradient is 0 (not NaN) when every term is -inf."""
+    m = x.amax(dim, keepdim=True).detach()
+    m = m.masked_fill(~torch.isfinite(m), 0)
+    s = (x - m).exp().sum(dim)
+    nonzero = s > 0
+    out = torch.where(nonzero, s, torch.ones_like(s)).log() + m.squeeze(dim)
+    return torch.where(nonzero, out, torch.full_like(out, NEG_INF))
+
+
+def log_partition(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+    """log Z per sentence: (B,). A length-0 sentence has one empty sequence: log Z = 0."""
+    lengths, start, end = _defaults(emissions, lengths, start, end)
+    _check_values(emissions, transitions, lengths, start, end)
+    B, L, T = emissions.shape
+    if L == 0:
+        return emissions.new_zeros(B)
+    # Padded positions may hold anything; zero them so that not even a NaN gradient leaks.
+    emissions = emissions.masked_fill(~_valid_positions(lengths, L).unsqueeze(-1), 0)
+    alpha = start + emissions[:, 0]
+    for i in range(1, L):
+        step = _logsumexp(alpha.unsqueeze(2) + transitions, dim=1) + emissions[:, i]
+        alpha = torch.where((i < lengths).unsqueeze(1), step, alpha)
+    log_z = _logsumexp(alpha + end, dim=1)
+    return torch.where(lengths == 0, torch.zeros_like(log_z), log_z)
+
+
+def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+    """P(y_i = t | x) = d log Z / d emissions[b, i, t]: (B, L, T), zero at padded positions.
+
+    Differentiable (the graph is kept) when grad mode is on and an input requires grad.
+    """
+    create_graph = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (emissions, transitions, start, end)
+    )
+    with torch.enable_grad():
+        leaf = emissions if emissions.requires_grad else emissions.detach().requires_grad_()
+        log_z = log_partition(leaf, transitions, lengths, start, end)
+        (mu,) = torch.autograd.grad(log_z.sum(), leaf, create_graph=create_graph)
+    return mu
+
+
+def viterbi(emissions, transitions, lengths=None, start=None, end=None):
+    """Best path and its score: (paths (B, L) int64, scores (B,)); the first row of k-best."""
+    paths, scores = kbest_viterbi(emissions, transitions, 1, lengths, start, end)[:2]
+    return paths[:, 0], scores[:, 0]
+
+
+def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=None):
+    """The k best distinct sequences: (paths (B, k, L), scores (B, k), log_probs (B, k)).
+
+    Each (position, tag) keeps its k best prefixes ending there, sorted; the k best at the next
+    position come from a stable descending sort over the T*k extended candidates, laid out
+    predecessor-major so that ties go to the smaller predecessor tag, then the earlier rank.
+    Missing rows (fewer than k allowed sequences) hold path -1 and score -inf.
+    """
+    lengths, start, end = _defaults(emissions, lengths, start, end)
+    _check_values(emissions, transitions, lengths, start, end)
+    B, L, T = emissions.shape
+    paths = torch.full((B, k, L), -1, dtype=torch.long, device=emissions.device)
+    if L == 0:
+        scores = emissions.new_full((B, k), NEG_INF)
+        scores[:, 0] = 0
+        return paths, scores, scores.clone()
+    emissions = emissions.masked_fill(~_valid_positions(lengths, L).unsqueeze(-1), 0)
+    lists = emissions.new_full((B, T, k), NEG_INF)  # lists[b, t, r]: r-th best prefix ending in t
+    lists = torch.cat([(start + emissions[:, 0]).unsqueeze(2), lists[:, :, 1:]], dim=2)
+    backpointers = []  # backpointers[i - 1][b, t, r] = s * k + r' of the prefix extended at i
+    for i in range(1, L):
+        cand = (lists.unsqueeze(3) + transitions[None, :, None, :]).permute(0, 3, 1, 2).reshape(B, T, T * k)
+        values, codes = cand.sort(dim=2, descending=True, stable=True)
+        step = values[..., :k] + emissions[:, i].unsqueeze(2)
+        lists = torch.where((i < lengths).view(B, 1, 1), step, lists)
+        backpointers.append(codes[..., :k])
+    final = (lists + end.view(1, T, 1)).reshape(B, T * k)
+    scores, codes = final.sort(dim=1, descending=True, stable=True)
+    scores, codes = scores[:, :k], codes[:, :k]
+    tag, rank = codes // k, codes % k
+    for i in reversed(range(L)):
+        active = (i < lengths).unsqueeze(1)
+        paths[:, :, i] = torch.where(active, tag, -1)
+        if i > 0:
+            code = backpointers[i - 1].reshape(B, T * k).gather(1, tag * k + rank)
+            tag, rank = torch.where(active, code // k, tag), torch.where(active, code % k, rank)
+    missing = scores == NEG_INF
+    paths = paths.masked_fill(missing.unsqueeze(2), -1)
+    empty = (lengths == 0).unsqueeze(1)
+    first = torch.arange(k, device=emissions.device) == 0
+    scores = torch.where(empty, torch.where(first, 0.0, NEG_INF).to(scores.dtype), scores)
+    log_z = log_partition(emissions, transitions, lengths, start, end)
+    log_probs = torch.where(scores == NEG_INF, scores, scores - log_z.unsqueeze(1))
+    return paths, scores, log_probs
+
+
+def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=None) -> Tensor:
+    """Score of given tag sequences: tags (B, L) -> (B,), or (B, N, L) -> (B, N)."""
+    lengths, start, end = _defaults(emissions, lengths, start, end)
+    squeeze = tags.dim() == 2
+    if squeeze:
+        tags = tags.unsqueeze(1)
+    B, N, L = tags.shape
+    valid = _valid_positions(lengths, L).unsqueeze(1)  # (B, 1, L)
+    safe = torch.where(valid, tags, 0)
+    emit = emissions.unsqueeze(1).expand(B, N, L, emissions.shape[2]).gather(3, safe.unsqueeze(3)).squeeze(3)
+    scores = emissions.new_zeros(B, N)
+    if L > 0:
+        scores = start[safe[:, :, 0]] + emit[:, :, 0]
+        for i in range(1, L):
+            step = (scores + transitions[safe[:, :, i - 1], safe[:, :, i]]) + emit[:, :, i]
+            scores = torch.where(valid[:, :, i], step, scores)
+        last = safe.gather(2, (lengths - 1).clamp(min=0).view(B, 1, 1).expand(B, N, 1)).squeeze(2)
+        scores = scores + end[last]
+        scores = torch.where((lengths == 0).unsqueeze(1), torch.zeros_like(scores), scores)
+    return scores.squeeze(1) if squeeze else scores

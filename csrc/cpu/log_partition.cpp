@@ -1,0 +1,217 @@
+// CPU kernels: log partition (forward algorithm), marginals and the analytic backward of log Z
+// (forward-backward). Parallel over sentences; each sentence is one sequential scan.
+//
+// Layout: emissions (B, L, T) contiguous, transitions (T, T) as [from, to], start / end (T,),
+// lengths (B,) int64. Sentence b uses positions 0 .. lengths[b]-1; padded positions are never
+// read and get zero marginals / gradients. A length-0 sentence has exactly one (empty) tag
+// sequence of score 0: log Z = 0 and no marginals.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "log_space.h"
+
+namespace crfkit {
+namespace cpu {
+namespace {
+
+constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
+
+// Forward scan of one sentence of length n >= 1. Writes the normalised alpha rows
+// (alpha[i][t] = alpha_hat[i * T + t] + offset[i]) when `keep_rows`, else only two rolling rows
+// in alpha_hat[0 .. 2T). Returns log Z in double.
+template <typename scalar_t>
+double forward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* start,
+                    const scalar_t* end, const ScaledTransitions<scalar_t>& by_col, int64_t n,
+                    int64_t T, bool keep_rows, scalar_t* alpha_hat, double* offset,
+                    scalar_t* scratch) {
+  scalar_t* row = alpha_hat;
+  for (int64_t t = 0; t < T; ++t) row[t] = start[t] + emit[t];
+  double off = normalise(row, T);
+  if (keep_rows) offset[0] = off;
+  for (int64_t i = 1; i < n; ++i) {
+    scalar_t* prev = keep_rows ? alpha_hat + (i - 1) * T : alpha_hat + ((i - 1) % 2) * T;
+    row = keep_rows ? alpha_hat + i * T : alpha_hat + (i % 2) * T;
+    forward_step(prev, trans, by_col, emit + i * T, row, scratch);
+    off += normalise(row, T);
+    if (keep_rows) offset[i] = off;
+  }
+  if (off == kNegInfD) return kNegInfD;
+  return off + static_cast<double>(logsumexp_sum(row, 1, end, 1, T));
+}
+
+// Marginals of one sentence scaled by `g` into grad_emit (n, T); with kPairwise also
+// the transition / start / end gradients. alpha_hat / offset come from forward_scan(keep_rows).
+template <typename scalar_t, bool kPairwise>
+void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* end,
+                   const ScaledTransitions<scalar_t>& by_col,
+                   const ScaledTransitions<scalar_t>& by_row, int64_t n, int64_t T,
+                   const scalar_t* alpha_hat, const double* offset, double log_z, scalar_t g,
+                   scalar_t* grad_emit, scalar_t* grad_trans, scalar_t* grad_start,
+                   scalar_t* grad_end, scalar_t* beta_hat, scalar_t* beta_next, scalar_t* v,
+                   scalar_t* scratch) {
+  for (int64_t t = 0; t < T; ++t) beta_hat[t] = end[t];
+  double beta_off = normalise(beta_hat, T);
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const scalar_t* alpha_i = alpha_hat + i * T;
+    const double shift = offset[i] + beta_off - log_z;
+    scalar_t* mu = grad_emit + i * T;
+    for (int64_t t = 0; t < T; ++t) {
+      const double e = static_cast<double>(alpha_i[t] + beta_hat[t]) + shift;
+      mu[t] = g * static_cast<scalar_t>(std::exp(e));
+    }
+    if (kPairwise && i == n - 1) std::copy(mu, mu + T, grad_end);
+    if (kPairwise && i == 0) std::copy(mu, mu + T, grad_start);
+    if (i == 0) break;
+
+    for (int64_t t = 0; t < T; ++t) v[t] = emit[i * T + t] + beta_hat[t];
+    if (kPairwise) {
+      // xi[s, t] = P(y_{i-1} = s, y_i = t) = exp(alpha[i-1][s] + trans[s, t] + v[t] - log Z).
+      const scalar_t* alpha_prev = alpha_hat + (i - 1) * T;  // normalised: max is 0 (or all -inf)
+      const scalar_t pair_shift = static_cast<scalar_t>(offset[i - 1] + beta_off - log_z);
+      for (int64_t s = 0; s < T; ++s) scratch[s] = std::exp(alpha_prev[s]);
+      for (int64_t t = 0; t < T; ++t) {
+        const scalar_t w = by_col.line_max[t] + v[t] + pair_shift;
+        if (w == neg_inf<scalar_t>()) continue;
+        if (w <= pairwise_fast_bound<scalar_t>()) {
+          const scalar_t coef = g * std::exp(w);
+          const scalar_t* scaled = &by_col.scaled[t * T];
+          for (int64_t s = 0; s < T; ++s) grad_trans[s * T + t] += coef * scratch[s] * scaled[s];
+        } else {
+          for (int64_t s = 0; s < T; ++s) {
+            grad_trans[s * T + t] += g * std::exp(alpha_prev[s] + trans[s * T + t] + v[t] + pair_shift);
+          }
+        }
+      }
+    }
+    backward_step(v, trans, by_row, beta_next, scratch);
+    std::copy(beta_next, beta_next + T, beta_hat);
+    beta_off += normalise(beta_hat, T);
+  }
+}
+
+enum class Output { kLogPartition, kMarginals, kBackward };
+
+// One driver for the three ops: they share the scan, the per-thread buffers, the checks.
+template <typename scalar_t, Output kOut>
+void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
+                   const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
+                   const scalar_t* grad_log_z, scalar_t* log_z_out, scalar_t* emit_out,
+                   scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out) {
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  const scalar_t* emit = emissions.data_ptr<scalar_t>();
+  const scalar_t* trans = transitions.data_ptr<scalar_t>();
+  const scalar_t* st = start.data_ptr<scalar_t>();
+  const scalar_t* en = end.data_ptr<scalar_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const ScaledTransitions<scalar_t> by_col(trans, T, /*by_column=*/true);
+  const ScaledTransitions<scalar_t> by_row(trans, T, /*by_column=*/false);
+  constexpr bool keep_rows = kOut != Output::kLogPartition;
+  std::vector<char> bad(B, 0);
+
+  at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+    std::vector<scalar_t> alpha_hat(keep_rows ? std::max<int64_t>(L, 1) * T : 2 * T);
+    std::vector<double> offset(keep_rows ? std::max<int64_t>(L, 1) : 1);
+    std::vector<scalar_t> work(4 * T);
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const int64_t n = len[b];
+      const scalar_t* emit_b = emit + b * L * T;
+      if (has_nan_or_posinf(emit_b, n * T)) {
+        bad[b] = 1;
+        continue;
+      }
+      if (n == 0) {  // the empty sequence: log Z = 0, nothing to differentiate
+        if (kOut == Output::kLogPartition) log_z_out[b] = 0;
+        continue;
+      }
+      const double log_z = forward_scan(emit_b, trans, st, en, by_col, n, T, keep_rows,
+                                        alpha_hat.data(), offset.data(), work.data());
+      if (kOut == Output::kLogPartition) {
+        log_z_out[b] = static_cast<scalar_t>(log_z);
+        continue;
+      }
+      // Every sequence forbidden: log Z = -inf and all gradients / marginals stay 0.
+      if (log_z == kNegInfD) continue;
+      const scalar_t g = kOut == Output::kBackward ? grad_log_z[b] : scalar_t(1);
+      if (g == 0) continue;
+      constexpr bool pairwise = kOut == Output::kBackward;
+      backward_scan<scalar_t, pairwise>(
+          emit_b, trans, en, by_col, by_row, n, T, alpha_hat.data(), offset.data(), log_z, g,
+          emit_out + b * L * T, pairwise ? trans_out + b * T * T : nullptr,
+          pairwise ? start_out + b * T : nullptr, pairwise ? end_out + b * T : nullptr,
+          work.data(), work.data() + T, work.data() + 2 * T, work.data() + 3 * T);
+    }
+  });
+  raise_if_bad_emissions(bad);
+}
+
+void check_all(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+               const at::Tensor& end, const at::Tensor& lengths) {
+  check_crf_inputs(emissions, transitions, start, end, lengths);
+  check_lengths_cpu(lengths, emissions.size(1));
+  check_parameters_finite_cpu(transitions, start, end);
+}
+
+// log Z per sentence: (B,). Working memory O(T) per thread; nothing of size L is kept.
+at::Tensor log_partition_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
+                             const at::Tensor& start, const at::Tensor& end,
+                             const at::Tensor& lengths) {
+  check_all(emissions, transitions, start, end, lengths);
+  auto log_z = at::empty({emissions.size(0)}, emissions.options());
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition", [&] {
+    run_sentences<scalar_t, Output::kLogPartition>(emissions, transitions, start, end, lengths,
+                                                   nullptr, log_z.data_ptr<scalar_t>(), nullptr,
+                                                   nullptr, nullptr, nullptr);
+  });
+  return log_z;
+}
+
+// P(y_i = t | x): (B, L, T), zero at padded positions.
+at::Tensor marginals_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
+                         const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+  check_all(emissions, transitions, start, end, lengths);
+  auto marginals = at::zeros_like(emissions);
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals", [&] {
+    run_sentences<scalar_t, Output::kMarginals>(emissions, transitions, start, end, lengths,
+                                                nullptr, nullptr, marginals.data_ptr<scalar_t>(),
+                                                nullptr, nullptr, nullptr);
+  });
+  return marginals;
+}
+
+// Gradients of sum_b grad_log_z[b] * log Z[b] with respect to emissions (B, L, T),
+// transitions (T, T), start (T,) and end (T,): the marginals and pairwise marginals, weighted.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cpu(
+    const at::Tensor& grad_log_z, const at::Tensor& emissions, const at::Tensor& transitions,
+    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+  check_all(emissions, transitions, start, end, lengths);
+  const int64_t B = emissions.size(0), T = emissions.size(2);
+  TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
+                  grad_log_z.scalar_type() == emissions.scalar_type(),
+              "crfkit: grad_log_z must be (batch,) with the dtype of emissions");
+  const auto grad = grad_log_z.contiguous();
+  auto grad_emissions = at::zeros_like(emissions);
+  // Per-sentence partial sums, reduced in a fixed order afterwards: deterministic.
+  auto grad_trans = at::zeros({B, T, T}, emissions.options());
+  auto grad_start = at::zeros({B, T}, emissions.options());
+  auto grad_end = at::zeros({B, T}, emissions.options());
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward", [&] {
+    run_sentences<scalar_t, Output::kBackward>(
+        emissions, transitions, start, end, lengths, grad.data_ptr<scalar_t>(), nullptr,
+        grad_emissions.data_ptr<scalar_t>(), grad_trans.data_ptr<scalar_t>(),
+        grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>());
+  });
+  return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
+  m.impl("log_partition", &log_partition_cpu);
+  m.impl("marginals", &marginals_cpu);
+  m.impl("log_partition_backward", &log_partition_backward_cpu);
+}
+
+}  // namespace cpu
+}  // namespace crfkit

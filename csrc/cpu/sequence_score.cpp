@@ -1,0 +1,134 @@
+// CPU kernels: the score of given tag sequences and its gradient (a scatter of ones).
+//
+// tags (B, N, L) int64: N candidate sequences per sentence (N = 1 for gold tags, N = K for
+// k-best paths). The score is accumulated in the same order as the Viterbi kernels (see
+// viterbi.cpp), so the score of a decoded path equals the decoder's score bit for bit.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+
+namespace crfkit {
+namespace cpu {
+namespace {
+
+void check_tags(const at::Tensor& tags, const at::Tensor& emissions) {
+  TORCH_CHECK(tags.dim() == 3 && tags.size(0) == emissions.size(0) &&
+                  tags.size(2) == emissions.size(1),
+              "crfkit: tags must be (batch, num_sequences, seq_len) = (", emissions.size(0),
+              ", N, ", emissions.size(1), "), got ", tags.sizes());
+  TORCH_CHECK(tags.scalar_type() == at::kLong, "crfkit: tags must be int64, got ",
+              tags.scalar_type());
+  TORCH_CHECK(tags.device() == emissions.device() && tags.is_contiguous(),
+              "crfkit: tags must be contiguous and on the device of emissions");
+}
+
+// Raises unless every tag of row (b, j) within its length is in [0, T).
+void check_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < T, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", row[i],
+                " is not a tag index in [0, ", T, ")");
+  }
+}
+
+// (B, N): score of each sequence; 0 for a length-0 sentence.
+at::Tensor sequence_score_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
+                              const at::Tensor& start, const at::Tensor& end,
+                              const at::Tensor& lengths, const at::Tensor& tags) {
+  check_crf_inputs(emissions, transitions, start, end, lengths);
+  check_lengths_cpu(lengths, emissions.size(1));
+  check_tags(tags, emissions);
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  const int64_t N = tags.size(1);
+  auto scores = at::empty({B, N}, emissions.options());
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* tag = tags.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < N; ++j) check_row(tag + (b * N + j) * L, len[b], T, b, j);
+  }
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score", [&] {
+    const scalar_t* emit = emissions.data_ptr<scalar_t>();
+    const scalar_t* trans = transitions.data_ptr<scalar_t>();
+    const scalar_t* st = start.data_ptr<scalar_t>();
+    const scalar_t* en = end.data_ptr<scalar_t>();
+    scalar_t* out = scores.data_ptr<scalar_t>();
+    at::parallel_for(0, B * N, 64, [&](int64_t row_begin, int64_t row_end) {
+      for (int64_t row = row_begin; row < row_end; ++row) {
+        const int64_t b = row / N, n = len[b];
+        const int64_t* y = tag + row * L;
+        const scalar_t* e = emit + b * L * T;
+        if (n == 0) {
+          out[row] = 0;
+          continue;
+        }
+        scalar_t score = st[y[0]] + e[y[0]];
+        for (int64_t i = 1; i < n; ++i) score = (score + trans[y[i - 1] * T + y[i]]) + e[i * T + y[i]];
+        out[row] = score + en[y[n - 1]];
+      }
+    });
+  });
+  return scores;
+}
+
+// Gradients of sum_{b, j} grad_scores[b, j] * score(tags[b, j]). Rows whose first tag is -1
+// (k-best rows that hold no sequence) contribute nothing.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backward_cpu(
+    const at::Tensor& grad_scores, const at::Tensor& emissions, const at::Tensor& lengths,
+    const at::Tensor& tags) {
+  check_tags(tags, emissions);
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  const int64_t N = tags.size(1);
+  TORCH_CHECK(grad_scores.dim() == 2 && grad_scores.size(0) == B && grad_scores.size(1) == N &&
+                  grad_scores.scalar_type() == emissions.scalar_type(),
+              "crfkit: grad_scores must be (batch, num_sequences) with the dtype of emissions");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong,
+              "crfkit: lengths must be (batch,) int64");
+  check_lengths_cpu(lengths, L);
+  const auto grad = grad_scores.contiguous();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* tag = tags.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < N; ++j) {
+      const int64_t* y = tag + (b * N + j) * L;
+      if (len[b] > 0 && y[0] != -1) check_row(y, len[b], T, b, j);
+    }
+  }
+  auto grad_emissions = at::zeros_like(emissions);
+  auto grad_trans = at::zeros({B, T, T}, emissions.options());
+  auto grad_start = at::zeros({B, T}, emissions.options());
+  auto grad_end = at::zeros({B, T}, emissions.options());
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score_backward", [&] {
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    scalar_t* ge = grad_emissions.data_ptr<scalar_t>();
+    scalar_t* gt = grad_trans.data_ptr<scalar_t>();
+    scalar_t* gs = grad_start.data_ptr<scalar_t>();
+    scalar_t* gn = grad_end.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+      for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t n = len[b];
+        if (n == 0) continue;
+        for (int64_t j = 0; j < N; ++j) {
+          const int64_t* y = tag + (b * N + j) * L;
+          const scalar_t w = g[b * N + j];
+          if (y[0] == -1 || w == 0) continue;
+          gs[b * T + y[0]] += w;
+          gn[b * T + y[n - 1]] += w;
+          for (int64_t i = 0; i < n; ++i) ge[(b * L + i) * T + y[i]] += w;
+          for (int64_t i = 1; i < n; ++i) gt[(b * T + y[i - 1]) * T + y[i]] += w;
+        }
+      }
+    });
+  });
+  return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
+  m.impl("sequence_score", &sequence_score_cpu);
+  m.impl("sequence_score_backward", &sequence_score_backward_cpu);
+}
+
+}  // namespace cpu
+}  // namespace crfkit

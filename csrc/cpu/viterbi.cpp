@@ -1,0 +1,256 @@
+// CPU kernels: Viterbi and exact k-best Viterbi, with compact backpointers and the backtrace in C++.
+//
+// Scores are accumulated exactly as crfkit.reference and sequence_score do it, left to right,
+//     score_0 = start[y_0] + emit[0, y_0];  score_i = (score_{i-1} + trans[y_{i-1}, y_i]) + emit[i, y_i]
+//     total   = score_{n-1} + end[y_{n-1}]
+// so the three agree to the last bit and ties are seen identically.
+//
+// Tie rule (documented in crfkit/functional.py): among sequences of equal score, the one whose
+// tags, read from the LAST position backwards, are lexicographically smaller comes first. It
+// follows from two local choices: when merging candidates for (position i, tag t), a smaller
+// predecessor tag wins a tie, and within one predecessor's list the earlier rank wins; the final
+// choice over last tags prefers the smaller tag.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "../checks.h"
+#include "log_space.h"
+
+namespace crfkit {
+namespace cpu {
+namespace {
+
+// Backpointers are stored in the smallest unsigned type that holds every code
+// (code = predecessor tag * K + predecessor rank < T * K).
+template <typename F>
+void dispatch_backpointer_type(int64_t num_codes, F&& f) {
+  if (num_codes <= 256) {
+    f(uint8_t{});
+  } else if (num_codes <= 65536) {
+    f(uint16_t{});
+  } else {
+    f(uint32_t{});
+  }
+}
+
+// Viterbi for one sentence of length n >= 1. Writes path[0 .. n) and returns the best score.
+template <typename scalar_t, typename bp_t>
+scalar_t viterbi_sentence(const scalar_t* emit, const scalar_t* trans, const scalar_t* start,
+                          const scalar_t* end, int64_t n, int64_t T, scalar_t* delta,
+                          scalar_t* delta_next, bp_t* backpointers, int64_t* path) {
+  for (int64_t t = 0; t < T; ++t) delta[t] = start[t] + emit[t];
+  for (int64_t i = 1; i < n; ++i) {
+    bp_t* bp = backpointers + i * T;
+    for (int64_t t = 0; t < T; ++t) {
+      scalar_t best = delta[0] + trans[t];
+      int64_t arg = 0;
+      for (int64_t s = 1; s < T; ++s) {
+        const scalar_t cand = delta[s] + trans[s * T + t];
+        if (cand > best) {  // strict: the smaller predecessor wins a tie
+          best = cand;
+          arg = s;
+        }
+      }
+      delta_next[t] = best + emit[i * T + t];
+      bp[t] = static_cast<bp_t>(arg);
+    }
+    std::swap(delta, delta_next);
+  }
+  scalar_t best = delta[0] + end[0];
+  int64_t tag = 0;
+  for (int64_t t = 1; t < T; ++t) {
+    if (delta[t] + end[t] > best) {
+      best = delta[t] + end[t];
+      tag = t;
+    }
+  }
+  if (best == neg_inf<scalar_t>()) return best;  // every sequence forbidden: path stays -1
+  for (int64_t i = n - 1; i >= 0; --i) {
+    path[i] = tag;
+    if (i > 0) tag = backpointers[i * T + tag];
+  }
+  return best;
+}
+
+// Select the K best of T sorted lists: list s holds lists[s * K + r] (descending in r) and
+// each of its entries is offset by offsets[s * offset_stride]. Writes the chosen values and
+// codes (s * K + r); slots with nothing left get -inf. `heads` is scratch of size T.
+template <typename scalar_t, typename code_t>
+void merge_top_k(const scalar_t* lists, const scalar_t* offsets, int64_t offset_stride, int64_t T,
+                 int64_t K, scalar_t* values, code_t* codes, int64_t* heads) {
+  std::fill(heads, heads + T, 0);
+  for (int64_t out = 0; out < K; ++out) {
+    scalar_t best = neg_inf<scalar_t>();
+    int64_t best_s = -1;
+    for (int64_t s = 0; s < T; ++s) {
+      if (heads[s] >= K) continue;
+      const scalar_t cand = lists[s * K + heads[s]] + offsets[s * offset_stride];
+      if (cand > best) {  // strict: smaller s wins a tie; a list's own order is kept
+        best = cand;
+        best_s = s;
+      }
+    }
+    if (best_s < 0) {  // only -inf left: these slots hold no sequence
+      std::fill(values + out, values + K, neg_inf<scalar_t>());
+      return;
+    }
+    values[out] = best;
+    codes[out] = static_cast<code_t>(best_s * K + heads[best_s]);
+    ++heads[best_s];
+  }
+}
+
+// k-best for one sentence of length n >= 1 with K lists per tag. Writes paths (K, L) rows and
+// scores (K,) for the valid results; rows with no sequence are left as they are (-1 / -inf).
+template <typename scalar_t, typename bp_t>
+void kbest_sentence(const scalar_t* emit, const scalar_t* trans, const scalar_t* start,
+                    const scalar_t* end, int64_t n, int64_t T, int64_t K, int64_t L,
+                    scalar_t* lists, scalar_t* lists_next, bp_t* backpointers, int64_t* heads,
+                    scalar_t* final_values, bp_t* final_codes, int64_t* paths, scalar_t* scores) {
+  // Position 0: one sequence per tag, in rank 0 of its list.
+  for (int64_t t = 0; t < T; ++t) {
+    lists[t * K] = start[t] + emit[t];
+    std::fill(lists + t * K + 1, lists + (t + 1) * K, neg_inf<scalar_t>());
+  }
+  for (int64_t i = 1; i < n; ++i) {
+    for (int64_t t = 0; t < T; ++t) {
+      scalar_t* out = lists_next + t * K;
+      merge_top_k(lists, trans + t, T, T, K, out, backpointers + (i * T + t) * K, heads);
+      const scalar_t e = emit[i * T + t];
+      for (int64_t r = 0; r < K; ++r) out[r] += e;
+    }
+    std::swap(lists, lists_next);
+  }
+  merge_top_k(lists, end, 1, T, K, final_values, final_codes, heads);
+  for (int64_t k = 0; k < K; ++k) {
+    if (final_values[k] == neg_inf<scalar_t>()) break;  // fewer than K sequences exist
+    scores[k] = final_values[k];
+    int64_t tag = final_codes[k] / K, rank = final_codes[k] % K;
+    for (int64_t i = n - 1; i >= 0; --i) {
+      paths[k * L + i] = tag;
+      if (i > 0) {
+        const int64_t code = backpointers[(i * T + tag) * K + rank];
+        tag = code / K;
+        rank = code % K;
+      }
+    }
+  }
+}
+
+void check_all(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+               const at::Tensor& end, const at::Tensor& lengths) {
+  check_crf_inputs(emissions, transitions, start, end, lengths);
+  check_lengths_cpu(lengths, emissions.size(1));
+  check_parameters_finite_cpu(transitions, start, end);
+}
+
+// paths (B, L) int64 (-1 at padded positions and where no sequence is allowed), scores (B,).
+std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions,
+                                               const at::Tensor& transitions,
+                                               const at::Tensor& start, const at::Tensor& end,
+                                               const at::Tensor& lengths) {
+  check_all(emissions, transitions, start, end, lengths);
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  auto paths = at::full({B, L}, -1, lengths.options());
+  auto scores = at::empty({B}, emissions.options());
+  std::vector<char> bad(B, 0);
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_viterbi", [&] {
+    const scalar_t* emit = emissions.data_ptr<scalar_t>();
+    const scalar_t* trans = transitions.data_ptr<scalar_t>();
+    const scalar_t* st = start.data_ptr<scalar_t>();
+    const scalar_t* en = end.data_ptr<scalar_t>();
+    const int64_t* len = lengths.data_ptr<int64_t>();
+    int64_t* path = paths.data_ptr<int64_t>();
+    scalar_t* score = scores.data_ptr<scalar_t>();
+    dispatch_backpointer_type(T, [&](auto bp_tag) {
+      using bp_t = decltype(bp_tag);
+      at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+        std::vector<scalar_t> delta(2 * T);
+        std::vector<bp_t> backpointers(std::max<int64_t>(L, 1) * T);
+        for (int64_t b = b_begin; b < b_end; ++b) {
+          const int64_t n = len[b];
+          const scalar_t* emit_b = emit + b * L * T;
+          if (has_nan_or_posinf(emit_b, n * T)) {
+            bad[b] = 1;
+            continue;
+          }
+          score[b] = n == 0 ? scalar_t(0)  // the empty sequence
+                            : viterbi_sentence(emit_b, trans, st, en, n, T, delta.data(),
+                                               delta.data() + T, backpointers.data(), path + b * L);
+        }
+      });
+    });
+  });
+  raise_if_bad_emissions(bad);
+  return {paths, scores};
+}
+
+// Number of tag sequences of length L, saturated at `cap`.
+int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
+  int64_t count = 1;
+  for (int64_t i = 0; i < L && count < cap; ++i) count = count > cap / T ? cap : count * T;
+  return std::min(count, cap);
+}
+
+// paths (B, K, L) int64, scores (B, K): the K best distinct sequences per sentence, descending;
+// rows beyond the number of allowed sequences hold -1 / -inf.
+std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions,
+                                                     const at::Tensor& transitions,
+                                                     const at::Tensor& start, const at::Tensor& end,
+                                                     const at::Tensor& lengths, int64_t k) {
+  check_all(emissions, transitions, start, end, lengths);
+  TORCH_CHECK(k >= 1, "crfkit: k must be at least 1, got ", k);
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  auto paths = at::full({B, k, L}, -1, lengths.options());
+  auto scores = at::full({B, k}, -std::numeric_limits<double>::infinity(), emissions.options());
+  // No sentence has more than T^L sequences, so lists longer than that only hold -inf.
+  const int64_t K = num_sequences_capped(T, L, k);
+  std::vector<char> bad(B, 0);
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_kbest_viterbi", [&] {
+    const scalar_t* emit = emissions.data_ptr<scalar_t>();
+    const scalar_t* trans = transitions.data_ptr<scalar_t>();
+    const scalar_t* st = start.data_ptr<scalar_t>();
+    const scalar_t* en = end.data_ptr<scalar_t>();
+    const int64_t* len = lengths.data_ptr<int64_t>();
+    int64_t* path = paths.data_ptr<int64_t>();
+    scalar_t* score = scores.data_ptr<scalar_t>();
+    dispatch_backpointer_type(T * K, [&](auto bp_tag) {
+      using bp_t = decltype(bp_tag);
+      at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+        std::vector<scalar_t> lists(2 * T * K), final_values(K);
+        std::vector<bp_t> backpointers(std::max<int64_t>(L, 1) * T * K), final_codes(K);
+        std::vector<int64_t> heads(T);
+        for (int64_t b = b_begin; b < b_end; ++b) {
+          const int64_t n = len[b];
+          const scalar_t* emit_b = emit + b * L * T;
+          if (has_nan_or_posinf(emit_b, n * T)) {
+            bad[b] = 1;
+            continue;
+          }
+          if (n == 0) {  // exactly one sequence, the empty one, of score 0
+            score[b * k] = 0;
+            continue;
+          }
+          kbest_sentence(emit_b, trans, st, en, n, T, K, L, lists.data(), lists.data() + T * K,
+                         backpointers.data(), heads.data(), final_values.data(),
+                         final_codes.data(), path + b * k * L, score + b * k);
+        }
+      });
+    });
+  });
+  raise_if_bad_emissions(bad);
+  return {paths, scores};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
+  m.impl("viterbi", &viterbi_cpu);
+  m.impl("kbest_viterbi", &kbest_viterbi_cpu);
+}
+
+}  // namespace cpu
+}  // namespace crfkit

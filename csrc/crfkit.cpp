@@ -1,0 +1,31 @@
+// The crfkit operator library: one schema per op, nothing else. The kernels register
+// themselves per device in csrc/cpu/*.cpp (and csrc/cuda/*.cu); autograd and fake (meta)
+// implementations are registered from Python in crfkit/_ops.py.
+//
+// Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,);
+// lengths (B,) int64; tags (B, N, L) int64.
+#include <Python.h>
+#include <torch/library.h>
+
+// Importing crfkit._C loads this library and so registers the ops; the module itself is empty.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(crfkit, m) {
+  m.def("log_partition(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+        "Tensor lengths) -> Tensor");
+  m.def("marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+        "Tensor lengths) -> Tensor");
+  m.def("log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
+        "Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+        "Tensor lengths) -> (Tensor, Tensor)");
+  m.def("kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+        "Tensor lengths, int k) -> (Tensor, Tensor)");
+  m.def("sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+        "Tensor lengths, Tensor tags) -> Tensor");
+  m.def("sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, "
+        "Tensor tags) -> (Tensor, Tensor, Tensor, Tensor)");
+}

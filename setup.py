@@ -1,0 +1,41 @@
+"""Build crfkit's compiled kernels ahead of time.
+
+    pip install --no-build-isolation -e .
+
+builds crfkit._C against the torch already installed (no isolated build environment, so pip
+never downloads another torch). Environment variables:
+    CRFKIT_NO_EXTENSION=1   install the pure-Python package only (the reference backend runs)
+    CRFKIT_FORCE_CUDA=1     build the CUDA kernels even when no GPU is visible (needs nvcc)
+"""
+import glob
+import os
+
+from setuptools import setup
+
+ext_modules = []
+cmdclass = {}
+if os.environ.get("CRFKIT_NO_EXTENSION", "0") != "1":
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    use_cuda = CUDA_HOME is not None and (
+        torch.cuda.is_available() or os.environ.get("CRFKIT_FORCE_CUDA", "0") == "1"
+    )
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+    if use_cuda and cuda_sources:
+        extension = CUDAExtension(
+            "crfkit._C",
+            sources + cuda_sources,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        extension = CppExtension(
+            "crfkit._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
+        )
+    ext_modules = [extension]
+    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
