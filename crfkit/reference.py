@@ -64,7 +64,7 @@ def log_partition(emissions, transitions, lengths=None, start=None, end=None) ->
     _check_values(emissions, transitions, lengths, start, end)
     B, L, T = emissions.shape
     if L == 0:
-        return emissions.new_zeros(B)
+        return emissions.sum(dim=(1, 2))  # zeros that stay in the autograd graph
     # Padded positions may hold anything; zero them so that not even a NaN gradient leaks.
     emissions = emissions.masked_fill(~_valid_positions(lengths, L).unsqueeze(-1), 0)
     alpha = start + emissions[:, 0]
@@ -80,6 +80,8 @@ def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Ten
 
     Differentiable (the graph is kept) when grad mode is on and an input requires grad.
     """
+    if emissions.numel() == 0:
+        return torch.zeros_like(emissions)
     create_graph = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (emissions, transitions, start, end)
     )

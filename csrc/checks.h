@@ -1,5 +1,8 @@
 // Argument checks shared by every crfkit kernel (CPU and, later, CUDA).
 //
+// Every op entry point first copies its tensor arguments to dense memory (`x_arg.contiguous()`,
+// free when already dense), so the raw ops accept any strides, expanded tensors included.
+//
 // The Python front end (crfkit/functional.py) validates user input first and gives the
 // friendliest messages; these checks are the second line for code that calls the
 // registered ops directly (torch.ops.crfkit.*), so a wrong call raises instead of crashing.
@@ -11,31 +14,32 @@
 namespace crfkit {
 
 // Shapes every op agrees on: emissions (B, L, T), transitions (T, T), start (T,),
-// end (T,), lengths (B,) int64. Returns nothing; raises with the argument's name.
+// end (T,), lengths (B,) int64. Raises with the argument's name (TypeError for a wrong dtype,
+// ValueError for a wrong value, RuntimeError for a wrong shape or device).
 inline void check_crf_inputs(const at::Tensor& emissions, const at::Tensor& transitions,
                              const at::Tensor& start, const at::Tensor& end,
                              const at::Tensor& lengths) {
-  TORCH_CHECK(emissions.dim() == 3, "crfkit: emissions must be (batch, seq_len, num_tags), got ",
+  TORCH_CHECK_VALUE(emissions.dim() == 3, "crfkit: emissions must be (batch, seq_len, num_tags), got ",
               emissions.dim(), " dimensions");
-  TORCH_CHECK(emissions.scalar_type() == at::kFloat || emissions.scalar_type() == at::kDouble,
+  TORCH_CHECK_TYPE(emissions.scalar_type() == at::kFloat || emissions.scalar_type() == at::kDouble,
               "crfkit: the compiled ops take float32 or float64 emissions, got ",
               emissions.scalar_type(), " (crfkit.functional upcasts float16/bfloat16)");
   const int64_t B = emissions.size(0);
   const int64_t T = emissions.size(2);
-  TORCH_CHECK(T >= 1, "crfkit: emissions must have at least one tag (num_tags >= 1)");
-  TORCH_CHECK(transitions.dim() == 2 && transitions.size(0) == T && transitions.size(1) == T,
+  TORCH_CHECK_VALUE(T >= 1, "crfkit: emissions must have at least one tag (num_tags >= 1)");
+  TORCH_CHECK_VALUE(transitions.dim() == 2 && transitions.size(0) == T && transitions.size(1) == T,
               "crfkit: transitions must be (num_tags, num_tags) = (", T, ", ", T, "), got ",
               transitions.sizes());
-  TORCH_CHECK(start.dim() == 1 && start.size(0) == T, "crfkit: start must be (num_tags,) = (", T,
+  TORCH_CHECK_VALUE(start.dim() == 1 && start.size(0) == T, "crfkit: start must be (num_tags,) = (", T,
               ",), got ", start.sizes());
-  TORCH_CHECK(end.dim() == 1 && end.size(0) == T, "crfkit: end must be (num_tags,) = (", T,
+  TORCH_CHECK_VALUE(end.dim() == 1 && end.size(0) == T, "crfkit: end must be (num_tags,) = (", T,
               ",), got ", end.sizes());
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "crfkit: lengths must be (batch,) = (",
+  TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == B, "crfkit: lengths must be (batch,) = (",
               B, ",), got ", lengths.sizes());
-  TORCH_CHECK(lengths.scalar_type() == at::kLong, "crfkit: lengths must be int64, got ",
+  TORCH_CHECK_TYPE(lengths.scalar_type() == at::kLong, "crfkit: lengths must be int64, got ",
               lengths.scalar_type());
   for (const auto* t : {&transitions, &start, &end}) {
-    TORCH_CHECK(t->scalar_type() == emissions.scalar_type(),
+    TORCH_CHECK_TYPE(t->scalar_type() == emissions.scalar_type(),
                 "crfkit: transitions, start and end must have the dtype of emissions (",
                 emissions.scalar_type(), "), got ", t->scalar_type());
   }
@@ -44,16 +48,13 @@ inline void check_crf_inputs(const at::Tensor& emissions, const at::Tensor& tran
                 "crfkit: every argument must be on the device of emissions (", emissions.device(),
                 "), got one on ", t->device());
   }
-  TORCH_CHECK(emissions.is_contiguous() && transitions.is_contiguous() && start.is_contiguous() &&
-                  end.is_contiguous() && lengths.is_contiguous(),
-              "crfkit: the compiled ops take contiguous tensors (crfkit.functional makes them so)");
 }
 
 // lengths[b] in [0, L] for every b; read on the host (CPU tensors only).
 inline void check_lengths_cpu(const at::Tensor& lengths, int64_t max_len) {
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < lengths.size(0); ++b) {
-    TORCH_CHECK(len[b] >= 0 && len[b] <= max_len, "crfkit: lengths[", b, "] = ", len[b],
+    TORCH_CHECK_VALUE(len[b] >= 0 && len[b] <= max_len, "crfkit: lengths[", b, "] = ", len[b],
                 " is outside [0, seq_len = ", max_len, "]");
   }
 }
@@ -73,11 +74,11 @@ inline bool has_nan_or_posinf(const scalar_t* x, int64_t n) {
 inline void check_parameters_finite_cpu(const at::Tensor& transitions, const at::Tensor& start,
                                         const at::Tensor& end) {
   AT_DISPATCH_FLOATING_TYPES(transitions.scalar_type(), "crfkit_check_parameters", [&] {
-    TORCH_CHECK(!has_nan_or_posinf(transitions.data_ptr<scalar_t>(), transitions.numel()),
+    TORCH_CHECK_VALUE(!has_nan_or_posinf(transitions.data_ptr<scalar_t>(), transitions.numel()),
                 "crfkit: transitions contains NaN or +inf (use -inf to forbid a transition)");
-    TORCH_CHECK(!has_nan_or_posinf(start.data_ptr<scalar_t>(), start.numel()),
+    TORCH_CHECK_VALUE(!has_nan_or_posinf(start.data_ptr<scalar_t>(), start.numel()),
                 "crfkit: start contains NaN or +inf (use -inf to forbid a first tag)");
-    TORCH_CHECK(!has_nan_or_posinf(end.data_ptr<scalar_t>(), end.numel()),
+    TORCH_CHECK_VALUE(!has_nan_or_posinf(end.data_ptr<scalar_t>(), end.numel()),
                 "crfkit: end contains NaN or +inf (use -inf to forbid a last tag)");
   });
 }
@@ -86,7 +87,7 @@ inline void check_parameters_finite_cpu(const at::Tensor& transitions, const at:
 // emissions (padded positions are never read, so garbage there is harmless).
 inline void raise_if_bad_emissions(const std::vector<char>& bad_sentence) {
   for (size_t b = 0; b < bad_sentence.size(); ++b) {
-    TORCH_CHECK(!bad_sentence[b], "crfkit: emissions[", b,
+    TORCH_CHECK_VALUE(!bad_sentence[b], "crfkit: emissions[", b,
                 "] contains NaN or +inf within its length (use -inf to forbid a tag)");
   }
 }

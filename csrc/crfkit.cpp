@@ -20,10 +20,12 @@ TORCH_LIBRARY(crfkit, m) {
         "Tensor lengths) -> Tensor");
   m.def("log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
         "Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Decoders return (scores, paths): the differentiable output first (opcheck's AOT test
+  // sums the outputs starting from the first and cannot start from an integer tensor).
   m.def("viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-        "Tensor lengths) -> (Tensor, Tensor)");
+        "Tensor lengths) -> (Tensor scores, Tensor paths)");
   m.def("kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-        "Tensor lengths, int k) -> (Tensor, Tensor)");
+        "Tensor lengths, int k) -> (Tensor scores, Tensor paths)");
   m.def("sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
         "Tensor lengths, Tensor tags) -> Tensor");
   m.def("sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, "

@@ -35,13 +35,13 @@ def _(grad_log_z, emissions, transitions, start, end, lengths):
 @torch.library.register_fake("crfkit::viterbi")
 def _(emissions, transitions, start, end, lengths):
     B, L, _T = emissions.shape
-    return emissions.new_empty((B, L), dtype=torch.long), emissions.new_empty(B)
+    return emissions.new_empty(B), emissions.new_empty((B, L), dtype=torch.long)
 
 
 @torch.library.register_fake("crfkit::kbest_viterbi")
 def _(emissions, transitions, start, end, lengths, k):
     B, L, _T = emissions.shape
-    return emissions.new_empty((B, k, L), dtype=torch.long), emissions.new_empty((B, k))
+    return emissions.new_empty((B, k)), emissions.new_empty((B, k, L), dtype=torch.long)
 
 
 @torch.library.register_fake("crfkit::sequence_score")
@@ -90,16 +90,16 @@ def _scatter_path_scores(emissions, lengths, paths, grad_scores):
 
 def _save_for_decode(ctx, inputs, output):
     emissions, _transitions, _start, _end, lengths = inputs[:5]
-    ctx.save_for_backward(emissions, lengths, output[0])
+    ctx.save_for_backward(emissions, lengths, output[1])  # output = (scores, paths)
 
 
-def _viterbi_backward(ctx, grad_paths, grad_scores):
+def _viterbi_backward(ctx, grad_scores, grad_paths):
     emissions, lengths, paths = ctx.saved_tensors
     grads = _scatter_path_scores(emissions, lengths, paths.unsqueeze(1), grad_scores.unsqueeze(1))
     return (*grads, None)
 
 
-def _kbest_backward(ctx, grad_paths, grad_scores):
+def _kbest_backward(ctx, grad_scores, grad_paths):
     emissions, lengths, paths = ctx.saved_tensors
     return (*_scatter_path_scores(emissions, lengths, paths, grad_scores), None, None)
 
@@ -133,11 +133,13 @@ def marginals(emissions, transitions, lengths, start, end) -> Tensor:
 
 
 def viterbi(emissions, transitions, lengths, start, end):
-    return ops.viterbi(emissions, transitions, start, end, lengths)
+    scores, paths = ops.viterbi(emissions, transitions, start, end, lengths)
+    return paths, scores
 
 
 def kbest_viterbi(emissions, transitions, k, lengths, start, end):
-    return ops.kbest_viterbi(emissions, transitions, start, end, lengths, k)
+    scores, paths = ops.kbest_viterbi(emissions, transitions, start, end, lengths, k)
+    return paths, scores
 
 
 def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:

@@ -50,16 +50,24 @@ void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* 
                    const scalar_t* alpha_hat, const double* offset, double log_z, scalar_t g,
                    scalar_t* grad_emit, scalar_t* grad_trans, scalar_t* grad_start,
                    scalar_t* grad_end, scalar_t* beta_hat, scalar_t* beta_next, scalar_t* v,
-                   scalar_t* scratch) {
+                   scalar_t* scratch, scalar_t* pair) {
   for (int64_t t = 0; t < T; ++t) beta_hat[t] = end[t];
   double beta_off = normalise(beta_hat, T);
   for (int64_t i = n - 1; i >= 0; --i) {
+    // Marginals at position i, normalised over tags rather than shifted by log Z: they sum to
+    // one exactly, and a near-certain tag gets exactly 1 however large alpha and beta are
+    // (a shift by log Z would carry log Z's rounding, ulp(|log Z|), into every probability).
     const scalar_t* alpha_i = alpha_hat + i * T;
-    const double shift = offset[i] + beta_off - log_z;
     scalar_t* mu = grad_emit + i * T;
-    for (int64_t t = 0; t < T; ++t) {
-      const double e = static_cast<double>(alpha_i[t] + beta_hat[t]) + shift;
-      mu[t] = g * static_cast<scalar_t>(std::exp(e));
+    for (int64_t t = 0; t < T; ++t) mu[t] = alpha_i[t] + beta_hat[t];
+    const scalar_t u_max = max_of(mu, T);
+    if (u_max == neg_inf<scalar_t>()) {  // unreachable when log Z is finite; keep zeros
+      std::fill(mu, mu + T, scalar_t(0));
+    } else {
+      scalar_t total = 0;
+      for (int64_t t = 0; t < T; ++t) total += (mu[t] = std::exp(mu[t] - u_max));
+      const scalar_t scale = g / total;
+      for (int64_t t = 0; t < T; ++t) mu[t] *= scale;
     }
     if (kPairwise && i == n - 1) std::copy(mu, mu + T, grad_end);
     if (kPairwise && i == 0) std::copy(mu, mu + T, grad_start);
@@ -67,21 +75,32 @@ void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* 
 
     for (int64_t t = 0; t < T; ++t) v[t] = emit[i * T + t] + beta_hat[t];
     if (kPairwise) {
-      // xi[s, t] = P(y_{i-1} = s, y_i = t) = exp(alpha[i-1][s] + trans[s, t] + v[t] - log Z).
+      // xi[s, t] = P(y_{i-1} = s, y_i = t) = exp(alpha[i-1][s] + trans[s, t] + v[t] - log Z),
+      // computed up to a common factor and then divided by its total (the xi sum to one), for
+      // the same reason as the marginals above.
       const scalar_t* alpha_prev = alpha_hat + (i - 1) * T;  // normalised: max is 0 (or all -inf)
       const scalar_t pair_shift = static_cast<scalar_t>(offset[i - 1] + beta_off - log_z);
       for (int64_t s = 0; s < T; ++s) scratch[s] = std::exp(alpha_prev[s]);
+      scalar_t total = 0;
       for (int64_t t = 0; t < T; ++t) {
+        scalar_t* xi_t = pair + t * T;  // xi for one t, over s
         const scalar_t w = by_col.line_max[t] + v[t] + pair_shift;
-        if (w == neg_inf<scalar_t>()) continue;
-        if (w <= pairwise_fast_bound<scalar_t>()) {
-          const scalar_t coef = g * std::exp(w);
+        if (w == neg_inf<scalar_t>()) {
+          std::fill(xi_t, xi_t + T, scalar_t(0));
+        } else if (w <= pairwise_fast_bound<scalar_t>()) {
+          const scalar_t coef = std::exp(w);
           const scalar_t* scaled = &by_col.scaled[t * T];
-          for (int64_t s = 0; s < T; ++s) grad_trans[s * T + t] += coef * scratch[s] * scaled[s];
+          for (int64_t s = 0; s < T; ++s) total += (xi_t[s] = coef * scratch[s] * scaled[s]);
         } else {
           for (int64_t s = 0; s < T; ++s) {
-            grad_trans[s * T + t] += g * std::exp(alpha_prev[s] + trans[s * T + t] + v[t] + pair_shift);
+            total += (xi_t[s] = std::exp(alpha_prev[s] + trans[s * T + t] + v[t] + pair_shift));
           }
+        }
+      }
+      if (total > 0) {
+        const scalar_t scale = g / total;
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t s = 0; s < T; ++s) grad_trans[s * T + t] += scale * pair[t * T + s];
         }
       }
     }
@@ -113,7 +132,7 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
     std::vector<scalar_t> alpha_hat(keep_rows ? std::max<int64_t>(L, 1) * T : 2 * T);
     std::vector<double> offset(keep_rows ? std::max<int64_t>(L, 1) : 1);
-    std::vector<scalar_t> work(4 * T);
+    std::vector<scalar_t> work(4 * T + (kOut == Output::kBackward ? T * T : 0));
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t n = len[b];
       const scalar_t* emit_b = emit + b * L * T;
@@ -140,7 +159,8 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
           emit_b, trans, en, by_col, by_row, n, T, alpha_hat.data(), offset.data(), log_z, g,
           emit_out + b * L * T, pairwise ? trans_out + b * T * T : nullptr,
           pairwise ? start_out + b * T : nullptr, pairwise ? end_out + b * T : nullptr,
-          work.data(), work.data() + T, work.data() + 2 * T, work.data() + 3 * T);
+          work.data(), work.data() + T, work.data() + 2 * T, work.data() + 3 * T,
+          pairwise ? work.data() + 4 * T : nullptr);
     }
   });
   raise_if_bad_emissions(bad);
@@ -154,9 +174,14 @@ void check_all(const at::Tensor& emissions, const at::Tensor& transitions, const
 }
 
 // log Z per sentence: (B,). Working memory O(T) per thread; nothing of size L is kept.
-at::Tensor log_partition_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
-                             const at::Tensor& start, const at::Tensor& end,
-                             const at::Tensor& lengths) {
+at::Tensor log_partition_cpu(const at::Tensor& emissions_arg, const at::Tensor& transitions_arg,
+                             const at::Tensor& start_arg, const at::Tensor& end_arg,
+                             const at::Tensor& lengths_arg) {
+  const at::Tensor emissions = emissions_arg.contiguous();
+  const at::Tensor transitions = transitions_arg.contiguous();
+  const at::Tensor start = start_arg.contiguous();
+  const at::Tensor end = end_arg.contiguous();
+  const at::Tensor lengths = lengths_arg.contiguous();
   check_all(emissions, transitions, start, end, lengths);
   auto log_z = at::empty({emissions.size(0)}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition", [&] {
@@ -168,8 +193,13 @@ at::Tensor log_partition_cpu(const at::Tensor& emissions, const at::Tensor& tran
 }
 
 // P(y_i = t | x): (B, L, T), zero at padded positions.
-at::Tensor marginals_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
-                         const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+at::Tensor marginals_cpu(const at::Tensor& emissions_arg, const at::Tensor& transitions_arg,
+                         const at::Tensor& start_arg, const at::Tensor& end_arg, const at::Tensor& lengths_arg) {
+  const at::Tensor emissions = emissions_arg.contiguous();
+  const at::Tensor transitions = transitions_arg.contiguous();
+  const at::Tensor start = start_arg.contiguous();
+  const at::Tensor end = end_arg.contiguous();
+  const at::Tensor lengths = lengths_arg.contiguous();
   check_all(emissions, transitions, start, end, lengths);
   auto marginals = at::zeros_like(emissions);
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals", [&] {
@@ -183,14 +213,19 @@ at::Tensor marginals_cpu(const at::Tensor& emissions, const at::Tensor& transiti
 // Gradients of sum_b grad_log_z[b] * log Z[b] with respect to emissions (B, L, T),
 // transitions (T, T), start (T,) and end (T,): the marginals and pairwise marginals, weighted.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cpu(
-    const at::Tensor& grad_log_z, const at::Tensor& emissions, const at::Tensor& transitions,
-    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+    const at::Tensor& grad_log_z_arg, const at::Tensor& emissions_arg, const at::Tensor& transitions_arg,
+    const at::Tensor& start_arg, const at::Tensor& end_arg, const at::Tensor& lengths_arg) {
+  const at::Tensor grad_log_z = grad_log_z_arg.contiguous();
+  const at::Tensor emissions = emissions_arg.contiguous();
+  const at::Tensor transitions = transitions_arg.contiguous();
+  const at::Tensor start = start_arg.contiguous();
+  const at::Tensor end = end_arg.contiguous();
+  const at::Tensor lengths = lengths_arg.contiguous();
   check_all(emissions, transitions, start, end, lengths);
   const int64_t B = emissions.size(0), T = emissions.size(2);
   TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
                   grad_log_z.scalar_type() == emissions.scalar_type(),
               "crfkit: grad_log_z must be (batch,) with the dtype of emissions");
-  const auto grad = grad_log_z.contiguous();
   auto grad_emissions = at::zeros_like(emissions);
   // Per-sentence partial sums, reduced in a fixed order afterwards: deterministic.
   auto grad_trans = at::zeros({B, T, T}, emissions.options());
@@ -198,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   auto grad_end = at::zeros({B, T}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward", [&] {
     run_sentences<scalar_t, Output::kBackward>(
-        emissions, transitions, start, end, lengths, grad.data_ptr<scalar_t>(), nullptr,
+        emissions, transitions, start, end, lengths, grad_log_z.data_ptr<scalar_t>(), nullptr,
         grad_emissions.data_ptr<scalar_t>(), grad_trans.data_ptr<scalar_t>(),
         grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>());
   });

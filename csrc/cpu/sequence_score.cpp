@@ -14,28 +14,33 @@ namespace cpu {
 namespace {
 
 void check_tags(const at::Tensor& tags, const at::Tensor& emissions) {
-  TORCH_CHECK(tags.dim() == 3 && tags.size(0) == emissions.size(0) &&
+  TORCH_CHECK_VALUE(tags.dim() == 3 && tags.size(0) == emissions.size(0) &&
                   tags.size(2) == emissions.size(1),
               "crfkit: tags must be (batch, num_sequences, seq_len) = (", emissions.size(0),
               ", N, ", emissions.size(1), "), got ", tags.sizes());
-  TORCH_CHECK(tags.scalar_type() == at::kLong, "crfkit: tags must be int64, got ",
+  TORCH_CHECK_TYPE(tags.scalar_type() == at::kLong, "crfkit: tags must be int64, got ",
               tags.scalar_type());
-  TORCH_CHECK(tags.device() == emissions.device() && tags.is_contiguous(),
-              "crfkit: tags must be contiguous and on the device of emissions");
+  TORCH_CHECK(tags.device() == emissions.device(), "crfkit: tags must be on the device of emissions");
 }
 
 // Raises unless every tag of row (b, j) within its length is in [0, T).
 void check_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(row[i] >= 0 && row[i] < T, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", row[i],
+    TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < T, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", row[i],
                 " is not a tag index in [0, ", T, ")");
   }
 }
 
 // (B, N): score of each sequence; 0 for a length-0 sentence.
-at::Tensor sequence_score_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
-                              const at::Tensor& start, const at::Tensor& end,
-                              const at::Tensor& lengths, const at::Tensor& tags) {
+at::Tensor sequence_score_cpu(const at::Tensor& emissions_arg, const at::Tensor& transitions_arg,
+                              const at::Tensor& start_arg, const at::Tensor& end_arg,
+                              const at::Tensor& lengths_arg, const at::Tensor& tags_arg) {
+  const at::Tensor emissions = emissions_arg.contiguous();
+  const at::Tensor transitions = transitions_arg.contiguous();
+  const at::Tensor start = start_arg.contiguous();
+  const at::Tensor end = end_arg.contiguous();
+  const at::Tensor lengths = lengths_arg.contiguous();
+  const at::Tensor tags = tags_arg.contiguous();
   check_crf_inputs(emissions, transitions, start, end, lengths);
   check_lengths_cpu(lengths, emissions.size(1));
   check_tags(tags, emissions);
@@ -74,8 +79,12 @@ at::Tensor sequence_score_cpu(const at::Tensor& emissions, const at::Tensor& tra
 // Gradients of sum_{b, j} grad_scores[b, j] * score(tags[b, j]). Rows whose first tag is -1
 // (k-best rows that hold no sequence) contribute nothing.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backward_cpu(
-    const at::Tensor& grad_scores, const at::Tensor& emissions, const at::Tensor& lengths,
-    const at::Tensor& tags) {
+    const at::Tensor& grad_scores_arg, const at::Tensor& emissions_arg, const at::Tensor& lengths_arg,
+    const at::Tensor& tags_arg) {
+  const at::Tensor grad_scores = grad_scores_arg.contiguous();
+  const at::Tensor emissions = emissions_arg.contiguous();
+  const at::Tensor lengths = lengths_arg.contiguous();
+  const at::Tensor tags = tags_arg.contiguous();
   check_tags(tags, emissions);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const int64_t N = tags.size(1);
@@ -85,7 +94,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backwa
   TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong,
               "crfkit: lengths must be (batch,) int64");
   check_lengths_cpu(lengths, L);
-  const auto grad = grad_scores.contiguous();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* tag = tags.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -99,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backwa
   auto grad_start = at::zeros({B, T}, emissions.options());
   auto grad_end = at::zeros({B, T}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score_backward", [&] {
-    const scalar_t* g = grad.data_ptr<scalar_t>();
+    const scalar_t* g = grad_scores.data_ptr<scalar_t>();
     scalar_t* ge = grad_emissions.data_ptr<scalar_t>();
     scalar_t* gt = grad_trans.data_ptr<scalar_t>();
     scalar_t* gs = grad_start.data_ptr<scalar_t>();

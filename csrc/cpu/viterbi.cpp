@@ -147,11 +147,16 @@ void check_all(const at::Tensor& emissions, const at::Tensor& transitions, const
   check_parameters_finite_cpu(transitions, start, end);
 }
 
-// paths (B, L) int64 (-1 at padded positions and where no sequence is allowed), scores (B,).
-std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions,
-                                               const at::Tensor& transitions,
-                                               const at::Tensor& start, const at::Tensor& end,
-                                               const at::Tensor& lengths) {
+// scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
+std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_arg,
+                                               const at::Tensor& transitions_arg,
+                                               const at::Tensor& start_arg, const at::Tensor& end_arg,
+                                               const at::Tensor& lengths_arg) {
+  const at::Tensor emissions = emissions_arg.contiguous();
+  const at::Tensor transitions = transitions_arg.contiguous();
+  const at::Tensor start = start_arg.contiguous();
+  const at::Tensor end = end_arg.contiguous();
+  const at::Tensor lengths = lengths_arg.contiguous();
   check_all(emissions, transitions, start, end, lengths);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   auto paths = at::full({B, L}, -1, lengths.options());
@@ -185,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions,
     });
   });
   raise_if_bad_emissions(bad);
-  return {paths, scores};
+  return {scores, paths};
 }
 
 // Number of tag sequences of length L, saturated at `cap`.
@@ -195,14 +200,19 @@ int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
   return std::min(count, cap);
 }
 
-// paths (B, K, L) int64, scores (B, K): the K best distinct sequences per sentence, descending;
+// scores (B, K), paths (B, K, L) int64: the K best distinct sequences per sentence, descending;
 // rows beyond the number of allowed sequences hold -1 / -inf.
-std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions,
-                                                     const at::Tensor& transitions,
-                                                     const at::Tensor& start, const at::Tensor& end,
-                                                     const at::Tensor& lengths, int64_t k) {
+std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions_arg,
+                                                     const at::Tensor& transitions_arg,
+                                                     const at::Tensor& start_arg, const at::Tensor& end_arg,
+                                                     const at::Tensor& lengths_arg, int64_t k){
+  const at::Tensor emissions = emissions_arg.contiguous();
+  const at::Tensor transitions = transitions_arg.contiguous();
+  const at::Tensor start = start_arg.contiguous();
+  const at::Tensor end = end_arg.contiguous();
+  const at::Tensor lengths = lengths_arg.contiguous();
   check_all(emissions, transitions, start, end, lengths);
-  TORCH_CHECK(k >= 1, "crfkit: k must be at least 1, got ", k);
+  TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   auto paths = at::full({B, k, L}, -1, lengths.options());
   auto scores = at::full({B, k}, -std::numeric_limits<double>::infinity(), emissions.options());
@@ -242,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
     });
   });
   raise_if_bad_emissions(bad);
-  return {paths, scores};
+  return {scores, paths};
 }
 
 }  // namespace

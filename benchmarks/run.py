@@ -1,0 +1,244 @@
+"""Time crfkit's core ops, compiled vs reference, over the grid of benchmarks/cases.py.
+
+    python benchmarks/run.py [--quick | --full] [--out benchmarks/results/core_cpu]
+
+For every cell (op, B, L, T, K), in one process:
+  1. correctness: the compiled result is compared with the reference (cases.check_case);
+     a cell that disagrees is reported WRONG and not timed;
+  2. timing: torch.utils.benchmark.Timer(...).blocked_autorange(min_run_time=0.5) of one call
+     of the public function under each backend, with torch's default number of threads;
+     the median is reported in ms. Reference cells whose single call would exceed the budget
+     (--budget, 10 s) are "skipped: too slow".
+Writes <out>.md and <out>.json (machine, versions, command, date, cells) and prints the
+markdown. ratio = reference ms / compiled ms; tokens/s = B * L / compiled seconds (padded
+positions count as tokens).
+
+--limit N and --ops a,b cut the grid (to smoke-test a code path, e.g. --full --limit 3).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.utils.benchmark as tbench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cases  # noqa: E402  (benchmarks/ is not a package)
+
+import crfkit  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(argv: List[str]) -> dict:
+    info = crfkit.backend_info()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *argv]),
+        "machine": {
+            "cpu": cpu_model(),
+            "processor": platform.processor(),
+            "platform": platform.platform(),
+            "nproc": os.cpu_count(),
+            "nproc_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "torch_num_threads": torch.get_num_threads(),
+            "load_average_at_start": list(os.getloadavg()),
+        },
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "crfkit": crfkit.__version__,
+        "crfkit_git": git_commit(),
+        "backend_info": {k: (list(v) if isinstance(v, tuple) else v) for k, v in info.items()},
+    }
+
+
+def median_ms(fn, min_run_time: float) -> dict:
+    """Median (and IQR) in ms of one call of fn, by blocked_autorange."""
+    timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    return {"median_ms": m.median * 1e3, "iqr_ms": m.iqr * 1e3, "runs": m.number_per_run * len(m.times)}
+
+
+def run_cell(case: cases.Case, budget_s: float, min_run_time: float) -> dict:
+    """Check one cell, then time it; returns the row of the report."""
+    check = cases.check_case(case, budget_s)
+    row = {"op": case.op, "B": case.B, "L": case.L, "T": case.T, "K": case.K, "status": check.status,
+           "compiled_ms": None, "reference_ms": None, "ratio": None, "tokens_per_s": None,
+           "reference_note": None}
+    if check.wrong:
+        return row
+    compiled = median_ms(cases.callable_for(case, "compiled"), min_run_time)
+    row["compiled_ms"] = compiled["median_ms"]
+    row["compiled_runs"] = compiled["runs"]
+    row["tokens_per_s"] = case.B * case.L / (compiled["median_ms"] / 1e3)
+    if check.reference_skipped:
+        row["reference_note"] = f"skipped: too slow (one call ~{check.reference_estimate_s:.2g} s)"
+    else:
+        reference = median_ms(cases.callable_for(case, "reference"), min_run_time)
+        row["reference_ms"] = reference["median_ms"]
+        row["reference_runs"] = reference["runs"]
+        row["ratio"] = reference["median_ms"] / compiled["median_ms"]
+    return row
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _ms(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if x < 100 else f"{x:.0f}"
+
+
+def _load(load: List[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in load)
+
+
+def _row_cells(row: dict) -> List[str]:
+    reference = _ms(row["reference_ms"]) if row["reference_note"] is None else row["reference_note"]
+    ratio = "-" if row["ratio"] is None else f"{row['ratio']:.1f}x"
+    tokens = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.3g}"
+    return [row["op"], str(row["B"]), str(row["L"]), str(row["T"]), "-" if row["K"] is None else str(row["K"]),
+            _ms(row["compiled_ms"]), reference, ratio, tokens, row["status"]]
+
+
+def _table(header: List[str], rows: List[List[str]]) -> List[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def summary(rows: List[dict]) -> List[dict]:
+    """The headline cells and how they compare with the project's targets."""
+    B, L, T = cases.HEADLINE_SHAPE
+    out = []
+    for (op, k), target in cases.TARGETS.items():
+        row = next((r for r in rows if (r["op"], r["B"], r["L"], r["T"], r["K"]) == (op, B, L, T, k)), None)
+        name = f"{op}" + (f" K={k}" if k is not None else "") + f" (B={B}, L={L}, T={T})"
+        if row is None:
+            out.append({"cell": name, "target": target, "row": None, "verdict": "not in this run"})
+            continue
+        ratio = row["ratio"]
+        if row["status"].startswith(("WRONG", "ERROR")):
+            verdict = "WRONG"
+        elif ratio is None:
+            verdict = "no ratio"
+        else:
+            verdict = "meets target" if ratio >= target else "BELOW target"
+        out.append({"cell": name, "target": target, "row": row, "verdict": verdict})
+    return out
+
+
+def markdown(env: dict, rows: List[dict], heads: List[dict], full: bool) -> str:
+    m = env["machine"]
+    lines = [f"# crfkit core ops on CPU: compiled vs reference ({'full' if full else 'quick'} grid)", ""]
+    lines += ["## Summary (targets: ratio reference / compiled)", ""]
+    lines += _table(["cell", "compiled ms", "reference ms", "ratio", "target", "verdict", "correctness"], [
+        [h["cell"], _ms(h["row"]["compiled_ms"]) if h["row"] else "-",
+         _ms(h["row"]["reference_ms"]) if h["row"] else "-",
+         f"{h['row']['ratio']:.1f}x" if h["row"] and h["row"]["ratio"] else "-",
+         f">= {h['target']:g}x", h["verdict"], h["row"]["status"] if h["row"] else "-"]
+        for h in heads])
+    wrong = [r for r in rows if r["status"].startswith(("WRONG", "ERROR"))]
+    lines += ["", f"{len(rows)} cells, {len(wrong)} WRONG / ERROR, "
+              f"{sum(r['reference_note'] is not None for r in rows)} reference cells skipped as too slow.", ""]
+    busy = max(m["load_average_at_start"][0], m["load_average_at_end"][0]) > (m["nproc"] or 1) + 0.5
+    if busy:
+        lines += ["**Warning: the machine was busy (1-minute load average above the number of CPUs): "
+                  "other processes competed for the cores and the timings are unreliable, "
+                  "especially with more than one torch thread. Rerun on an idle machine.**", ""]
+    lines += ["## Setup", "",
+              f"- command: `{env['command']}`",
+              f"- date: {env['date']}",
+              f"- machine: {m['cpu']}, {m['nproc']} CPUs ({m['nproc_available']} available), "
+              f"torch threads: {m['torch_num_threads']}; {m['platform']}; load average (1, 5, 15 min) "
+              f"{_load(m['load_average_at_start'])} at start, {_load(m['load_average_at_end'])} at end",
+              f"- torch {env['torch']}, python {env['python']}, crfkit {env['crfkit']} (git {env['crfkit_git']})",
+              f"- backend_info: `{env['backend_info']}`",
+              "- measured: one call of the public crfkit function under `crfkit.use_backend(backend)`, "
+              "float32, seeded inputs (emissions randn*3, transitions / start / end randn, ragged "
+              "lengths in [L/2, L]); median of torch.utils.benchmark blocked_autorange "
+              f"(min_run_time {env['min_run_time']} s). tokens/s = B*L / compiled time. "
+              "Correctness is checked against the reference before timing.",
+              ""]
+    lines += ["## Ops", ""] + [f"- `{name}`: {op.doc}" for name, op in cases.OPS.items()] + [""]
+    lines += ["## All cells", ""]
+    lines += _table(["op", "B", "L", "T", "K", "compiled ms", "reference ms", "ratio", "compiled tokens/s",
+                     "correctness"], [_row_cells(r) for r in rows])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    grid = parser.add_mutually_exclusive_group()
+    grid.add_argument("--quick", action="store_true", help="the quick subset (default)")
+    grid.add_argument("--full", action="store_true", help="the full grid (long: reference cells up to ~10 s each)")
+    parser.add_argument("--out", help="output path without extension "
+                        "(default benchmarks/results/core_cpu, or core_cpu_quick with --quick)")
+    parser.add_argument("--limit", type=int, help="keep the first N cells of the grid")
+    parser.add_argument("--ops", help="comma-separated ops to keep: " + ", ".join(cases.OPS))
+    parser.add_argument("--budget", type=float, default=cases.REFERENCE_BUDGET_S,
+                        help="skip reference cells whose single call would exceed this many seconds (default %(default)s)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's default); "
+                        "1 gives steadier numbers on a small machine that other processes share")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="blocked_autorange min_run_time (s)")
+    args = parser.parse_args(argv[1:])
+
+    full = args.full
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out) if args.out else HERE / "results" / ("core_cpu" if full else "core_cpu_quick")
+    grid_cases = cases.grid(full, args.limit, args.ops.split(",") if args.ops else None)
+    env = environment(argv)
+    env["min_run_time"] = args.min_run_time
+    env["reference_budget_s"] = args.budget
+
+    rows = []
+    for i, case in enumerate(grid_cases, 1):
+        row = run_cell(case, args.budget, args.min_run_time)
+        rows.append(row)
+        print(f"[{i}/{len(grid_cases)}] " + " | ".join(_row_cells(row)), file=sys.stderr, flush=True)
+
+    env["machine"]["load_average_at_end"] = list(os.getloadavg())
+    heads = summary(rows)
+    text = markdown(env, rows, heads, full)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.md").write_text(text)
+    report = {**env, "grid": "full" if full else "quick", "summary": [
+        {"cell": h["cell"], "target_ratio": h["target"], "verdict": h["verdict"],
+         "ratio": h["row"]["ratio"] if h["row"] else None} for h in heads], "cells": rows}
+    Path(f"{out}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(text)
+    print(f"wrote {out}.md and {out}.json", file=sys.stderr)
+    return 1 if any(r["status"].startswith(("WRONG", "ERROR")) for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+import os
+import sys
+
+import pytest
+import torch
+
+import crfkit
+from crfkit import backends
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+# Every backend that loads here; the suite runs once per backend.
+BACKENDS = backends.available()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    with crfkit.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def random_crf(B, L, T, dtype=torch.float64, scale=1.0, ragged=True, seed=None, integer=False):
+    """Random CRF inputs: emissions (B, L, T), transitions (T, T), lengths (B,), start, end (T,).
+    lengths are ragged (including 0 and L when B allows) unless ragged=False."""
+    g = torch.Generator().manual_seed(seed if seed is not None else 1234 + 97 * B + 13 * L + T)
+    def draw(*shape):
+        if integer:
+            return torch.randint(-1, 2, shape, generator=g).to(dtype)
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+    emissions, transitions, start, end = draw(B, L, T), draw(T, T), draw(T), draw(T)
+    if ragged and B > 0:
+        lengths = torch.randint(0, L + 1, (B,), generator=g)
+        lengths[0] = L
+        if B > 2:
+            lengths[1] = 0
+    else:
+        lengths = torch.full((B,), L, dtype=torch.long)
+    return emissions, transitions, lengths, start, end

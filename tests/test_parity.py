@@ -1,0 +1,163 @@
+"""Every backend against the reference on larger random inputs (values and gradients, float64
+to about 1e-10, float32 to about 1e-4 relative), gradcheck in float64, opcheck on each
+registered op, torch.compile(fullgraph=True), and hypothesis property tests."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import crfkit
+from crfkit import reference
+from conftest import random_crf
+
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4)}
+SHAPES = [(1, 1, 1), (5, 1, 3), (6, 7, 5), (8, 33, 9), (4, 64, 37), (3, 20, 100)]  # (B, L, T)
+
+
+def all_outputs(emissions, transitions, lengths, start, end, k=4):
+    """Values and gradients of every op, for comparing two backends."""
+    params = [x.detach().clone().requires_grad_() for x in (emissions, transitions, start, end)]
+    em, tr, s, e = params
+    log_z = crfkit.log_partition(em, tr, lengths, s, e)
+    mu = crfkit.marginals(em.detach(), tr.detach(), lengths, s.detach(), e.detach())
+    paths, scores = crfkit.viterbi(em, tr, lengths, s, e)
+    best = crfkit.kbest_viterbi(em, tr, k, lengths, s, e)
+    gold = torch.randint(0, emissions.shape[2], emissions.shape[:2], generator=torch.Generator().manual_seed(1))
+    seq = crfkit.sequence_score(em, tr, gold, lengths, s, e)
+    finite = torch.isfinite(best.log_probs)
+    objective = (log_z * torch.linspace(0.5, 1.5, log_z.shape[0], dtype=log_z.dtype)).sum() + seq.sum() \
+        + best.log_probs[finite].sum() + scores.sum()
+    grads = torch.autograd.grad(objective, params, allow_unused=True)  # L = 1 uses no transition
+    grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+    return dict(log_z=log_z, marginals=mu, viterbi_paths=paths, viterbi_scores=scores,
+                kbest_paths=best.paths, kbest_scores=best.scores, kbest_log_probs=best.log_probs,
+                sequence_score=seq, **{f"grad_{n}": g for n, g in zip(("emissions", "transitions", "start", "end"), grads)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T", SHAPES)
+def test_backend_matches_reference(backend, dtype, B, L, T):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=2.0)
+    got = all_outputs(*inputs)
+    with crfkit.use_backend("reference"):
+        want = all_outputs(*inputs)
+    for name in want:
+        if "paths" in name:
+            assert torch.equal(got[name], want[name]), name
+        else:
+            torch.testing.assert_close(got[name], want[name], **TOL[dtype], msg=name)
+
+
+@pytest.mark.parametrize("B,L,T", [(4, 16, 5), (2, 40, 9)])
+def test_float32_close_to_float64_truth(backend, B, L, T):
+    em, tr, ln, s, e = random_crf(B, L, T, scale=3.0)
+    with crfkit.use_backend("reference"):
+        truth = crfkit.log_partition(em, tr, ln, s, e), crfkit.marginals(em, tr, ln, s, e)
+    got = crfkit.log_partition(em.float(), tr.float(), ln, s.float(), e.float()), crfkit.marginals(em.float(), tr.float(), ln, s.float(), e.float())
+    torch.testing.assert_close(got[0].double(), truth[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[1].double(), truth[1], rtol=1e-4, atol=1e-5)
+
+
+def test_gradcheck_float64(backend):
+    em, tr, ln, s, e = random_crf(3, 5, 3)
+    params = tuple(x.requires_grad_() for x in (em, tr, s, e))
+    assert torch.autograd.gradcheck(lambda a, b, c, d: crfkit.log_partition(a, b, ln, c, d), params)
+    tags = torch.randint(0, 3, (3, 5))
+    assert torch.autograd.gradcheck(lambda a, b, c, d: crfkit.sequence_score(a, b, tags, ln, c, d), params)
+    # k-best log-probs: piecewise smooth; the random inputs are far from any tie.
+    assert torch.autograd.gradcheck(lambda a, b, c, d: crfkit.kbest_viterbi(a, b, 4, ln, c, d).log_probs.clamp(min=-1e3), params)
+    # marginals are differentiable too (second derivatives of log Z).
+    assert torch.autograd.gradcheck(lambda a, b: crfkit.marginals(a, b, ln, s.detach(), e.detach()), params[:2])
+
+
+def test_gradient_of_log_partition_is_the_marginals(backend):
+    em, tr, ln, s, e = random_crf(4, 9, 4)
+    em.requires_grad_()
+    (grad,) = torch.autograd.grad(crfkit.log_partition(em, tr, ln, s, e).sum(), em)
+    torch.testing.assert_close(grad, crfkit.marginals(em.detach(), tr, ln, s, e), rtol=1e-12, atol=1e-12)
+
+
+def test_kbest_row0_is_viterbi_and_scores_are_path_scores(backend):
+    em, tr, ln, s, e = random_crf(16, 30, 9, dtype=torch.float32, scale=2.0)
+    paths, scores = crfkit.viterbi(em, tr, ln, s, e)
+    best = crfkit.kbest_viterbi(em, tr, 7, ln, s, e)
+    assert torch.equal(best.paths[:, 0], paths)
+    assert torch.equal(best.scores[:, 0], scores)
+    # Recomputing each path's score gives the decoder's score bit for bit (same summation order).
+    found = torch.isfinite(best.scores)  # missing rows (-1 paths) have no score to recompute
+    assert torch.equal(crfkit.sequence_score(em, tr, best.paths, ln, s, e)[found], best.scores[found])
+    assert (best.scores[:, :-1] >= best.scores[:, 1:]).all()
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+def test_opcheck_every_op():
+    em, tr, ln, s, e = random_crf(3, 6, 4)
+    tags = torch.randint(0, 4, (3, 2, 6))
+    ops = torch.ops.crfkit
+    req = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+    cases = [
+        (ops.log_partition, (req[0], req[1], req[2], req[3], ln)),
+        (ops.marginals, (em, tr, s, e, ln)),
+        (ops.viterbi, (req[0], req[1], req[2], req[3], ln)),
+        (ops.kbest_viterbi, (req[0], req[1], req[2], req[3], ln, 5)),
+        (ops.sequence_score, (req[0], req[1], req[2], req[3], ln, tags)),
+        (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64), em, tr, s, e, ln)),
+        (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64), em, ln, tags)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+def test_torch_compile_fullgraph():
+    em, tr, ln, s, e = random_crf(4, 12, 5, dtype=torch.float32)
+
+    def loss_and_decode(em, tr, s, e):
+        log_z = crfkit.log_partition(em, tr, ln, s, e)
+        best = crfkit.kbest_viterbi(em, tr, 3, ln, s, e)
+        return log_z.sum() - best.scores[:, 0].sum(), best.paths
+
+    with crfkit.use_backend("compiled"):
+        compiled = torch.compile(loss_and_decode, fullgraph=True, backend="aot_eager")
+        params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+        loss, paths = compiled(*params)
+        loss.backward()
+        eager_params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+        eager_loss, eager_paths = loss_and_decode(*eager_params)
+        eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss)
+    assert torch.equal(paths, eager_paths)
+    for a, b in zip(params, eager_params):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(0, 5), L=st.integers(0, 9), T=st.integers(1, 6), k=st.integers(1, 12),
+       seed=st.integers(0, 2**16), forbid=st.booleans())
+def test_properties(B, L, T, k, seed, forbid):
+    em, tr, ln, s, e = random_crf(B, L, T, seed=seed, scale=2.0)
+    if forbid:
+        tr[torch.rand(T, T, generator=torch.Generator().manual_seed(seed)) < 0.3] = -math.inf
+    for name in crfkit.backends.available():
+        with crfkit.use_backend(name):
+            log_z = crfkit.log_partition(em, tr, ln, s, e)
+            mu = crfkit.marginals(em, tr, ln, s, e)
+            best = crfkit.kbest_viterbi(em, tr, k, ln, s, e)
+            paths, scores = crfkit.viterbi(em, tr, ln, s, e)
+        assert not torch.isnan(log_z).any() and not torch.isnan(mu).any() and not torch.isnan(best.log_probs).any()
+        valid = torch.arange(L) < ln.unsqueeze(1)
+        possible = torch.isfinite(log_z)
+        row_sums = mu.sum(-1)
+        torch.testing.assert_close(row_sums[valid & possible.unsqueeze(1)], torch.ones_like(row_sums[valid & possible.unsqueeze(1)]))
+        assert (row_sums[~valid | ~possible.unsqueeze(1)] == 0).all()
+        assert (best.log_probs <= 1e-12).all()
+        assert (torch.logsumexp(best.log_probs, 1)[possible] <= 1e-12).all()
+        assert torch.equal(best.paths[:, 0], paths) and torch.equal(best.scores[:, 0], scores)
+        # Distinct rows: no two valid rows of a sentence are the same path.
+        for b in range(B):
+            rows = [tuple(p) for p, sc in zip(best.paths[b].tolist(), best.scores[b].tolist()) if sc > -math.inf]
+            assert len(rows) == len(set(rows))
+            # Rows exist for exactly min(k, number of allowed sequences) when that count is small.
+            if T ** int(ln[b]) <= k and not forbid:
+                assert len(rows) == T ** int(ln[b])
