@@ -9,7 +9,7 @@ by both backends' tests), then times one call of the public function under its b
 Results of one cell are grouped together, so pytest-benchmark prints compiled next to
 reference. Reference cells whose single call would exceed ~10 s are skipped.
 CRFKIT_BENCH_LIMIT=N / CRFKIT_BENCH_OPS=a,b cut the grid (see cases.grid_from_env);
-CRFKIT_BENCH_THREADS=N sets torch's number of threads.
+CRFKIT_BENCH_THREADS=N sets torch's number of threads, CRFKIT_BENCH_BUDGET=S the reference budget.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ _CHECKS: Dict[cases.Case, cases.Check] = {}
 def checked(case: cases.Case) -> cases.Check:
     """The correctness check of a cell, run once and shared by its tests."""
     if case not in _CHECKS:
-        _CHECKS[case] = cases.check_case(case)
+        _CHECKS[case] = cases.check_case(case, cases.budget_from_env())
     return _CHECKS[case]
 
 

@@ -147,6 +147,7 @@ def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=
 def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=None) -> Tensor:
     """Score of given tag sequences: tags (B, L) -> (B,), or (B, N, L) -> (B, N)."""
     lengths, start, end = _defaults(emissions, lengths, start, end)
+    _check_values(emissions, transitions, lengths, start, end)
     squeeze = tags.dim() == 2
     if squeeze:
         tags = tags.unsqueeze(1)

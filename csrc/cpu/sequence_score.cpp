@@ -43,6 +43,7 @@ at::Tensor sequence_score_cpu(const at::Tensor& emissions_arg, const at::Tensor&
   const at::Tensor tags = tags_arg.contiguous();
   check_crf_inputs(emissions, transitions, start, end, lengths);
   check_lengths_cpu(lengths, emissions.size(1));
+  check_parameters_finite_cpu(transitions, start, end);
   check_tags(tags, emissions);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const int64_t N = tags.size(1);
@@ -58,6 +59,10 @@ at::Tensor sequence_score_cpu(const at::Tensor& emissions_arg, const at::Tensor&
     const scalar_t* st = start.data_ptr<scalar_t>();
     const scalar_t* en = end.data_ptr<scalar_t>();
     scalar_t* out = scores.data_ptr<scalar_t>();
+    // The same NaN / +inf rule as every other op, although a score reads one tag per position.
+    std::vector<char> bad(B, 0);
+    for (int64_t b = 0; b < B; ++b) bad[b] = has_nan_or_posinf(emit + b * L * T, len[b] * T);
+    raise_if_bad_emissions(bad);
     at::parallel_for(0, B * N, 64, [&](int64_t row_begin, int64_t row_end) {
       for (int64_t row = row_begin; row < row_end; ++row) {
         const int64_t b = row / N, n = len[b];

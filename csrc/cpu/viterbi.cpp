@@ -75,64 +75,124 @@ scalar_t viterbi_sentence(const scalar_t* emit, const scalar_t* trans, const sca
   return best;
 }
 
-// Select the K best of T sorted lists: list s holds lists[s * K + r] (descending in r) and
+// Select the K best of T sorted lists (the final choice over last tags): list s holds lists[s * K + r] (descending in r) and
 // each of its entries is offset by offsets[s * offset_stride]. Writes the chosen values and
-// codes (s * K + r); slots with nothing left get -inf. `heads` is scratch of size T.
+// codes (s * K + r); slots with nothing left get -inf. `heads` (T) and `head_values` (T) are
+// scratch: head_values[s] is the next candidate of list s, so a round is one argmax over T
+// values (branch-free, the first maximum wins) and one refill of the list it took from.
 template <typename scalar_t, typename code_t>
 void merge_top_k(const scalar_t* lists, const scalar_t* offsets, int64_t offset_stride, int64_t T,
-                 int64_t K, scalar_t* values, code_t* codes, int64_t* heads) {
-  std::fill(heads, heads + T, 0);
+                 int64_t K, scalar_t* values, code_t* codes, int64_t* heads, scalar_t* head_values) {
+  for (int64_t s = 0; s < T; ++s) {
+    heads[s] = 0;
+    head_values[s] = lists[s * K] + offsets[s * offset_stride];
+  }
   for (int64_t out = 0; out < K; ++out) {
-    scalar_t best = neg_inf<scalar_t>();
-    int64_t best_s = -1;
-    for (int64_t s = 0; s < T; ++s) {
-      if (heads[s] >= K) continue;
-      const scalar_t cand = lists[s * K + heads[s]] + offsets[s * offset_stride];
-      if (cand > best) {  // strict: smaller s wins a tie; a list's own order is kept
-        best = cand;
-        best_s = s;
-      }
+    scalar_t best = head_values[0];
+    int64_t best_s = 0;
+    for (int64_t s = 1; s < T; ++s) {
+      const bool better = head_values[s] > best;  // strict: smaller s wins a tie
+      best = better ? head_values[s] : best;
+      best_s = better ? s : best_s;
     }
-    if (best_s < 0) {  // only -inf left: these slots hold no sequence
+    if (best == neg_inf<scalar_t>()) {  // only -inf left: these slots hold no sequence
       std::fill(values + out, values + K, neg_inf<scalar_t>());
       return;
     }
     values[out] = best;
-    codes[out] = static_cast<code_t>(best_s * K + heads[best_s]);
-    ++heads[best_s];
+    const int64_t rank = heads[best_s]++;
+    codes[out] = static_cast<code_t>(best_s * K + rank);
+    head_values[best_s] = rank + 1 < K ? lists[best_s * K + rank + 1] + offsets[best_s * offset_stride]
+                                       : neg_inf<scalar_t>();
+  }
+}
+
+// One k-best step, position i-1 -> i: for every tag t, the K best of lists[s][r] + trans[s, t]
+// over all predecessors s and ranks r, plus emit[t]. These are T merges of the same T sorted
+// lists, run side by side: the inner loops go across t (independent lanes the compiler
+// vectorises) instead of along one serial argmax chain per t.
+// Scratch: head_values [s][t] (next candidate of list s for tag t), heads [s][t], best, best_s (T).
+template <typename scalar_t, typename bp_t>
+void kbest_step(const scalar_t* __restrict__ lists, const scalar_t* __restrict__ trans,
+                const scalar_t* __restrict__ emit, int64_t T, int64_t K,
+                scalar_t* __restrict__ next, bp_t* __restrict__ backpointers,
+                scalar_t* __restrict__ head_values, int32_t* __restrict__ heads,
+                scalar_t* __restrict__ best, int32_t* __restrict__ best_s) {
+  for (int64_t s = 0; s < T; ++s) {
+    for (int64_t t = 0; t < T; ++t) {
+      head_values[s * T + t] = lists[s * K] + trans[s * T + t];
+      heads[s * T + t] = 0;
+    }
+  }
+  for (int64_t r = 0; r < K; ++r) {
+    for (int64_t t = 0; t < T; ++t) {
+      best[t] = head_values[t];
+      best_s[t] = 0;
+    }
+    for (int32_t s = 1; s < T; ++s) {
+      const scalar_t* __restrict__ row = head_values + s * T;
+      for (int64_t t = 0; t < T; ++t) {
+        // Branch-free select (strict >: the smaller predecessor wins a tie), written as
+        // arithmetic on a 0/1 mask so that the compiler vectorises it.
+        const scalar_t b = best[t], v = row[t];
+        const int32_t better = v > b;
+        best[t] = v > b ? v : b;
+        best_s[t] += better * (s - best_s[t]);
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      next[t * K + r] = best[t] + emit[t];
+      if (best[t] == neg_inf<scalar_t>()) continue;  // no sequence left for this slot
+      const int64_t s = best_s[t];
+      const int64_t rank = heads[s * T + t]++;
+      backpointers[t * K + r] = static_cast<bp_t>(s * K + rank);
+      head_values[s * T + t] =
+          rank + 1 < K ? lists[s * K + rank + 1] + trans[s * T + t] : neg_inf<scalar_t>();
+    }
   }
 }
 
 // k-best for one sentence of length n >= 1 with K lists per tag. Writes paths (K, L) rows and
 // scores (K,) for the valid results; rows with no sequence are left as they are (-1 / -inf).
+// `work` holds the scratch of kbest_step and merge_top_k.
+template <typename scalar_t, typename bp_t>
+struct KBestWork {
+  std::vector<scalar_t> lists, lists_next, head_values, best, final_values;
+  std::vector<int32_t> heads, best_s;
+  std::vector<int64_t> final_heads;
+  std::vector<bp_t> backpointers, final_codes;
+  KBestWork(int64_t L, int64_t T, int64_t K)
+      : lists(T * K), lists_next(T * K), head_values(T * T), best(T), final_values(K),
+        heads(T * T), best_s(T), final_heads(T), backpointers(std::max<int64_t>(L, 1) * T * K),
+        final_codes(K) {}
+};
+
 template <typename scalar_t, typename bp_t>
 void kbest_sentence(const scalar_t* emit, const scalar_t* trans, const scalar_t* start,
                     const scalar_t* end, int64_t n, int64_t T, int64_t K, int64_t L,
-                    scalar_t* lists, scalar_t* lists_next, bp_t* backpointers, int64_t* heads,
-                    scalar_t* final_values, bp_t* final_codes, int64_t* paths, scalar_t* scores) {
+                    KBestWork<scalar_t, bp_t>& w, int64_t* paths, scalar_t* scores) {
+  scalar_t* lists = w.lists.data();
+  scalar_t* lists_next = w.lists_next.data();
   // Position 0: one sequence per tag, in rank 0 of its list.
   for (int64_t t = 0; t < T; ++t) {
     lists[t * K] = start[t] + emit[t];
     std::fill(lists + t * K + 1, lists + (t + 1) * K, neg_inf<scalar_t>());
   }
   for (int64_t i = 1; i < n; ++i) {
-    for (int64_t t = 0; t < T; ++t) {
-      scalar_t* out = lists_next + t * K;
-      merge_top_k(lists, trans + t, T, T, K, out, backpointers + (i * T + t) * K, heads);
-      const scalar_t e = emit[i * T + t];
-      for (int64_t r = 0; r < K; ++r) out[r] += e;
-    }
+    kbest_step(lists, trans, emit + i * T, T, K, lists_next, w.backpointers.data() + i * T * K,
+               w.head_values.data(), w.heads.data(), w.best.data(), w.best_s.data());
     std::swap(lists, lists_next);
   }
-  merge_top_k(lists, end, 1, T, K, final_values, final_codes, heads);
+  merge_top_k(lists, end, 1, T, K, w.final_values.data(), w.final_codes.data(),
+              w.final_heads.data(), w.best.data());
   for (int64_t k = 0; k < K; ++k) {
-    if (final_values[k] == neg_inf<scalar_t>()) break;  // fewer than K sequences exist
-    scores[k] = final_values[k];
-    int64_t tag = final_codes[k] / K, rank = final_codes[k] % K;
+    if (w.final_values[k] == neg_inf<scalar_t>()) break;  // fewer than K sequences exist
+    scores[k] = w.final_values[k];
+    int64_t tag = w.final_codes[k] / K, rank = w.final_codes[k] % K;
     for (int64_t i = n - 1; i >= 0; --i) {
       paths[k * L + i] = tag;
       if (i > 0) {
-        const int64_t code = backpointers[(i * T + tag) * K + rank];
+        const int64_t code = w.backpointers[(i * T + tag) * K + rank];
         tag = code / K;
         rank = code % K;
       }
@@ -230,9 +290,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
       at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
-        std::vector<scalar_t> lists(2 * T * K), final_values(K);
-        std::vector<bp_t> backpointers(std::max<int64_t>(L, 1) * T * K), final_codes(K);
-        std::vector<int64_t> heads(T);
+        KBestWork<scalar_t, bp_t> work(L, T, K);
         for (int64_t b = b_begin; b < b_end; ++b) {
           const int64_t n = len[b];
           const scalar_t* emit_b = emit + b * L * T;
@@ -244,9 +302,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
             score[b * k] = 0;
             continue;
           }
-          kbest_sentence(emit_b, trans, st, en, n, T, K, L, lists.data(), lists.data() + T * K,
-                         backpointers.data(), heads.data(), final_values.data(),
-                         final_codes.data(), path + b * k * L, score + b * k);
+          kbest_sentence(emit_b, trans, st, en, n, T, K, L, work, path + b * k * L, score + b * k);
         }
       });
     });

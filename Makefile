@@ -1,0 +1,25 @@
+# One command per job; each sets everything up first (idempotent, fast when already done).
+#   make test    install, build the C++ extension, run the test suite
+#   make bench   install, build, run the quick benchmark (compiled kernels vs the reference)
+# TORCH_SPEC is what pip installs when torch is missing; the default is the CPU build that
+# this project's machines carry locally. With torch already installed nothing is downloaded.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup test bench clean
+
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -q "setuptools>=70" ninja
+	# --no-build-isolation: build against the installed torch instead of downloading another.
+	$(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PYTHON) -c "import crfkit; print(crfkit.backend_info())"
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+bench: setup
+	$(PYTHON) benchmarks/run.py --quick
+
+clean:
+	rm -rf build *.egg-info crfkit/_C*.so .pytest_cache .benchmarks

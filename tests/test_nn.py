@@ -1,0 +1,95 @@
+"""crfkit.CRF, the nn.Module: likelihood signs and reductions, masks, constraints in training
+and decoding, and that it learns."""
+import math
+
+import pytest
+import torch
+
+import crfkit
+from crfkit.constraints import allowed_transitions
+from conftest import random_crf
+
+
+def test_nll_is_the_negative_log_likelihood(backend):
+    crf = crfkit.CRF(4).double()
+    em, _, ln, _, _ = random_crf(5, 7, 4)
+    tags = torch.randint(0, 4, (5, 7))
+    per_sentence = crf.nll(em, tags, ln, reduction="none")
+    expected = crfkit.log_partition(em, crf.transitions, ln, crf.start, crf.end) - crfkit.sequence_score(em, crf.transitions, tags, ln, crf.start, crf.end)
+    torch.testing.assert_close(per_sentence, expected)
+    assert (per_sentence >= -1e-12).all()
+    torch.testing.assert_close(crf(em, tags, ln), per_sentence.mean())
+    torch.testing.assert_close(crf.nll(em, tags, ln, reduction="sum"), per_sentence.sum())
+    torch.testing.assert_close(crf.nll(em, tags, ln, reduction="token_mean"), per_sentence.sum() / ln.sum())
+    torch.testing.assert_close(crf.log_likelihood(em, tags, ln), -per_sentence)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        crf.nll(em, tags, ln, reduction="avg")
+
+
+def test_mask_and_lengths_agree(backend):
+    crf = crfkit.CRF(3)
+    em = torch.randn(3, 5, 3)
+    ln = torch.tensor([5, 2, 0])
+    mask = torch.arange(5) < ln.unsqueeze(1)
+    tags = torch.randint(0, 3, (3, 5))
+    torch.testing.assert_close(crf.nll(em, tags, mask=mask), crf.nll(em, tags, lengths=ln))
+    assert torch.equal(crf.decode(em, mask=mask)[0], crf.decode(em, lengths=ln)[0])
+    with pytest.raises(ValueError, match="lengths or mask"):
+        crf.nll(em, tags, lengths=ln, mask=mask)
+
+
+def test_constraints_hold_in_decoding_kbest_and_marginals(backend):
+    labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+    c = allowed_transitions(labels, "BIO")
+    crf = crfkit.CRF(5, constraints=c)
+    em = torch.randn(8, 10, 5) * 3
+    em[:, :, [2, 4]] += 4.0  # I- tags look best everywhere; only constraints keep paths valid
+    ln = torch.randint(1, 11, (8,))
+    paths, _ = crf.decode(em, ln)
+    best = crf.kbest(em, 10, ln)
+    for b in range(8):
+        n = int(ln[b])
+        assert c.is_allowed(paths[b, :n].tolist())
+        for j in range(10):
+            if best.scores[b, j] > -math.inf:
+                assert c.is_allowed(best.paths[b, j, :n].tolist())
+    mu = crf.marginals(em, ln)
+    assert (mu[:, 0, 2] == 0).all() and (mu[:, 0, 4] == 0).all()  # no sentence starts inside
+    # The masks are buffers: they move with the module and are saved with it.
+    assert "transition_mask" in crf.state_dict()
+    assert crf.double().transition_mask.dtype == torch.float64
+
+
+def test_gradients_do_not_touch_forbidden_transitions(backend):
+    c = allowed_transitions(["O", "B-PER", "I-PER"], "BIO")
+    crf = crfkit.CRF(3, constraints=c)
+    em = torch.randn(4, 6, 3)
+    tags = torch.tensor([[0, 1, 2, 0, 0, 1]] * 4)
+    crf.nll(em, tags).backward()
+    assert crf.transitions.grad[0, 2] == 0  # O -> I-PER never happens
+    assert torch.isfinite(crf.transitions.grad).all()
+
+
+def test_crf_learns_a_transition_pattern(backend):
+    torch.manual_seed(0)
+    # Tags alternate 0,1,0,1,...; emissions are uninformative, so only transitions can learn it.
+    tags = torch.tensor([[i % 2 for i in range(8)], [(i + 1) % 2 for i in range(8)]] * 8)
+    em = torch.zeros(16, 8, 2)
+    crf = crfkit.CRF(2)
+    opt = torch.optim.Adam(crf.parameters(), lr=0.1)
+    first = crf.nll(em, tags).item()
+    for _ in range(100):
+        opt.zero_grad()
+        loss = crf.nll(em, tags)
+        loss.backward()
+        opt.step()
+    # Half the sentences start with 0, half with 1: the best possible NLL is log 2.
+    assert first > 5.0 and loss.item() < math.log(2) + 0.05
+    assert torch.equal(crf.decode(em)[0][:, 1:], 1 - crf.decode(em)[0][:, :-1])
+
+
+def test_bad_construction():
+    with pytest.raises(ValueError, match="num_tags"):
+        crfkit.CRF(0)
+    with pytest.raises(ValueError, match="constraints are for 3 tags"):
+        crfkit.CRF(4, constraints=allowed_transitions(["O", "B-X", "I-X"]))
