@@ -19,7 +19,7 @@ if os.environ.get("CRFKIT_NO_EXTENSION", "0") != "1":
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
 
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     use_cuda = CUDA_HOME is not None and (
         torch.cuda.is_available() or os.environ.get("CRFKIT_FORCE_CUDA", "0") == "1"
     )
@@ -28,7 +28,8 @@ if os.environ.get("CRFKIT_NO_EXTENSION", "0") != "1":
         extension = CUDAExtension(
             "crfkit._C",
             sources + cuda_sources,
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+            # No --use_fast_math: -inf and NaN must keep their meaning in every kernel.
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20"]},
             extra_link_args=["-fopenmp"],
         )
     else:

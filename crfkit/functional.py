@@ -149,11 +149,7 @@ def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
     emissions, transitions, lengths, start, end = _prepare(emissions, transitions, lengths, start, end)
-    backend = backends.current()
-    paths, scores = backend.kbest_viterbi(emissions, transitions, k, lengths, start, end)[:2]
-    log_z = backend.log_partition(emissions, transitions, lengths, start, end)
-    missing = scores == float("-inf")
-    log_probs = torch.where(missing, scores, scores - log_z.unsqueeze(1))
+    paths, scores, log_probs = backends.current().kbest_viterbi(emissions, transitions, k, lengths, start, end)
     return KBest(paths, scores, log_probs)
 
 

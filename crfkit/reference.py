@@ -140,8 +140,12 @@ def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=
     first = torch.arange(k, device=emissions.device) == 0
     scores = torch.where(empty, torch.where(first, 0.0, NEG_INF).to(scores.dtype), scores)
     log_z = log_partition(emissions, transitions, lengths, start, end)
-    log_probs = torch.where(scores == NEG_INF, scores, scores - log_z.unsqueeze(1))
-    return paths, scores, log_probs
+    return paths, scores, log_probs_from_scores(scores, log_z)
+
+
+def log_probs_from_scores(scores: Tensor, log_z: Tensor) -> Tensor:
+    """scores (B, K) - log Z (B,), keeping -inf for missing rows (even where log Z is -inf too)."""
+    return torch.where(scores == NEG_INF, scores, scores - log_z.unsqueeze(1))
 
 
 def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=None) -> Tensor:

@@ -1,8 +1,5 @@
 // Argument checks shared by every crfkit kernel (CPU and, later, CUDA).
 //
-// Every op entry point first copies its tensor arguments to dense memory (`x_arg.contiguous()`,
-// free when already dense), so the raw ops accept any strides, expanded tensors included.
-//
 // The Python front end (crfkit/functional.py) validates user input first and gives the
 // friendliest messages; these checks are the second line for code that calls the
 // registered ops directly (torch.ops.crfkit.*), so a wrong call raises instead of crashing.
@@ -90,6 +87,23 @@ inline void raise_if_bad_emissions(const std::vector<char>& bad_sentence) {
     TORCH_CHECK_VALUE(!bad_sentence[b], "crfkit: emissions[", b,
                 "] contains NaN or +inf within its length (use -inf to forbid a tag)");
   }
+}
+
+// The CRF arguments of a CPU op, dense and checked. The raw ops accept any strides (expanded
+// tensors included): `.contiguous()` copies only where needed, and the kernels index dense memory.
+struct CrfArgs {
+  at::Tensor emissions, transitions, start, end, lengths;
+};
+
+inline CrfArgs checked_cpu_args(const at::Tensor& emissions, const at::Tensor& transitions,
+                                const at::Tensor& start, const at::Tensor& end,
+                                const at::Tensor& lengths) {
+  CrfArgs a{emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
+            lengths.contiguous()};
+  check_crf_inputs(a.emissions, a.transitions, a.start, a.end, a.lengths);
+  check_lengths_cpu(a.lengths, a.emissions.size(1));
+  check_parameters_finite_cpu(a.transitions, a.start, a.end);
+  return a;
 }
 
 }  // namespace crfkit

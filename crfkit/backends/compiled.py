@@ -15,6 +15,33 @@ from .. import reference
 
 ops = torch.ops.crfkit
 
+# The Python side below relies on these schemas (argument and output order). An extension built
+# from older sources (an editable install not rebuilt after a schema change) would otherwise
+# return, say, (paths, scores) where (scores, paths) is expected: refuse to load it instead.
+EXPECTED_SCHEMAS = {
+    "log_partition": "crfkit::log_partition(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
+    "marginals": "crfkit::marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
+    "log_partition_backward": "crfkit::log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)",
+    "viterbi": "crfkit::viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor scores, Tensor paths)",
+    "kbest_viterbi": "crfkit::kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths)",
+    "sequence_score": "crfkit::sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, Tensor tags) -> Tensor",
+    "sequence_score_backward": "crfkit::sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, Tensor tags) -> (Tensor, Tensor, Tensor, Tensor)",
+}
+
+
+def check_schemas(expected=EXPECTED_SCHEMAS) -> None:
+    """Raise ImportError unless every op is registered with the schema this module expects."""
+    for name, schema in expected.items():
+        found = str(getattr(ops, name).default._schema) if hasattr(ops, name) else "missing"
+        if found != schema:
+            raise ImportError(
+                f"crfkit._C is out of date: op {name} has schema {found!r}, expected {schema!r}; "
+                "rebuild it with `pip install --no-build-isolation -e .`"
+            )
+
+
+check_schemas()
+
 
 # ---- fake implementations: shapes and dtypes only ------------------------------------------
 @torch.library.register_fake("crfkit::log_partition")
@@ -139,7 +166,8 @@ def viterbi(emissions, transitions, lengths, start, end):
 
 def kbest_viterbi(emissions, transitions, k, lengths, start, end):
     scores, paths = ops.kbest_viterbi(emissions, transitions, start, end, lengths, k)
-    return paths, scores
+    log_z = ops.log_partition(emissions, transitions, start, end, lengths)
+    return paths, scores, reference.log_probs_from_scores(scores, log_z)
 
 
 def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:

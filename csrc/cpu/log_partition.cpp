@@ -166,23 +166,12 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   raise_if_bad_emissions(bad);
 }
 
-void check_all(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-               const at::Tensor& end, const at::Tensor& lengths) {
-  check_crf_inputs(emissions, transitions, start, end, lengths);
-  check_lengths_cpu(lengths, emissions.size(1));
-  check_parameters_finite_cpu(transitions, start, end);
-}
-
 // log Z per sentence: (B,). Working memory O(T) per thread; nothing of size L is kept.
-at::Tensor log_partition_cpu(const at::Tensor& emissions_arg, const at::Tensor& transitions_arg,
-                             const at::Tensor& start_arg, const at::Tensor& end_arg,
-                             const at::Tensor& lengths_arg) {
-  const at::Tensor emissions = emissions_arg.contiguous();
-  const at::Tensor transitions = transitions_arg.contiguous();
-  const at::Tensor start = start_arg.contiguous();
-  const at::Tensor end = end_arg.contiguous();
-  const at::Tensor lengths = lengths_arg.contiguous();
-  check_all(emissions, transitions, start, end, lengths);
+at::Tensor log_partition_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
+                             const at::Tensor& start_in, const at::Tensor& end_in,
+                             const at::Tensor& lengths_in) {
+  const auto [emissions, transitions, start, end, lengths] =
+      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   auto log_z = at::empty({emissions.size(0)}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition", [&] {
     run_sentences<scalar_t, Output::kLogPartition>(emissions, transitions, start, end, lengths,
@@ -193,14 +182,10 @@ at::Tensor log_partition_cpu(const at::Tensor& emissions_arg, const at::Tensor& 
 }
 
 // P(y_i = t | x): (B, L, T), zero at padded positions.
-at::Tensor marginals_cpu(const at::Tensor& emissions_arg, const at::Tensor& transitions_arg,
-                         const at::Tensor& start_arg, const at::Tensor& end_arg, const at::Tensor& lengths_arg) {
-  const at::Tensor emissions = emissions_arg.contiguous();
-  const at::Tensor transitions = transitions_arg.contiguous();
-  const at::Tensor start = start_arg.contiguous();
-  const at::Tensor end = end_arg.contiguous();
-  const at::Tensor lengths = lengths_arg.contiguous();
-  check_all(emissions, transitions, start, end, lengths);
+at::Tensor marginals_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
+                         const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in) {
+  const auto [emissions, transitions, start, end, lengths] =
+      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   auto marginals = at::zeros_like(emissions);
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals", [&] {
     run_sentences<scalar_t, Output::kMarginals>(emissions, transitions, start, end, lengths,
@@ -213,15 +198,11 @@ at::Tensor marginals_cpu(const at::Tensor& emissions_arg, const at::Tensor& tran
 // Gradients of sum_b grad_log_z[b] * log Z[b] with respect to emissions (B, L, T),
 // transitions (T, T), start (T,) and end (T,): the marginals and pairwise marginals, weighted.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cpu(
-    const at::Tensor& grad_log_z_arg, const at::Tensor& emissions_arg, const at::Tensor& transitions_arg,
-    const at::Tensor& start_arg, const at::Tensor& end_arg, const at::Tensor& lengths_arg) {
-  const at::Tensor grad_log_z = grad_log_z_arg.contiguous();
-  const at::Tensor emissions = emissions_arg.contiguous();
-  const at::Tensor transitions = transitions_arg.contiguous();
-  const at::Tensor start = start_arg.contiguous();
-  const at::Tensor end = end_arg.contiguous();
-  const at::Tensor lengths = lengths_arg.contiguous();
-  check_all(emissions, transitions, start, end, lengths);
+    const at::Tensor& grad_log_z_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
+    const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in) {
+  const at::Tensor grad_log_z = grad_log_z_in.contiguous();
+  const auto [emissions, transitions, start, end, lengths] =
+      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
   TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
                   grad_log_z.scalar_type() == emissions.scalar_type(),

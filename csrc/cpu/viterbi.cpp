@@ -200,24 +200,13 @@ void kbest_sentence(const scalar_t* emit, const scalar_t* trans, const scalar_t*
   }
 }
 
-void check_all(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-               const at::Tensor& end, const at::Tensor& lengths) {
-  check_crf_inputs(emissions, transitions, start, end, lengths);
-  check_lengths_cpu(lengths, emissions.size(1));
-  check_parameters_finite_cpu(transitions, start, end);
-}
-
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
-std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_arg,
-                                               const at::Tensor& transitions_arg,
-                                               const at::Tensor& start_arg, const at::Tensor& end_arg,
-                                               const at::Tensor& lengths_arg) {
-  const at::Tensor emissions = emissions_arg.contiguous();
-  const at::Tensor transitions = transitions_arg.contiguous();
-  const at::Tensor start = start_arg.contiguous();
-  const at::Tensor end = end_arg.contiguous();
-  const at::Tensor lengths = lengths_arg.contiguous();
-  check_all(emissions, transitions, start, end, lengths);
+std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
+                                               const at::Tensor& transitions_in,
+                                               const at::Tensor& start_in, const at::Tensor& end_in,
+                                               const at::Tensor& lengths_in) {
+  const auto [emissions, transitions, start, end, lengths] =
+      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   auto paths = at::full({B, L}, -1, lengths.options());
   auto scores = at::empty({B}, emissions.options());
@@ -262,16 +251,12 @@ int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
 
 // scores (B, K), paths (B, K, L) int64: the K best distinct sequences per sentence, descending;
 // rows beyond the number of allowed sequences hold -1 / -inf.
-std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions_arg,
-                                                     const at::Tensor& transitions_arg,
-                                                     const at::Tensor& start_arg, const at::Tensor& end_arg,
-                                                     const at::Tensor& lengths_arg, int64_t k){
-  const at::Tensor emissions = emissions_arg.contiguous();
-  const at::Tensor transitions = transitions_arg.contiguous();
-  const at::Tensor start = start_arg.contiguous();
-  const at::Tensor end = end_arg.contiguous();
-  const at::Tensor lengths = lengths_arg.contiguous();
-  check_all(emissions, transitions, start, end, lengths);
+std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions_in,
+                                                     const at::Tensor& transitions_in,
+                                                     const at::Tensor& start_in, const at::Tensor& end_in,
+                                                     const at::Tensor& lengths_in, int64_t k) {
+  const auto [emissions, transitions, start, end, lengths] =
+      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   auto paths = at::full({B, k, L}, -1, lengths.options());

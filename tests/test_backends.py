@@ -1,0 +1,59 @@
+"""Backend selection: the compiled extension when it loads, the reference otherwise, a clear
+reason either way, and an environment variable to force one."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import crfkit
+
+
+def run_python(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=120)
+    return out
+
+
+def test_backend_info_says_what_runs_and_why():
+    info = crfkit.backend_info()
+    assert info["backend"] in info["available"] and "reference" in info["available"]
+    assert isinstance(info["reason"], str) and info["reason"]
+
+
+def test_missing_extension_falls_back_to_the_reference():
+    code = ("import sys; sys.modules['crfkit._C'] = None\n"
+            "import torch, crfkit\n"
+            "info = crfkit.backend_info(); print(info['backend']); print(info['reason'])\n"
+            "print(float(crfkit.log_partition(torch.zeros(1, 2, 2), torch.zeros(2, 2))))")
+    out = run_python(code, CRFKIT_BACKEND="")
+    assert out.returncode == 0, out.stderr
+    backend, reason, value = out.stdout.split("\n")[:3]
+    assert backend == "reference" and "not available" in reason
+    assert float(value) == pytest.approx(2 * __import__("math").log(2))
+
+
+def test_environment_variable_forces_a_backend():
+    out = run_python("import crfkit; print(crfkit.backend_info()['backend'])", CRFKIT_BACKEND="reference")
+    assert out.returncode == 0 and out.stdout.strip() == "reference"
+    out = run_python("import crfkit", CRFKIT_BACKEND="cuda-magic")
+    assert out.returncode != 0 and "CRFKIT_BACKEND must be one of" in out.stderr
+
+
+def test_use_backend_restores_the_previous_one():
+    before = crfkit.backend_info()["backend"]
+    with crfkit.use_backend("reference"):
+        assert crfkit.backend_info()["backend"] == "reference"
+    assert crfkit.backend_info()["backend"] == before
+    with pytest.raises(ValueError, match="backend must be one of"):
+        crfkit.set_backend("fortran")
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+def test_an_out_of_date_extension_is_refused():
+    from crfkit.backends import compiled
+
+    stale = dict(compiled.EXPECTED_SCHEMAS, viterbi="crfkit::viterbi(Tensor emissions) -> (Tensor paths, Tensor scores)")
+    with pytest.raises(ImportError, match="out of date.*rebuild"):
+        compiled.check_schemas(stale)
+    compiled.check_schemas()  # the real build matches
