@@ -155,3 +155,31 @@ def test_k_larger_than_the_number_of_sequences(backend):
     assert (torch.isfinite(best.scores).sum(1) == 8).all()
     torch.testing.assert_close(torch.logsumexp(best.log_probs, 1), torch.zeros(3, dtype=torch.float64))
     assert (best.paths[:, 8:] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ranges_around_the_fast_path_limit(backend, dtype):
+    # Transition / emission ranges from inside the probability-space path's ~104-nat limit to
+    # far beyond double's underflow (~745 nats), with forbidden transitions: sentences take the
+    # fast path, the exact path, or switch mid-way (the C++ backend decides per sentence and per
+    # pass). All must agree with the reference.
+    g = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        B, L, T = 6, 9, 4
+        em = torch.randn(B, L, T, generator=g, dtype=torch.float64) * [5.0, 30.0, 300.0][trial % 3]
+        tr = torch.rand(T, T, generator=g, dtype=torch.float64) * [60.0, 140.0, 900.0, 2000.0][trial % 4]
+        tr[torch.rand(T, T, generator=g) < 0.2] = NEG_INF
+        em[0] *= 3  # one sentence far out of range
+        ln = torch.tensor([9, 9, 5, 1, 0, 7])
+        with crfkit.use_backend("reference"):
+            truth = crfkit.log_partition(em, tr, ln), crfkit.marginals(em, tr, ln)
+            tr_req = tr.clone().requires_grad_()
+            (truth_grad,) = torch.autograd.grad(crfkit.log_partition(em, tr_req, ln).sum(), tr_req)
+        tr_req = tr.to(dtype).requires_grad_()
+        log_z = crfkit.log_partition(em.to(dtype), tr_req, ln)
+        (grad,) = torch.autograd.grad(log_z.sum(), tr_req)
+        mu = crfkit.marginals(em.to(dtype), tr.to(dtype), ln)
+        tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=2e-3)
+        torch.testing.assert_close(log_z.double(), truth[0], **tol)
+        torch.testing.assert_close(mu.double(), truth[1], atol=tol["atol"] if dtype == torch.float32 else 1e-9, rtol=0)
+        torch.testing.assert_close(grad.double(), truth_grad, atol=5e-3 if dtype == torch.float32 else 1e-8, rtol=1e-5)

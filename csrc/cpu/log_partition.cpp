@@ -11,6 +11,7 @@
 
 #include "../checks.h"
 #include "log_space.h"
+#include "prob_space.h"
 
 namespace crfkit {
 namespace cpu {
@@ -112,7 +113,9 @@ void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* 
 
 enum class Output { kLogPartition, kMarginals, kBackward };
 
-// One driver for the three ops: they share the scan, the per-thread buffers, the checks.
+// One driver for the three ops: they share the scans, the per-thread buffers, the checks.
+// Each sentence runs the probability-space fast path (prob_space.h) and falls back to the exact
+// log-space scans above when that path reports a value out of its range.
 template <typename scalar_t, Output kOut>
 void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
                    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
@@ -124,15 +127,19 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   const scalar_t* st = start.data_ptr<scalar_t>();
   const scalar_t* en = end.data_ptr<scalar_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
+  const ProbTables tables(trans, en, T);
   const ScaledTransitions<scalar_t> by_col(trans, T, /*by_column=*/true);
   const ScaledTransitions<scalar_t> by_row(trans, T, /*by_column=*/false);
   constexpr bool keep_rows = kOut != Output::kLogPartition;
+  constexpr bool pairwise = kOut == Output::kBackward;
+  const int64_t rows = keep_rows ? std::max<int64_t>(L, 1) : 2;
   std::vector<char> bad(B, 0);
 
   at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
-    std::vector<scalar_t> alpha_hat(keep_rows ? std::max<int64_t>(L, 1) * T : 2 * T);
-    std::vector<double> offset(keep_rows ? std::max<int64_t>(L, 1) : 1);
-    std::vector<scalar_t> work(4 * T + (kOut == Output::kBackward ? T * T : 0));
+    // Fast path: scaled probabilities in double. Exact path: normalised log space.
+    std::vector<double> prob_a(rows * T), prob_w(keep_rows ? rows * T : 0), prob_work(3 * T);
+    std::vector<scalar_t> alpha_hat(rows * T), work(4 * T + (pairwise ? T * T : 0));
+    std::vector<double> offset(rows);
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t n = len[b];
       const scalar_t* emit_b = emit + b * L * T;
@@ -144,8 +151,14 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
         if (kOut == Output::kLogPartition) log_z_out[b] = 0;
         continue;
       }
-      const double log_z = forward_scan(emit_b, trans, st, en, by_col, n, T, keep_rows,
-                                        alpha_hat.data(), offset.data(), work.data());
+      double log_z = 0;
+      bool fast = tables.usable && prob_forward(emit_b, st, tables, n, keep_rows, prob_a.data(),
+                                                prob_w.data(), prob_work.data(), &log_z);
+      auto exact_forward = [&] {
+        return forward_scan(emit_b, trans, st, en, by_col, n, T, keep_rows, alpha_hat.data(),
+                            offset.data(), work.data());
+      };
+      if (!fast) log_z = exact_forward();
       if (kOut == Output::kLogPartition) {
         log_z_out[b] = static_cast<scalar_t>(log_z);
         continue;
@@ -154,13 +167,24 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
       if (log_z == kNegInfD) continue;
       const scalar_t g = kOut == Output::kBackward ? grad_log_z[b] : scalar_t(1);
       if (g == 0) continue;
-      constexpr bool pairwise = kOut == Output::kBackward;
+      scalar_t* grad_emit_b = emit_out + b * L * T;
+      scalar_t* grad_trans_b = pairwise ? trans_out + b * T * T : nullptr;
+      scalar_t* grad_start_b = pairwise ? start_out + b * T : nullptr;
+      scalar_t* grad_end_b = pairwise ? end_out + b * T : nullptr;
+      if (fast && prob_backward<scalar_t, pairwise>(tables, n, prob_a.data(), prob_w.data(), g,
+                                                    grad_emit_b, grad_trans_b, grad_start_b,
+                                                    grad_end_b, prob_work.data(),
+                                                    prob_work.data() + T)) {
+        continue;
+      }
+      if (fast) {  // the backward left its range: discard its partial sums, redo exactly
+        if (pairwise) std::fill(grad_trans_b, grad_trans_b + T * T, scalar_t(0));
+        log_z = exact_forward();
+      }
       backward_scan<scalar_t, pairwise>(
           emit_b, trans, en, by_col, by_row, n, T, alpha_hat.data(), offset.data(), log_z, g,
-          emit_out + b * L * T, pairwise ? trans_out + b * T * T : nullptr,
-          pairwise ? start_out + b * T : nullptr, pairwise ? end_out + b * T : nullptr,
-          work.data(), work.data() + T, work.data() + 2 * T, work.data() + 3 * T,
-          pairwise ? work.data() + 4 * T : nullptr);
+          grad_emit_b, grad_trans_b, grad_start_b, grad_end_b, work.data(), work.data() + T,
+          work.data() + 2 * T, work.data() + 3 * T, pairwise ? work.data() + 4 * T : nullptr);
     }
   });
   raise_if_bad_emissions(bad);
