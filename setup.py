@@ -6,6 +6,10 @@ builds crfkit._C against the torch already installed (no isolated build environm
 never downloads another torch). Environment variables:
     CRFKIT_NO_EXTENSION=1   install the pure-Python package only (the reference backend runs)
     CRFKIT_FORCE_CUDA=1     build the CUDA kernels even when no GPU is visible (needs nvcc)
+    CRFKIT_ARCH=native      the CPU the C++ kernels are compiled for (-march=...): "native"
+                            (default: the building machine, e.g. AVX2/AVX-512 where present),
+                            a name such as "x86-64-v3", or "none" for the compiler's portable
+                            default (use that to build on one machine and run on another)
 """
 import glob
 import os
@@ -20,6 +24,10 @@ if os.environ.get("CRFKIT_NO_EXTENSION", "0") != "1":
 
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
+    arch = os.environ.get("CRFKIT_ARCH", "native")
+    if arch != "none":
+        # Wide vectors (and FMA) for the T x T products; no fast-math, so -inf / NaN stay exact.
+        cxx_flags.append(f"-march={arch}")
     use_cuda = CUDA_HOME is not None and (
         torch.cuda.is_available() or os.environ.get("CRFKIT_FORCE_CUDA", "0") == "1"
     )

@@ -24,6 +24,8 @@
 #include <limits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace crfkit {
 namespace cpu {
 
@@ -32,17 +34,19 @@ constexpr double kMinScaled = 0x1p-150;  // e^-104: the dynamic range kept per p
 // exp(x - x_max) for the finite entries of x (0 for -inf), and x_max; `ok` is cleared when a
 // finite entry falls below kMinScaled (its probability would not survive the products).
 template <typename scalar_t>
-inline double exp_shifted(const scalar_t* x, int64_t n, double* out, bool& ok) {
+inline double exp_shifted(const scalar_t* x, int64_t n, double* __restrict__ out, bool& ok) {
   double x_max = -std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < n; ++i) x_max = std::max(x_max, static_cast<double>(x[i]));
   if (x_max == -std::numeric_limits<double>::infinity()) {
     std::fill(out, out + n, 0.0);
     return x_max;
   }
+  for (int64_t i = 0; i < n; ++i) out[i] = exp_nonpositive(static_cast<double>(x[i]) - x_max);
+  bool in_range = true;
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = std::exp(static_cast<double>(x[i]) - x_max);
-    if (x[i] != -std::numeric_limits<scalar_t>::infinity() && out[i] < kMinScaled) ok = false;
+    in_range &= (out[i] >= kMinScaled) | (x[i] == -std::numeric_limits<scalar_t>::infinity());
   }
+  ok = ok && in_range;
   return x_max;
 }
 
@@ -66,6 +70,21 @@ struct ProbTables {
     end_max = exp_shifted(end, T, end_w.data(), usable);
   }
 };
+
+// out[j] = sum_k x[k] * m[k * T + j] for a T x T row-major m. Written as a sum of scaled rows
+// (each out[j] still accumulates in k order) rather than as dot products, because without
+// -ffast-math the compiler may not reorder a dot product's sum and so would not vectorise it;
+// here the inner loop runs over independent outputs and vectorises as it is.
+inline void axpy_rows(const double* __restrict__ m, const double* __restrict__ x, int64_t T,
+                      double* __restrict__ out) {
+  std::fill(out, out + T, 0.0);
+  for (int64_t k = 0; k < T; ++k) {
+    const double xk = x[k];
+    if (xk == 0) continue;  // unreachable states (and forbidden tags) contribute nothing
+    const double* row = m + k * T;
+    for (int64_t j = 0; j < T; ++j) out[j] += xk * row[j];
+  }
+}
 
 inline double max_of_doubles(const double* x, int64_t n) {
   double m = 0;
@@ -100,12 +119,7 @@ bool prob_forward(const scalar_t* emit, const scalar_t* start, const ProbTables&
       *log_z = neg_inf;
       return ok;
     }
-    for (int64_t t = 0; t < T; ++t) {
-      const double* col = &tab.by_col[t * T];
-      double sum = 0;
-      for (int64_t s = 0; s < T; ++s) sum += col[s] * a_prev[s];
-      d[t] = sum;
-    }
+    axpy_rows(tab.by_row.data(), a_prev, T, d);  // d[t] = sum_s a_prev[s] E[s, t]
     double m = 0;
     for (int64_t t = 0; t < T; ++t) m = std::max(m, a[t] = d[t] * w[t]);
     if (m == 0) {  // no state reachable (underflow is excluded by the checks): log Z = -inf
@@ -157,12 +171,7 @@ bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const
     const double gw_max = max_of_doubles(gw, T);
     if (!(gw_max > 0)) return false;
     for (int64_t t = 0; t < T; ++t) gw[t] /= gw_max;
-    for (int64_t s = 0; s < T; ++s) {
-      const double* row = &tab.by_row[s * T];
-      double sum = 0;
-      for (int64_t t = 0; t < T; ++t) sum += row[t] * gw[t];
-      b_prev[s] = sum;
-    }
+    axpy_rows(tab.by_col.data(), gw, T, b_prev);  // b_prev[s] = sum_t E[s, t] gw[t]
     const double* a_prev = a_rows + (i - 1) * T;
     if (kPairwise) {
       // xi[s, t] = a_{i-1}[s] E[s, t] w_i[t] b_i[t] / sum over (s, t); that sum is

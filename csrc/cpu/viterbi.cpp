@@ -39,23 +39,31 @@ void dispatch_backpointer_type(int64_t num_codes, F&& f) {
 // Viterbi for one sentence of length n >= 1. Writes path[0 .. n) and returns the best score.
 template <typename scalar_t, typename bp_t>
 scalar_t viterbi_sentence(const scalar_t* emit, const scalar_t* trans, const scalar_t* start,
-                          const scalar_t* end, int64_t n, int64_t T, scalar_t* delta,
-                          scalar_t* delta_next, bp_t* backpointers, int64_t* path) {
+                          const scalar_t* end, int64_t n, int64_t T, scalar_t* __restrict__ delta,
+                          scalar_t* __restrict__ delta_next, int32_t* __restrict__ arg,
+                          bp_t* backpointers, int64_t* path) {
   for (int64_t t = 0; t < T; ++t) delta[t] = start[t] + emit[t];
   for (int64_t i = 1; i < n; ++i) {
     bp_t* bp = backpointers + i * T;
+    // Over predecessors s outside, tags t inside: the T running maxima are independent lanes
+    // that vectorise (a max over s inside would be one serial chain per t).
     for (int64_t t = 0; t < T; ++t) {
-      scalar_t best = delta[0] + trans[t];
-      int64_t arg = 0;
-      for (int64_t s = 1; s < T; ++s) {
-        const scalar_t cand = delta[s] + trans[s * T + t];
-        if (cand > best) {  // strict: the smaller predecessor wins a tie
-          best = cand;
-          arg = s;
-        }
+      delta_next[t] = delta[0] + trans[t];
+      arg[t] = 0;
+    }
+    for (int32_t s = 1; s < T; ++s) {
+      const scalar_t d = delta[s];
+      const scalar_t* row = trans + s * T;
+      for (int64_t t = 0; t < T; ++t) {
+        const scalar_t cand = d + row[t];
+        const int32_t better = cand > delta_next[t];  // strict: the smaller predecessor wins a tie
+        delta_next[t] = cand > delta_next[t] ? cand : delta_next[t];
+        arg[t] += better * (s - arg[t]);
       }
-      delta_next[t] = best + emit[i * T + t];
-      bp[t] = static_cast<bp_t>(arg);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      delta_next[t] += emit[i * T + t];
+      bp[t] = static_cast<bp_t>(arg[t]);
     }
     std::swap(delta, delta_next);
   }
@@ -223,6 +231,7 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
       using bp_t = decltype(bp_tag);
       at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
         std::vector<scalar_t> delta(2 * T);
+        std::vector<int32_t> arg(T);
         std::vector<bp_t> backpointers(std::max<int64_t>(L, 1) * T);
         for (int64_t b = b_begin; b < b_end; ++b) {
           const int64_t n = len[b];
@@ -233,7 +242,8 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
           }
           score[b] = n == 0 ? scalar_t(0)  // the empty sequence
                             : viterbi_sentence(emit_b, trans, st, en, n, T, delta.data(),
-                                               delta.data() + T, backpointers.data(), path + b * L);
+                                               delta.data() + T, arg.data(), backpointers.data(),
+                                               path + b * L);
         }
       });
     });
