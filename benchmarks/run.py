@@ -6,12 +6,12 @@ For every cell (op, B, L, T, K), in one process:
   1. correctness: the compiled result is compared with the reference (cases.check_case);
      a cell that disagrees is reported WRONG and not timed;
   2. timing: torch.utils.benchmark.Timer(...).blocked_autorange(min_run_time=0.5) of one call
-     of the public function under each backend, with torch's default number of threads;
-     the median is reported in ms. Reference cells whose single call would exceed the budget
-     (--budget, 10 s) are "skipped: too slow". The share of the CPUs that OTHER processes used
-     meanwhile is recorded per cell; above 10 % the cell is re-timed (--retries, after a pause)
-     and the quietest attempt kept, since on a small shared machine a competing process
-     distorts timings badly (use --threads 1 for steadier numbers there).
+     of the public function under each backend, with torch's default number of threads
+     (--threads N to change it); the median is reported in ms. Reference cells whose single call would exceed the budget
+     (--budget, 10 s) are "skipped: too slow". Each backend is timed in --rounds (3)
+     interleaved rounds and its smallest round median is reported, since on a small shared
+     machine a competing process distorts timings badly; the share of the CPUs that OTHER
+     processes used during the cell is recorded too (use --threads 1 for steadier numbers there).
 Writes <out>.md and <out>.json (machine, versions, command, date, cells) and prints the
 markdown. ratio = reference ms / compiled ms; tokens/s = B * L / compiled seconds (padded
 positions count as tokens).
@@ -114,50 +114,39 @@ class OtherLoad:
         return busy, times.user + times.system, time.perf_counter()
 
 
-def median_ms(fn, min_run_time: float) -> dict:
-    """Median (and IQR) in ms of one call of fn, by blocked_autorange."""
+def median_ms(fn, min_run_time: float) -> float:
+    """Median in ms of one call of fn, by blocked_autorange (with torch's current thread count)."""
     timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=min_run_time)
-    return {"median_ms": m.median * 1e3, "iqr_ms": m.iqr * 1e3, "runs": m.number_per_run * len(m.times)}
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
-def time_cell(case: cases.Case, check: cases.Check, min_run_time: float) -> dict:
-    """Median times of both backends for one (checked) cell, and the other processes' load meanwhile."""
-    load = OtherLoad().start()
-    compiled = median_ms(cases.callable_for(case, "compiled"), min_run_time)
-    timing = {"compiled_ms": compiled["median_ms"], "compiled_runs": compiled["runs"],
-              "tokens_per_s": case.B * case.L / (compiled["median_ms"] / 1e3)}
-    if not check.reference_skipped:
-        reference = median_ms(cases.callable_for(case, "reference"), min_run_time)
-        timing.update(reference_ms=reference["median_ms"], reference_runs=reference["runs"],
-                      ratio=reference["median_ms"] / compiled["median_ms"])
-    timing["other_load"] = load.stop()
-    return timing
+def run_cell(case: cases.Case, budget_s: float, min_run_time: float, rounds: int) -> dict:
+    """Check one cell, then time it; returns the row of the report.
 
-
-def run_cell(case: cases.Case, budget_s: float, min_run_time: float, retries: int) -> dict:
-    """Check one cell, then time it; returns the row of the report. When other processes
-    competed for the CPUs during the timing, it is retried (after a pause) up to `retries`
-    times and the quietest attempt is kept."""
+    Timing: `rounds` rounds, each a blocked_autorange median of the compiled op then of the
+    reference op; the reported time of a backend is its smallest round median (the round least
+    disturbed by other processes). A reference whose single call takes over a second gets one
+    round only.
+    """
     check = cases.check_case(case, budget_s)
     row = {"op": case.op, "B": case.B, "L": case.L, "T": case.T, "K": case.K, "status": check.status,
            "compiled_ms": None, "reference_ms": None, "ratio": None, "tokens_per_s": None,
-           "reference_note": None, "other_load": None, "attempts": 0}
+           "reference_note": None, "other_load": None, "compiled_rounds_ms": [], "reference_rounds_ms": []}
     if check.wrong:
         return row
     if check.reference_skipped:
         row["reference_note"] = f"skipped: too slow (one call ~{check.reference_estimate_s:.2g} s)"
-    best = None
-    for attempt in range(1 + retries):
-        if attempt:
-            time.sleep(5)
-        timing = time_cell(case, check, min_run_time)
-        row["attempts"] += 1
-        if best is None or (timing["other_load"] or 0) < (best["other_load"] or 0):
-            best = timing
-        if (best["other_load"] or 0) <= BUSY:
-            break
-    row.update(best)
+    load = OtherLoad().start()
+    for r in range(rounds):
+        row["compiled_rounds_ms"].append(median_ms(cases.callable_for(case, "compiled"), min_run_time))
+        if not check.reference_skipped and (r == 0 or check.reference_s < 1.0):
+            row["reference_rounds_ms"].append(median_ms(cases.callable_for(case, "reference"), min_run_time))
+    row["other_load"] = load.stop()
+    row["compiled_ms"] = min(row["compiled_rounds_ms"])
+    row["tokens_per_s"] = case.B * case.L / (row["compiled_ms"] / 1e3)
+    if row["reference_rounds_ms"]:
+        row["reference_ms"] = min(row["reference_rounds_ms"])
+        row["ratio"] = row["reference_ms"] / row["compiled_ms"]
     return row
 
 
@@ -245,7 +234,7 @@ def markdown(env: dict, rows: List[dict], heads: List[dict], full: bool) -> str:
               "- measured: one call of the public crfkit function under `crfkit.use_backend(backend)`, "
               "float32, seeded inputs (emissions randn*3, transitions / start / end randn, ragged "
               "lengths in [L/2, L]); median of torch.utils.benchmark blocked_autorange "
-              f"(min_run_time {env['min_run_time']} s). tokens/s = B*L / compiled time. "
+              f"(min_run_time {env['min_run_time']} s), the smallest of {env['rounds']} interleaved rounds. tokens/s = B*L / compiled time. "
               "Correctness is checked against the reference before timing. "
               "others' CPU: share of the machine's CPU time used by other processes during the cell.",
               ""]
@@ -270,8 +259,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="skip reference cells whose single call would exceed this many seconds (default %(default)s)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's default); "
                         "1 gives steadier numbers on a small machine that other processes share")
-    parser.add_argument("--retries", type=int, default=2,
-                        help="re-time a cell up to N times when other processes competed for the CPUs (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timing rounds per cell; the smallest round median is reported (default %(default)s)")
     parser.add_argument("--min-run-time", type=float, default=0.5, help="blocked_autorange min_run_time (s)")
     args = parser.parse_args(argv[1:])
 
@@ -283,11 +272,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     env = environment(argv)
     env["min_run_time"] = args.min_run_time
     env["reference_budget_s"] = args.budget
-    env["retries"] = args.retries
+    env["rounds"] = args.rounds
 
     rows = []
     for i, case in enumerate(grid_cases, 1):
-        row = run_cell(case, args.budget, args.min_run_time, args.retries)
+        row = run_cell(case, args.budget, args.min_run_time, args.rounds)
         rows.append(row)
         print(f"[{i}/{len(grid_cases)}] " + " | ".join(_row_cells(row)), file=sys.stderr, flush=True)
 
