@@ -161,3 +161,19 @@ def test_properties(B, L, T, k, seed, forbid):
             # Rows exist for exactly min(k, number of allowed sequences) when that count is small.
             if T ** int(ln[b]) <= k and not forbid:
                 assert len(rows) == T ** int(ln[b])
+
+
+def test_kbest_with_k1_matches_the_reference(backend):
+    # k = 1 takes the Viterbi kernel in the compiled backend: same rows, log-probs and gradients.
+    em, tr, ln, s, e = random_crf(9, 12, 5, integer=True)  # integer scores: many exact ties
+    outs = {}
+    for name in (backend, "reference"):
+        with crfkit.use_backend(name):
+            em_req = em.clone().requires_grad_()
+            best = crfkit.kbest_viterbi(em_req, tr, 1, ln, s, e)
+            finite = torch.isfinite(best.log_probs)
+            (grad,) = torch.autograd.grad(best.log_probs[finite].sum(), em_req)
+            outs[name] = (best.paths, best.scores, best.log_probs, grad)
+    assert torch.equal(outs[backend][0], outs["reference"][0])
+    for got, want in zip(outs[backend][1:], outs["reference"][1:]):
+        torch.testing.assert_close(got, want)

@@ -268,6 +268,10 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
   const auto [emissions, transitions, start, end, lengths] =
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
+  if (k == 1) {  // the 1-best is Viterbi, with the same tie rule: use the cheaper kernel
+    auto [best_scores, best_paths] = viterbi_cpu(emissions, transitions, start, end, lengths);
+    return {best_scores.unsqueeze(1), best_paths.unsqueeze(1)};
+  }
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   auto paths = at::full({B, k, L}, -1, lengths.options());
   auto scores = at::full({B, k}, -std::numeric_limits<double>::infinity(), emissions.options());
