@@ -3,9 +3,12 @@
 Backends, in order of preference:
 - "compiled": the C++ (and, when built for it, CUDA) kernels of crfkit._C, registered as
   torch.ops.crfkit.* with autograd and fake implementations (crfkit/backends/compiled.py).
+- "numba": the same CPU kernels written in Python and compiled by numba
+  (crfkit/backends/numba_backend.py), when numba is installed: the fallback when the
+  extension is not built (compiled on first use, then cached on disk).
 - "reference": plain PyTorch (crfkit/reference.py): slower, always available.
 
-The environment variable CRFKIT_BACKEND (compiled | reference) forces one at import;
+The environment variable CRFKIT_BACKEND (compiled | numba | reference) forces one at import;
 crfkit.use_backend(name) switches within a block (the tests use it to run one suite on each).
 """
 from __future__ import annotations
@@ -27,7 +30,15 @@ try:
 except Exception as error:  # ImportError, or an ABI mismatch (OSError / undefined symbol)
     _unavailable["compiled"] = f"{type(error).__name__}: {error}"
 
-_PREFERENCE = ("compiled", "reference")
+try:
+    from . import numba_backend
+
+    _available["numba"] = numba_backend
+except Exception as error:  # ImportError: numba is not installed (pip install crfkit[numba])
+    _unavailable["numba"] = f"{type(error).__name__}: {error}"
+
+_PREFERENCE = ("compiled", "numba", "reference")
+_DESCRIPTION = {"compiled": "the compiled extension", "numba": "numba", "reference": "the reference"}
 
 
 def _initial_choice():
@@ -40,9 +51,11 @@ def _initial_choice():
         return forced, f"forced by CRFKIT_BACKEND={forced}"
     for name in _PREFERENCE:
         if name in _available:
-            why = "the compiled extension loaded" if name == "compiled" else (
-                "the compiled extension is not available: " + _unavailable.get("compiled", "?")
-            )
+            # Why each better backend was passed over, e.g. "the compiled extension is not
+            # available: ImportError: ...; numba is not available: ImportError: ...".
+            skipped = [f"{_DESCRIPTION[other]} is not available: {_unavailable.get(other, '?')}"
+                       for other in _PREFERENCE[: _PREFERENCE.index(name)]]
+            why = "; ".join(skipped) if skipped else f"{_DESCRIPTION[name]} loaded"
             return name, why
     raise AssertionError("the reference backend is always available")
 
@@ -63,7 +76,7 @@ def backend_info() -> dict:
     """Which implementation runs crfkit's ops and why, e.g.
 
     {'backend': 'compiled', 'reason': 'the compiled extension loaded',
-     'available': ('compiled', 'reference'), 'unavailable': {}, 'cuda_kernels': False}
+     'available': ('compiled', 'numba', 'reference'), 'unavailable': {}, 'cuda_kernels': False}
     """
     cuda = False
     if "compiled" in _available:
@@ -80,7 +93,7 @@ def backend_info() -> dict:
 
 
 def set_backend(name: str) -> None:
-    """Use `name` ('compiled' or 'reference') from now on."""
+    """Use `name` ('compiled', 'numba' or 'reference') from now on."""
     global _current, _reason
     if name not in _PREFERENCE:
         raise ValueError(f"backend must be one of {_PREFERENCE}, got {name!r}")

@@ -1,0 +1,329 @@
+"""The numba backend: crfkit's CPU kernels written in Python and compiled by numba
+(crfkit/backends/numba_kernels.py), for when the C++ extension is not built.
+
+The same five functions as the other backends (see the end of crfkit/backends/compiled.py),
+with the same results: log Z, marginals and their gradients to rounding, Viterbi / k-best
+paths and scores bit for bit, with the same tie rule. Inputs arrive validated by
+crfkit.functional (contiguous CPU tensors, float32 or float64, start / end given, lengths
+int64). Each op is a torch.autograd.Function around a numba kernel:
+
+- log Z: the forward kernel keeps its normalised alpha rows when a gradient will be needed, and
+  the backward kernel runs the backward pass over them (marginals, pairwise marginals, first /
+  last position marginals, weighted by grad_output). Higher-order derivatives (create_graph)
+  and the derivative of the marginals go through crfkit.reference, as in the compiled backend.
+- Viterbi / k-best / sequence scores: the gradient is a scatter of ones at the emissions,
+  transitions, start and end each path uses (one numba kernel for the three).
+
+The kernels are serial numba functions that release the GIL; a call splits the batch over
+torch.get_num_threads() threads (a small thread pool, see _run), like the compiled backend's
+at::parallel_for. Importing this module raises ImportError when numba is missing. The kernels
+are compiled on first use (the exact decoding kernels once per dtype, the others once: they
+compute in float64) and cached on disk (numba's cache=True, in __pycache__).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import reference
+from . import numba_kernels as kernels
+
+_PARAMETER_ERRORS = {
+    1: "crfkit: transitions contains NaN or +inf (use -inf to forbid a transition)",
+    2: "crfkit: start contains NaN or +inf (use -inf to forbid a first tag)",
+    3: "crfkit: end contains NaN or +inf (use -inf to forbid a last tag)",
+}
+
+
+# Below this much work (roughly B * L * T * T elementary steps) a call runs on the calling thread
+# alone: handing work to another thread costs some tens of microseconds.
+_PARALLEL_MIN_WORK = 1 << 16
+_pool = None
+_pool_pid = None
+_pool_lock = threading.Lock()
+
+
+def _workers(count: int) -> ThreadPoolExecutor:
+    """A pool of at least `count` threads, created on first use (and again in a forked child,
+    which inherits the pool object but not its threads)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        forked = _pool_pid != os.getpid()
+        if _pool is None or forked or _pool._max_workers < count:
+            if _pool is not None and not forked:
+                _pool.shutdown(wait=False)  # queued work still runs; its threads then exit
+            _pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="crfkit-numba")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def _run(kernel, *args, batch: int, work: int) -> None:
+    """kernel(*args, first, step) over the batch, split across torch.get_num_threads() threads
+    (the kernels release the GIL): thread j takes sentences j, j + step, j + 2 step, ..., which
+    balances ragged lengths. Idle threads sleep; nothing spin-waits."""
+    threads = min(torch.get_num_threads(), batch)
+    if threads <= 1 or work < _PARALLEL_MIN_WORK:
+        kernel(*args, 0, 1)
+        return
+    futures = [_workers(threads - 1).submit(kernel, *args, first, threads) for first in range(1, threads)]
+    try:
+        kernel(*args, 0, threads)
+    finally:
+        for future in futures:
+            future.result()
+
+
+def _np(x: Tensor) -> np.ndarray:
+    """A NumPy view (no copy) of a contiguous CPU tensor."""
+    return x.detach().numpy()
+
+
+def _check(emissions: Tensor, transitions: Tensor, start: Tensor, end: Tensor, lengths: Tensor) -> None:
+    """Device, lengths and the NaN / +inf checks of the parameters (emissions are checked by
+    the kernels, per sentence, within its length)."""
+    if emissions.device.type != "cpu":
+        raise ValueError(f"crfkit: the numba backend runs on the CPU, but emissions is on {emissions.device}")
+    L = emissions.shape[1]
+    code = kernels.check_arguments(_np(transitions), _np(start), _np(end), _np(lengths), L)
+    if code == 4:
+        raise ValueError(f"crfkit: lengths must lie in [0, seq_len = {L}], got values in "
+                         f"[{int(lengths.min())}, {int(lengths.max())}]")
+    if code:
+        raise ValueError(_PARAMETER_ERRORS[code])
+
+
+def _raise_if_bad(bad: np.ndarray) -> None:
+    if bad.any():
+        b = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"crfkit: emissions[{b}] contains NaN or +inf within its length (use -inf to forbid a tag)")
+
+
+def _raise_if_bad_tag(bad_tag: np.ndarray, tags: Tensor, T: int) -> None:
+    if bad_tag.any():
+        b = int(np.flatnonzero(bad_tag)[0])
+        j, i = divmod(int(bad_tag[b]) - 1, tags.shape[2])
+        raise ValueError(f"crfkit: tags[{b}, {j}, {i}] = {int(tags[b, j, i])} is not a tag index in [0, {T})")
+
+
+# ---- log Z and marginals -----------------------------------------------------------------------
+def _forward_backward(mode, emissions, transitions, start, end, lengths, *, grad_log_z=None,
+                      rows=None, offsets=None, log_z=None):
+    """Run kernels.forward_backward; returns float64 (log_z (B,), grad_emissions (B, L, T),
+    grad_trans (B, T, T), grad_start (B, T), grad_end (B, T)), the gradients per sentence and
+    empty when the mode does not compute them. Unused arguments get empty arrays of the same
+    types, so that the kernel is compiled once."""
+    B, L, T = emissions.shape
+    f64 = dtype = torch.float64  # the kernel computes in float64: compiled once, not per dtype
+    emissions, transitions, start, end = (x.to(f64) for x in (emissions, transitions, start, end))
+    backward = mode == kernels.MODE_BACKWARD
+    if log_z is None:
+        log_z = torch.empty(B, dtype=f64)
+    if rows is None:
+        rows, offsets = torch.empty((0, 0, 0), dtype=f64), torch.empty((0, 0), dtype=f64)
+    if grad_log_z is None:
+        grad_log_z = torch.empty(0, dtype=dtype)
+    want_emissions = mode in (kernels.MODE_BACKWARD, kernels.MODE_MARGINALS)
+    grad_emissions = torch.zeros_like(emissions) if want_emissions else torch.empty((0, 0, 0), dtype=dtype)
+    grad_trans = torch.zeros((B, T, T), dtype=f64) if backward else torch.empty((0, 0, 0), dtype=f64)
+    grad_start = torch.zeros((B, T), dtype=f64) if backward else torch.empty((0, 0), dtype=f64)
+    grad_end = torch.zeros((B, T), dtype=f64) if backward else torch.empty((0, 0), dtype=f64)
+    bad = np.zeros(B, dtype=np.bool_)
+    _run(kernels.forward_backward,
+         _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths), _np(grad_log_z), mode,
+         _np(rows), _np(offsets), _np(log_z), _np(grad_emissions), _np(grad_trans), _np(grad_start),
+         _np(grad_end), bad, batch=B, work=emissions.numel() * T)
+    _raise_if_bad(bad)
+    return log_z, grad_emissions, grad_trans, grad_start, grad_end
+
+
+def _through_reference(fn, saved, grad_output):
+    """Gradients of <fn(emissions, transitions, lengths, start, end), grad_output> by autograd
+    over crfkit.reference: for higher-order derivatives. Under create_graph the saved inputs
+    are used as they are, so that the result is differentiable again."""
+    emissions, transitions, start, end, lengths = saved
+    create_graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        inputs = [x if create_graph and x.requires_grad else x.detach().requires_grad_()
+                  for x in (emissions, transitions, start, end)]
+        out = fn(inputs[0], inputs[1], lengths, inputs[2], inputs[3])
+        grads = torch.autograd.grad(out, inputs, grad_output, allow_unused=True, create_graph=create_graph)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+
+
+class _LogPartition(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, emissions, transitions, start, end, lengths):
+        _check(emissions, transitions, start, end, lengths)
+        keep = any(ctx.needs_input_grad[:4])
+        if keep:  # keep the alpha rows: the backward then needs no second forward pass
+            B, L, T = emissions.shape
+            rows = torch.empty((B, L, T), dtype=torch.float64)
+            offsets = torch.empty((B, L), dtype=torch.float64)
+            log_z = _forward_backward(kernels.MODE_LOG_Z_KEEP, emissions, transitions, start, end, lengths,
+                                      rows=rows, offsets=offsets)[0]
+            ctx.save_for_backward(emissions, transitions, start, end, lengths)
+            ctx.kept = (rows, offsets, log_z)
+        else:
+            log_z = _forward_backward(kernels.MODE_LOG_Z, emissions, transitions, start, end, lengths)[0]
+        return log_z.to(emissions.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_log_z):
+        saved = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
+            return (*_through_reference(reference.log_partition, saved, grad_log_z), None)
+        emissions, transitions, start, end, lengths = saved
+        rows, offsets, log_z = ctx.kept
+        grad_log_z = grad_log_z.to(torch.float64).contiguous()
+        _, g_emissions, g_trans, g_start, g_end = _forward_backward(
+            kernels.MODE_BACKWARD, emissions, transitions, start, end, lengths, grad_log_z=grad_log_z,
+            rows=rows, offsets=offsets, log_z=log_z)
+        dtype = emissions.dtype
+        return (g_emissions.to(dtype), g_trans.sum(0).to(dtype), g_start.sum(0).to(dtype),
+                g_end.sum(0).to(dtype), None)
+
+
+class _Marginals(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, emissions, transitions, start, end, lengths):
+        _check(emissions, transitions, start, end, lengths)
+        mu = _forward_backward(kernels.MODE_MARGINALS, emissions, transitions, start, end, lengths)[1]
+        ctx.save_for_backward(emissions, transitions, start, end, lengths)
+        return mu.to(emissions.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_marginals):
+        # A Hessian-vector product of log Z, taken through the reference (autograd twice), as
+        # the compiled backend does.
+        return (*_through_reference(reference.marginals, ctx.saved_tensors, grad_marginals), None)
+
+
+# ---- decoding and sequence scores ------------------------------------------------------------
+def _scatter_path_scores(grad_scores: Tensor, lengths: Tensor, paths: Tensor, shape, dtype):
+    """Gradients of sum grad_scores[b, j] * score(paths[b, j]) for emissions, transitions,
+    start and end."""
+    B, L, T = shape
+    f64 = torch.float64  # accumulated in float64 (one compiled kernel), returned in `dtype`
+    grad_emissions = torch.zeros((B, L, T), dtype=f64)
+    grad_trans = torch.zeros((B, T, T), dtype=f64)
+    grad_start = torch.zeros((B, T), dtype=f64)
+    grad_end = torch.zeros((B, T), dtype=f64)
+    bad_tag = np.zeros(B, dtype=np.int64)
+    kernels.scatter_path_scores(_np(grad_scores.to(f64).contiguous()), _np(lengths), _np(paths.contiguous()),
+                                _np(grad_emissions), _np(grad_trans), _np(grad_start), _np(grad_end), bad_tag)
+    _raise_if_bad_tag(bad_tag, paths, T)
+    return (grad_emissions.to(dtype), grad_trans.sum(0).to(dtype), grad_start.sum(0).to(dtype),
+            grad_end.sum(0).to(dtype))
+
+
+class _PathScores(torch.autograd.Function):
+    """Base of the ops whose output is the score of some paths (their gradient is a scatter)."""
+
+    @staticmethod
+    def _save(ctx, emissions, lengths, paths):
+        ctx.mark_non_differentiable(paths)
+        ctx.save_for_backward(lengths, paths)
+        ctx.shape, ctx.dtype = tuple(emissions.shape), emissions.dtype
+
+
+class _Viterbi(_PathScores):
+    @staticmethod
+    def forward(ctx, emissions, transitions, start, end, lengths):
+        _check(emissions, transitions, start, end, lengths)
+        B, L, T = emissions.shape
+        paths = torch.full((B, L), -1, dtype=torch.long)
+        scores = torch.empty(B, dtype=emissions.dtype)
+        bad = np.zeros(B, dtype=np.bool_)
+        _run(kernels.viterbi, _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths),
+             _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T)
+        _raise_if_bad(bad)
+        _PathScores._save(ctx, emissions, lengths, paths)
+        return scores, paths
+
+    @staticmethod
+    def backward(ctx, grad_scores, _grad_paths):
+        lengths, paths = ctx.saved_tensors
+        grads = _scatter_path_scores(grad_scores.unsqueeze(1), lengths, paths.unsqueeze(1), ctx.shape, ctx.dtype)
+        return (*grads, None)
+
+
+def _num_sequences_capped(T: int, L: int, cap: int) -> int:
+    """min(T ** L, cap) without big numbers: no list needs more entries than there are sequences."""
+    count = 1
+    for _ in range(L):
+        if count >= cap:
+            break
+        count *= T
+    return min(count, cap)
+
+
+class _KBest(_PathScores):
+    @staticmethod
+    def forward(ctx, emissions, transitions, start, end, lengths, k):
+        _check(emissions, transitions, start, end, lengths)
+        B, L, T = emissions.shape
+        paths = torch.full((B, k, L), -1, dtype=torch.long)
+        scores = torch.full((B, k), float("-inf"), dtype=emissions.dtype)
+        bad = np.zeros(B, dtype=np.bool_)
+        K = _num_sequences_capped(T, L, k)
+        _run(kernels.kbest_viterbi, _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths),
+             K, _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T * K)
+        _raise_if_bad(bad)
+        _PathScores._save(ctx, emissions, lengths, paths)
+        return scores, paths
+
+    @staticmethod
+    def backward(ctx, grad_scores, _grad_paths):
+        lengths, paths = ctx.saved_tensors
+        return (*_scatter_path_scores(grad_scores, lengths, paths, ctx.shape, ctx.dtype), None, None)
+
+
+class _SequenceScore(_PathScores):
+    @staticmethod
+    def forward(ctx, emissions, transitions, start, end, lengths, tags):
+        _check(emissions, transitions, start, end, lengths)
+        B, L, T = emissions.shape
+        scores = torch.empty((B, tags.shape[1]), dtype=emissions.dtype)
+        bad = np.zeros(B, dtype=np.bool_)
+        bad_tag = np.zeros(B, dtype=np.int64)
+        _run(kernels.sequence_score, _np(emissions), _np(transitions), _np(start), _np(end),
+             _np(lengths), _np(tags), _np(scores), bad, bad_tag, batch=B, work=emissions.numel() + tags.numel())
+        _raise_if_bad_tag(bad_tag, tags, T)
+        _raise_if_bad(bad)
+        ctx.save_for_backward(lengths, tags)
+        ctx.shape, ctx.dtype = tuple(emissions.shape), emissions.dtype
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        lengths, tags = ctx.saved_tensors
+        return (*_scatter_path_scores(grad_scores, lengths, tags, ctx.shape, ctx.dtype), None, None)
+
+
+# ---- the backend interface (same order of arguments as crfkit.reference) ----------------------
+def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:
+    return _LogPartition.apply(emissions, transitions, start, end, lengths)
+
+
+def marginals(emissions, transitions, lengths, start, end) -> Tensor:
+    return _Marginals.apply(emissions, transitions, start, end, lengths)
+
+
+def viterbi(emissions, transitions, lengths, start, end):
+    scores, paths = _Viterbi.apply(emissions, transitions, start, end, lengths)
+    return paths, scores
+
+
+def kbest_viterbi(emissions, transitions, k, lengths, start, end):
+    scores, paths = _KBest.apply(emissions, transitions, start, end, lengths, k)
+    log_z = log_partition(emissions, transitions, lengths, start, end)
+    return paths, scores, reference.log_probs_from_scores(scores, log_z)
+
+
+def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
+    return _SequenceScore.apply(emissions, transitions, start, end, lengths, tags.contiguous())
