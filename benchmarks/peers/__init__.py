@@ -10,7 +10,7 @@ The peers are installed by benchmarks/peers/install.sh (never touching torch).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .base import NATIVE, OPS, VIA_AUTOGRAD, Inputs, Peer, PeerUnavailable
 

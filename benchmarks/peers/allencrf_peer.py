@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModulePeer, import_peer, pad_paths
+from .base import ModulePeer, pad_paths
 
 
 class AllenCrf(ModulePeer):
@@ -31,10 +31,6 @@ class AllenCrf(ModulePeer):
     dist = "allencrf"
     native = frozenset({"log_partition", "viterbi", "kbest"})
     returns_scores = frozenset({"viterbi", "kbest"})
-
-    def __init__(self) -> None:
-        self.lib = import_peer(self.module, self.name)
-        super().__init__()
 
     def _make(self, num_tags):
         return self.lib.ConditionalRandomField(num_tags)

@@ -26,7 +26,7 @@ import importlib.metadata
 import inspect
 import sys
 import textwrap
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Sequence, Tuple
 
 import torch
 
@@ -128,7 +128,12 @@ class Peer:
     returns_scores: FrozenSet[str] = frozenset()  # of viterbi / kbest: the peer returns the scores itself
 
     def __init__(self) -> None:
+        self.lib = self._load()
         self.version = distribution_version(self.dist or self.name)
+
+    def _load(self):
+        """The peer's module (overridden where importing the package itself is not possible)."""
+        return import_peer(self.module, self.name)
 
     # ---- what the adapter offers ----------------------------------------------------------
     @property
@@ -172,7 +177,10 @@ class Peer:
         raise NotImplementedError
 
     def _viterbi_convert(self, state, out) -> Tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """Default: the peer returned a list of tag lists and no scores: pad with -1, rescore."""
+        x = state["x"]
+        paths = pad_paths(out, x.emissions.shape[1])
+        return paths, rescore(x, paths)
 
     def _kbest(self, state, k: int) -> Any:
         raise NotImplementedError

@@ -18,7 +18,7 @@ Conventions (read from pyt_crf/crf.py, 0.1.2):
 """
 from __future__ import annotations
 
-from .base import ModulePeer, import_peer, pad_paths, rescore
+from .base import ModulePeer
 
 
 class PytCrf(ModulePeer):
@@ -26,10 +26,6 @@ class PytCrf(ModulePeer):
     module = "pyt_crf"
     dist = "pyt-crf"
     native = frozenset({"log_partition", "viterbi"})
-
-    def __init__(self) -> None:
-        self.lib = import_peer(self.module, self.name)
-        super().__init__()
 
     def _make(self, num_tags):
         return self.lib.CRF(num_tags, batch_first=True)
@@ -39,8 +35,3 @@ class PytCrf(ModulePeer):
 
     def _viterbi(self, state):
         return state["crf"].decode(state["x"].emissions, state["mask"])
-
-    def _viterbi_convert(self, state, out):
-        x = state["x"]
-        paths = pad_paths(out, x.emissions.shape[1])
-        return paths, rescore(x, paths)

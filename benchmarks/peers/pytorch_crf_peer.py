@@ -17,7 +17,7 @@ Conventions (read from torchcrf/__init__.py, 0.7.2):
 """
 from __future__ import annotations
 
-from .base import ModulePeer, import_peer, pad_paths, rescore
+from .base import ModulePeer
 
 
 class PytorchCrf(ModulePeer):
@@ -25,10 +25,6 @@ class PytorchCrf(ModulePeer):
     module = "torchcrf"
     dist = "pytorch-crf"
     native = frozenset({"log_partition", "viterbi"})
-
-    def __init__(self) -> None:
-        self.lib = import_peer(self.module, self.name)
-        super().__init__()
 
     def _make(self, num_tags):
         return self.lib.CRF(num_tags, batch_first=True)
@@ -38,8 +34,3 @@ class PytorchCrf(ModulePeer):
 
     def _viterbi(self, state):
         return state["crf"].decode(state["x"].emissions, state["mask"])
-
-    def _viterbi_convert(self, state, out):
-        x = state["x"]
-        paths = pad_paths(out, x.emissions.shape[1])
-        return paths, rescore(x, paths)

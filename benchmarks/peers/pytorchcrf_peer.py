@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 
-from .base import ModulePeer, import_peer, mask_paths, rescore, reshape_instead_of_view
+from .base import ModulePeer, mask_paths, rescore, reshape_instead_of_view
 
 warnings.filterwarnings("ignore", message="where received a uint8 condition tensor")
 
@@ -36,9 +36,8 @@ class PytorchCrfNbest(ModulePeer):
     native = frozenset({"log_partition", "viterbi", "kbest"})
 
     def __init__(self) -> None:
-        self.lib = import_peer(self.module, self.name)
-        self.cls = reshape_instead_of_view(self.lib.CRF, "_viterbi_decode_nbest")
         super().__init__()
+        self.cls = reshape_instead_of_view(self.lib.CRF, "_viterbi_decode_nbest")
 
     def _make(self, num_tags):
         return self.cls(num_tags, batch_first=True)

@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from .base import Peer, import_peer, mask_from_lengths
+from .base import Peer, mask_from_lengths
 
 # torch.distributions' validation notice for LinearChainCRF (it declares no arg_constraints)
 warnings.filterwarnings("ignore", message=".*does not define `arg_constraints`")
@@ -44,10 +44,6 @@ class TorchStruct(Peer):
     dist = "torch-struct"
     native = frozenset({"log_partition", "marginals", "viterbi", "kbest"})
     returns_scores = frozenset()  # scores come from .max / .kmax, separate passes
-
-    def __init__(self) -> None:
-        self.lib = import_peer(self.module, self.name)
-        super().__init__()
 
     def memory_estimate(self, op, x, k=None):
         B, L, C = x.emissions.shape

@@ -13,7 +13,7 @@ Conventions (read from TorchCRF/__init__.py, 1.1.0):
 """
 from __future__ import annotations
 
-from .base import ModulePeer, import_peer, pad_paths, rescore
+from .base import ModulePeer
 
 
 class TorchCrf(ModulePeer):
@@ -23,10 +23,6 @@ class TorchCrf(ModulePeer):
     native = frozenset({"log_partition", "viterbi"})
     transitions_attr, start_attr, end_attr = "trans_matrix", "start_trans", "end_trans"
 
-    def __init__(self) -> None:
-        self.lib = import_peer(self.module, self.name)
-        super().__init__()
-
     def _make(self, num_tags):
         return self.lib.CRF(num_tags, use_gpu=False)
 
@@ -35,8 +31,3 @@ class TorchCrf(ModulePeer):
 
     def _viterbi(self, state):
         return state["crf"].viterbi_decode(state["x"].emissions, state["mask"])
-
-    def _viterbi_convert(self, state, out):
-        x = state["x"]
-        paths = pad_paths(out, x.emissions.shape[1])
-        return paths, rescore(x, paths)

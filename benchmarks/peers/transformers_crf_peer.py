@@ -68,9 +68,11 @@ class TransformersCrf(ModulePeer):
     native = frozenset({"log_partition", "marginals", "viterbi", "kbest"})
 
     def __init__(self) -> None:
-        self.lib = _load_crf_module()
-        self.cls = reshape_instead_of_view(self.lib.CRF, "_viterbi_decode_nbest")
         super().__init__()
+        self.cls = reshape_instead_of_view(self.lib.CRF, "_viterbi_decode_nbest")
+
+    def _load(self):
+        return _load_crf_module()
 
     def _make(self, num_tags):
         return self.cls(num_tags, batch_first=True)
