@@ -71,7 +71,9 @@ def _prepare(emissions, transitions, lengths, start, end):
     if T < 1:
         raise ValueError("emissions must have at least one tag (num_tags = emissions.shape[2] >= 1)")
     compute_dtype = torch.float32 if emissions.dtype in _HALF else emissions.dtype
-    accepted = (compute_dtype, *_HALF) if compute_dtype == torch.float32 and emissions.dtype in _HALF else (compute_dtype,)
+    # Parameters share the emissions' dtype; with half-precision emissions they may also be
+    # float32 (the usual mixed-precision setup) or the other half type.
+    accepted = (torch.float32, *_HALF) if emissions.dtype in _HALF else (compute_dtype,)
     device = emissions.device
 
     def parameter(name, x, shape):
