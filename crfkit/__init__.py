@@ -10,8 +10,10 @@ implementation runs.
 """
 from . import constraints, reference
 from .backends import backend_info, set_backend, use_backend
+from .distribution import LinearChainCRF
 from .functional import (
     KBest,
+    expected_transition_counts,
     kbest_viterbi,
     lengths_from_mask,
     log_partition,
@@ -20,14 +22,18 @@ from .functional import (
     viterbi,
 )
 from .nn import CRF
+from . import distill  # noqa: E402  (needs the names above)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CRF",
     "KBest",
+    "LinearChainCRF",
     "backend_info",
     "constraints",
+    "distill",
+    "expected_transition_counts",
     "kbest_viterbi",
     "lengths_from_mask",
     "log_partition",

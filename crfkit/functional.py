@@ -132,6 +132,19 @@ def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Ten
     return backends.current().marginals(*_prepare(emissions, transitions, lengths, start, end))
 
 
+def expected_transition_counts(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+    """Expected number of s -> t transitions per sentence: (B, T, T), i.e. the pairwise
+    marginals P(y_{i-1} = s, y_i = t | x) summed over positions. With marginals() it gives
+    every expectation of a score, E_p[s_q(y)], hence exact CRF cross entropy and KL divergence.
+
+    Computed by the reference implementation on every backend (about as fast as the reference
+    log Z forward+backward; no dedicated kernel yet). Differentiable.
+    """
+    from . import reference  # one implementation for every backend, see the docstring
+
+    return reference.expected_transition_counts(*_prepare(emissions, transitions, lengths, start, end))
+
+
 def viterbi(emissions, transitions, lengths=None, start=None, end=None):
     """The best tag sequence: (paths (B, L) int64, scores (B,)); paths are -1 at padded
     positions. scores are differentiable (they are the sequence scores of the paths)."""

@@ -48,7 +48,7 @@ def _valid_positions(lengths: Tensor, L: int) -> Tensor:
     return torch.arange(L, device=lengths.device) < lengths.unsqueeze(1)
 
 
-def _logsumexp(x: Tensor, dim: int) -> Tensor:
+def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     """logsumexp whose value is -inf and whose gradient is 0 (not NaN) when every term is -inf."""
     m = x.amax(dim, keepdim=True).detach()
     m = m.masked_fill(~torch.isfinite(m), 0)
@@ -69,9 +69,9 @@ def log_partition(emissions, transitions, lengths=None, start=None, end=None) ->
     emissions = emissions.masked_fill(~_valid_positions(lengths, L).unsqueeze(-1), 0)
     alpha = start + emissions[:, 0]
     for i in range(1, L):
-        step = _logsumexp(alpha.unsqueeze(2) + transitions, dim=1) + emissions[:, i]
+        step = safe_logsumexp(alpha.unsqueeze(2) + transitions, dim=1) + emissions[:, i]
         alpha = torch.where((i < lengths).unsqueeze(1), step, alpha)
-    log_z = _logsumexp(alpha + end, dim=1)
+    log_z = safe_logsumexp(alpha + end, dim=1)
     return torch.where(lengths == 0, torch.zeros_like(log_z), log_z)
 
 
@@ -90,6 +90,33 @@ def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Ten
         log_z = log_partition(leaf, transitions, lengths, start, end)
         (mu,) = torch.autograd.grad(log_z.sum(), leaf, create_graph=create_graph)
     return mu
+
+
+def expected_transition_counts(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+    """E[number of s -> t transitions] per sentence: (B, T, T), the pairwise marginals
+    P(y_{i-1} = s, y_i = t | x) summed over positions i.
+
+    It is d log Z_b / d transitions for each sentence b separately. The kernels take one (T, T)
+    transitions tensor shared by the batch and so only give the batch sum; here each sentence
+    gets its own copy of the transitions (the log-space recursion broadcasts over a (B, T, T)
+    tensor unchanged) and autograd returns the per-sentence gradient. Differentiable (the graph
+    is kept) when grad mode is on and an input requires grad.
+    """
+    B, L, T = emissions.shape
+    if B == 0 or L == 0:
+        return emissions.new_zeros(B, T, T) + 0 * transitions.sum()
+    create_graph = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (emissions, transitions, start, end)
+    )
+    with torch.enable_grad():
+        per_sentence = transitions.expand(B, T, T)
+        if not create_graph:
+            per_sentence = per_sentence.detach().clone().requires_grad_()
+        log_z = log_partition(emissions, per_sentence, lengths, start, end)
+        if L == 1:  # no transition is ever read
+            return torch.zeros_like(per_sentence) + 0 * log_z.sum()
+        (counts,) = torch.autograd.grad(log_z.sum(), per_sentence, create_graph=create_graph)
+    return counts
 
 
 def viterbi(emissions, transitions, lengths=None, start=None, end=None):

@@ -1,0 +1,161 @@
+"""crfkit.LinearChainCRF: a linear-chain CRF as a distribution over tag sequences, in the
+style of torch.distributions and torch-struct, computed with crfkit's ops.
+
+    teacher = crfkit.LinearChainCRF(teacher_emissions, teacher_transitions, lengths)
+    student = crfkit.LinearChainCRF(student_emissions, student_transitions, lengths)
+    teacher.kbest(5).log_probs                 # (B, 5)
+    teacher.cross_entropy(student)             # (B,)  -E_teacher[log P_student(y)], exact
+    teacher.kl_divergence(student)             # (B,)  KL(teacher || student), exact
+
+Shapes: emissions (B, L, T); transitions (T, T) [from, to]; lengths (B,); start, end (T,).
+Everything per sentence is (B,). The exact entropy, cross entropy and KL divergence use the
+unary marginals and the expected transition counts (pairwise marginals summed over positions):
+O(n T^2) per sentence, no enumeration.
+
+Sentences that allow no sequence at all (every sequence forbidden, log Z = -inf) have no
+distribution; their entropy, cross entropy and KL divergence are defined as 0 so that one such
+sentence cannot turn a batch loss into NaN. A length-0 sentence has one (empty) sequence: its
+entropy, cross entropy and KL divergence are 0 too.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+
+
+class LinearChainCRF:
+    """A batch of B linear-chain CRF distributions P(y | x) = exp(s(x, y) - log Z(x)).
+
+    Args:
+        emissions: (B, L, T) scores of tag t at position i.
+        transitions: (T, T) scores of moving from tag s to tag t (-inf forbids).
+        lengths: (B,) int, sentence b is positions 0 .. lengths[b] - 1 (default: all L).
+        start, end: (T,) optional scores of the first / last tag.
+
+    The arguments are checked at construction (same rules and messages as the ops). Results are
+    computed on demand; log_partition and marginals are cached, so use a new object after
+    changing the tensors in place.
+    """
+
+    def __init__(self, emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
+                 start: Optional[Tensor] = None, end: Optional[Tensor] = None):
+        # Validate now so that mistakes surface where the object is made; the ops check again.
+        emissions_c, transitions_c, lengths_c, start_c, end_c = F._prepare(emissions, transitions, lengths, start, end)
+        self.emissions, self.transitions = emissions, transitions
+        self.start, self.end = start, end
+        self.lengths = lengths_c  # (B,) int64, always filled in
+        self._compute_args = (emissions_c, transitions_c, lengths_c, start_c, end_c)
+        self._log_partition: Optional[Tensor] = None
+        self._marginals: Optional[Tensor] = None
+
+    def __repr__(self) -> str:
+        B, L, T = self.emissions.shape
+        return f"LinearChainCRF(batch={B}, seq_len={L}, num_tags={T})"
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.emissions.shape[:1]
+
+    @property
+    def num_tags(self) -> int:
+        return self.emissions.shape[2]
+
+    def _args(self):
+        return self.emissions, self.transitions, self.lengths, self.start, self.end
+
+    # ---- the core ops ----------------------------------------------------------------------
+    @property
+    def log_partition(self) -> Tensor:
+        """log Z per sentence: (B,)."""
+        if self._log_partition is None:
+            self._log_partition = F.log_partition(*self._args())
+        return self._log_partition
+
+    partition = log_partition  # torch-struct's name (it is the log partition there too)
+
+    @property
+    def marginals(self) -> Tensor:
+        """P(y_i = t | x): (B, L, T), zero at padded positions."""
+        if self._marginals is None:
+            self._marginals = F.marginals(*self._args())
+        return self._marginals
+
+    def expected_transition_counts(self) -> Tensor:
+        """E[number of s -> t transitions]: (B, T, T) (pairwise marginals summed over positions)."""
+        return F.expected_transition_counts(*self._args())
+
+    def log_prob(self, tags: Tensor) -> Tensor:
+        """log P(tags | x): tags (B, L) -> (B,), or (B, N, L) -> (B, N)."""
+        scores = F.sequence_score(self.emissions, self.transitions, tags, self.lengths, self.start, self.end)
+        log_z = self.log_partition
+        return scores - (log_z if tags.dim() == 2 else log_z.unsqueeze(1))
+
+    @property
+    def argmax(self) -> Tensor:
+        """The most probable tag sequence: (B, L) int64, -1 at padded positions. (torch-struct
+        returns a one-hot structure here; tags are what sequence labelling needs.)"""
+        return F.viterbi(*self._args())[0]
+
+    @property
+    def max(self) -> Tensor:
+        """The score of the most probable sequence: (B,)."""
+        return F.viterbi(*self._args())[1]
+
+    def kbest(self, k: int) -> F.KBest:
+        """The k most probable distinct sequences: KBest(paths (B, k, L), scores (B, k),
+        log_probs (B, k)); see crfkit.kbest_viterbi."""
+        emissions, transitions, lengths, start, end = self._args()
+        return F.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+
+    # ---- information measures --------------------------------------------------------------
+    def expected_score(self, other: "LinearChainCRF") -> Tensor:
+        """E_{y ~ self}[s_other(x, y)]: (B,), the expectation under this distribution of the
+        score that `other` gives each sequence. Linear in other's emissions, transitions, start
+        and end, so its gradient with respect to them is this distribution's marginals."""
+        self._check_compatible(other)
+        mu = self.marginals  # (B, L, T)
+        counts = self.expected_transition_counts()  # (B, T, T)
+        o_emissions, o_transitions, _, o_start, o_end = other._compute_args
+        B, L, T = mu.shape
+
+        def weighted(weights, scores):
+            # Where this distribution puts no mass, other's score (maybe -inf, or NaN padding)
+            # must not matter, in the value or in any gradient: select it away before multiplying.
+            return weights * torch.where(weights > 0, scores, torch.zeros_like(scores))
+
+        total = weighted(mu, o_emissions).sum((1, 2)) + weighted(counts, o_transitions.unsqueeze(0)).sum((1, 2))
+        if L > 0:
+            last = (self.lengths - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, T)
+            mu_last = mu.gather(1, last).squeeze(1)  # (B, T); zero for length-0 sentences
+            total = total + weighted(mu[:, 0], o_start).sum(1) + weighted(mu_last, o_end).sum(1)
+        return total
+
+    def entropy(self) -> Tensor:
+        """H(P) = log Z - E_P[s(x, y)]: (B,), >= 0."""
+        return self._no_distribution_is_zero(self.log_partition - self.expected_score(self))
+
+    def cross_entropy(self, other: "LinearChainCRF") -> Tensor:
+        """H(self, other) = -E_{y ~ self}[log P_other(y)] = log Z_other - E_self[s_other]: (B,).
+
+        +inf where this distribution gives mass to a sequence that `other` forbids."""
+        return self._no_distribution_is_zero(other.log_partition - self.expected_score(other))
+
+    def kl_divergence(self, other: "LinearChainCRF") -> Tensor:
+        """KL(self || other) = H(self, other) - H(self): (B,), >= 0 up to rounding."""
+        return self.cross_entropy(other) - self.entropy()
+
+    def _no_distribution_is_zero(self, value: Tensor) -> Tensor:
+        return torch.where(self.log_partition == float("-inf"), torch.zeros_like(value), value)
+
+    def _check_compatible(self, other) -> None:
+        if not isinstance(other, LinearChainCRF):
+            raise TypeError(f"other must be a crfkit.LinearChainCRF, got {type(other).__name__}")
+        if other.emissions.shape != self.emissions.shape:
+            raise ValueError(f"the two CRFs must have the same (batch, seq_len, num_tags), got "
+                             f"{tuple(self.emissions.shape)} and {tuple(other.emissions.shape)}")
+        if not torch.equal(self.lengths, other.lengths):
+            raise ValueError("the two CRFs must have the same lengths")
