@@ -166,7 +166,7 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: dict) -> Optio
     diff = (got - want).abs().masked_fill(~bad, 0).nan_to_num(nan=float("inf"))
     where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     return (f"{name}: {int(bad.sum())} of {got.numel()} values differ, worst at {where}: "
-            f"compiled {got[where].item():.6g} vs reference {want[where].item():.6g}")
+            f"got {got[where].item():.6g}, expected {want[where].item():.6g}")
 
 
 def _check_log_partition(got, want, x: Inputs) -> Optional[str]:
@@ -354,6 +354,17 @@ def check_case(case: Case, budget_s: float = REFERENCE_BUDGET_S) -> Check:
         return Check(f"ERROR: {type(error).__name__}: {error}")
     status = f"WRONG (first {n} of {case.B} sentences): {error}" if error else f"ok (first {n} of {case.B} sentences)"
     return Check(status, reference_estimate_s=ref_s)
+
+
+def check_against_compiled(case: Case, backend: str) -> str:
+    """Compare another backend (numba) with the compiled kernels on the case's inputs: "ok",
+    "WRONG: ..." or "ERROR: ..." (the compiled result is itself checked by check_case)."""
+    op, x = OPS[case.op], inputs_for(case)
+    try:
+        error = op.check(op.run(x, backend), op.run(x, "compiled"), x)
+    except Exception as error:  # a crash is a result of the cell
+        return f"ERROR: {type(error).__name__}: {error}"
+    return f"WRONG: {error}" if error else "ok"
 
 
 def callable_for(case: Case, backend: str) -> Callable[[], tuple]:

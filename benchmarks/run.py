@@ -6,12 +6,15 @@ For every cell (op, B, L, T, K), in one process:
   1. correctness: the compiled result is compared with the reference (cases.check_case);
      a cell that disagrees is reported WRONG and not timed;
   2. timing: torch.utils.benchmark.Timer(...).blocked_autorange(min_run_time=0.5) of one call
-     of the public function under each backend, with torch's default number of threads
+     of the public function under each backend (compiled, reference, and numba when installed), with torch's default number of threads
      (--threads N to change it); the median is reported in ms. Reference cells whose single call would exceed the budget
      (--budget, 10 s) are "skipped: too slow". Each backend is timed in --rounds (3)
      interleaved rounds and its smallest round median is reported, since on a small shared
      machine a competing process distorts timings badly; the share of the CPUs that OTHER
      processes used during the cell is recorded too (use --threads 1 for steadier numbers there).
+  3. roofline: the least time the op's necessary arithmetic and memory traffic take at rates
+     measured on this machine in the same run (benchmarks/roofline), and the compiled op's
+     fraction of it.
 Writes <out>.md and <out>.json (machine, versions, command, date, cells) and prints the
 markdown. ratio = reference ms / compiled ms; tokens/s = B * L / compiled seconds (padded
 positions count as tokens).
@@ -37,6 +40,7 @@ import torch.utils.benchmark as tbench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases  # noqa: E402  (benchmarks/ is not a package)
+import roofline  # noqa: E402
 
 import crfkit  # noqa: E402
 
@@ -120,25 +124,34 @@ def median_ms(fn, min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
-def run_cell(case: cases.Case, budget_s: float, min_run_time: float, rounds: int) -> dict:
+def run_cell(case: cases.Case, budget_s: float, min_run_time: float, rounds: int,
+             rates: Optional[roofline.Rates] = None) -> dict:
     """Check one cell, then time it; returns the row of the report.
 
     Timing: `rounds` rounds, each a blocked_autorange median of the compiled op then of the
-    reference op; the reported time of a backend is its smallest round median (the round least
-    disturbed by other processes). A reference whose single call takes over a second gets one
-    round only.
+    reference op (and of the numba op when numba is installed); the reported time of a backend
+    is its smallest round median (the round least disturbed by other processes). A reference
+    whose single call takes over a second gets one round only. With `rates`, the cell's
+    roofline (benchmarks/roofline) and the compiled op's fraction of it are added.
     """
     check = cases.check_case(case, budget_s)
     row = {"op": case.op, "B": case.B, "L": case.L, "T": case.T, "K": case.K, "status": check.status,
            "compiled_ms": None, "reference_ms": None, "ratio": None, "tokens_per_s": None,
-           "reference_note": None, "other_load": None, "compiled_rounds_ms": [], "reference_rounds_ms": []}
+           "reference_note": None, "other_load": None, "compiled_rounds_ms": [], "reference_rounds_ms": [],
+           "numba_ms": None, "numba_status": None, "numba_rounds_ms": [], "roofline": None}
     if check.wrong:
         return row
     if check.reference_skipped:
         row["reference_note"] = f"skipped: too slow (one call ~{check.reference_estimate_s:.2g} s)"
+    with_numba = "numba" in crfkit.backends.available()
+    if with_numba:
+        row["numba_status"] = cases.check_against_compiled(case, "numba")
+        with_numba = not row["numba_status"].startswith(("WRONG", "ERROR"))
     load = OtherLoad().start()
     for r in range(rounds):
         row["compiled_rounds_ms"].append(median_ms(cases.callable_for(case, "compiled"), min_run_time))
+        if with_numba:
+            row["numba_rounds_ms"].append(median_ms(cases.callable_for(case, "numba"), min_run_time))
         if not check.reference_skipped and (r == 0 or check.reference_s < 1.0):
             row["reference_rounds_ms"].append(median_ms(cases.callable_for(case, "reference"), min_run_time))
     row["other_load"] = load.stop()
@@ -147,6 +160,12 @@ def run_cell(case: cases.Case, budget_s: float, min_run_time: float, rounds: int
     if row["reference_rounds_ms"]:
         row["reference_ms"] = min(row["reference_rounds_ms"])
         row["ratio"] = row["reference_ms"] / row["compiled_ms"]
+    if row["numba_rounds_ms"]:
+        row["numba_ms"] = min(row["numba_rounds_ms"])
+    if rates is not None:
+        tokens = int(cases.inputs_for(case).lengths.sum())
+        bound = roofline.lower_bound_s(case.op, tokens, case.B, case.L, case.T, case.K, rates)
+        row["roofline"] = {**bound, "fraction": bound["bound_s"] / (row["compiled_ms"] / 1e3)}
     return row
 
 
@@ -170,8 +189,12 @@ def _row_cells(row: dict) -> List[str]:
     ratio = "-" if row["ratio"] is None else f"{row['ratio']:.1f}x"
     tokens = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.3g}"
     load = _load_share(row)
+    numba = _ms(row.get("numba_ms")) if row.get("numba_ms") is not None else (row.get("numba_status") or "-")
+    roof = row.get("roofline")
+    roof_cells = ["-", "-"] if not roof else [f"{roof['bound_s'] * 1e3:.3g} ({roof['limit']})",
+                                              f"{100 * roof['fraction']:.1f}%"]
     return [row["op"], str(row["B"]), str(row["L"]), str(row["T"]), "-" if row["K"] is None else str(row["K"]),
-            _ms(row["compiled_ms"]), reference, ratio, tokens, load, row["status"]]
+            _ms(row["compiled_ms"]), reference, ratio, numba, *roof_cells, tokens, load, row["status"]]
 
 
 def _table(header: List[str], rows: List[List[str]]) -> List[str]:
@@ -238,10 +261,21 @@ def markdown(env: dict, rows: List[dict], heads: List[dict], full: bool) -> str:
               "Correctness is checked against the reference before timing. "
               "others' CPU: share of the machine's CPU time used by other processes during the cell.",
               ""]
+    rates = env.get("roofline_rates")
+    if rates:
+        lines += ["## Roofline", "",
+                  "Rates measured in this run by benchmarks/roofline/probe.cpp (built with the kernels' flags, "
+                  f"{rates['threads']} threads): {rates['fma_double'] / 1e9:.3g} G double multiply-adds/s, "
+                  f"{rates['exp_double'] / 1e9:.3g} G exponentials/s, {rates['max_plus_float'] / 1e9:.3g} G "
+                  f"float max-plus updates/s, {rates['copy_bytes'] / 1e9:.3g} GB/s copy bandwidth. "
+                  "\"roofline ms\" is the least time an op's necessary work takes at these rates "
+                  "(work model and caveats: benchmarks/roofline/__init__.py); \"of roofline\" = roofline / compiled "
+                  "time (100% = at the bound).", ""]
     lines += ["## Ops", ""] + [f"- `{name}`: {op.doc}" for name, op in cases.OPS.items()] + [""]
     lines += ["## All cells", ""]
-    lines += _table(["op", "B", "L", "T", "K", "compiled ms", "reference ms", "ratio", "compiled tokens/s",
-                     "others' CPU", "correctness"], [_row_cells(r) for r in rows])
+    lines += _table(["op", "B", "L", "T", "K", "compiled ms", "reference ms", "ratio", "numba ms",
+                     "roofline ms", "of roofline", "compiled tokens/s", "others' CPU", "correctness"],
+                    [_row_cells(r) for r in rows])
     return "\n".join(lines) + "\n"
 
 
@@ -262,6 +296,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="timing rounds per cell; the smallest round median is reported (default %(default)s)")
     parser.add_argument("--min-run-time", type=float, default=0.5, help="blocked_autorange min_run_time (s)")
+    parser.add_argument("--no-roofline", action="store_true",
+                        help="skip the roofline (it builds benchmarks/roofline/probe.cpp on first use)")
     args = parser.parse_args(argv[1:])
 
     full = args.full
@@ -274,9 +310,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     env["reference_budget_s"] = args.budget
     env["rounds"] = args.rounds
 
+    rates = None
+    if not args.no_roofline:
+        rates = roofline.measure_rates()
+        env["roofline_rates"] = rates.as_dict()
     rows = []
     for i, case in enumerate(grid_cases, 1):
-        row = run_cell(case, args.budget, args.min_run_time, args.rounds)
+        row = run_cell(case, args.budget, args.min_run_time, args.rounds, rates)
         rows.append(row)
         print(f"[{i}/{len(grid_cases)}] " + " | ".join(_row_cells(row)), file=sys.stderr, flush=True)
 

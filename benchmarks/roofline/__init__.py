@@ -1,0 +1,124 @@
+"""A roofline per op: the least time this machine could take for the arithmetic and memory
+traffic an op must do, from rates measured in the same run.
+
+    rates = measure_rates()                      # probe.cpp, built with the kernels' flags
+    bound_s = lower_bound_s(op, lengths, L, T, K, rates)
+    fraction = bound_s / measured_s              # 1.0 = at the roofline
+
+Work an op must do, per real position (N = sum of lengths; padding is never touched):
+    log_partition          T^2 multiply-adds (the scaled T x T product) + T exponentials
+    marginals              2 T^2 multiply-adds (forward and backward products) + T exponentials
+    log_partition_fwd_bwd  3 T^2 multiply-adds (forward, backward, pairwise marginals for the
+                           transitions' gradient) + T exponentials
+    viterbi                T^2 max-plus updates
+    kbest (K)              K T^2 max-plus updates (each of the T*K list entries picks the best
+                           of T list heads) + log Z's work (for the log-probabilities)
+Multiply-adds are counted at the double rate (the probability-space path accumulates in
+double), exponentials at the rate of crfkit's vectorised exp. Compute time is the sum over the
+kinds of work (they share the vector units); memory time is the bytes read and written
+(float32 emissions of the real positions, outputs of the padded shape) at the measured copy
+bandwidth; the bound is the larger of the two.
+
+This is a throughput bound: it assumes perfect vector use, no dependency stalls and no
+per-call overhead, which the sequential recursions over positions cannot fully reach, so read
+the fraction as "how much of the machine the kernel uses".
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+_PROBE = None
+
+
+def _probe():
+    """Build (once, cached by torch in ~/.cache/torch_extensions) and load probe.cpp."""
+    global _PROBE
+    if _PROBE is None:
+        from torch.utils.cpp_extension import load
+
+        arch = os.environ.get("CRFKIT_ARCH", "native")
+        flags = ["-O3", "-std=c++20", "-fopenmp"] + ([f"-march={arch}"] if arch != "none" else [])
+        _PROBE = load(name="crfkit_roofline_probe", sources=[str(HERE / "probe.cpp")],
+                      extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    return _PROBE
+
+
+@dataclass
+class Rates:
+    """Per second, on all threads: multiply-adds (double, float), exponentials, max-plus
+    updates (float), and copy bandwidth in bytes (read + written)."""
+
+    fma_double: float
+    fma_float: float
+    exp_double: float
+    max_plus_float: float
+    copy_bytes: float
+    threads: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rate(fn, work_per_repeat: float, repeats: int, tries: int = 3) -> float:
+    fn(max(1, repeats // 20))  # warm up
+    best = min(fn(repeats) for _ in range(tries))
+    return work_per_repeat * repeats / best
+
+
+def measure_rates(copy_mib: int = 256) -> Rates:
+    """Measure every rate now (about a second): best of 3 timings each."""
+    probe = _probe()
+    torch.set_num_threads(torch.get_num_threads())  # propagate torch's count to OpenMP
+    threads = probe.threads()
+    per_pass = probe.lanes() * threads
+    rates = {
+        "fma_double": _rate(probe.fma_double, per_pass, 400_000),
+        "fma_float": _rate(probe.fma_float, per_pass, 400_000),
+        "exp_double": _rate(probe.exp_double, per_pass, 40_000),
+        "max_plus_float": _rate(probe.max_plus_float, per_pass, 400_000),
+    }
+    source = torch.empty(copy_mib * 2**20 // 4, dtype=torch.float32).fill_(1.0)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        begin = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - begin)
+    rates["copy_bytes"] = 2 * source.numel() * 4 / best
+    return Rates(**rates, threads=threads)
+
+
+def work(op: str, tokens: int, B: int, L: int, T: int, K: Optional[int] = None) -> dict:
+    """The arithmetic and bytes an op must do: tokens = N real positions, (B, L, T) the padded
+    shape, K for k-best. See the module docstring."""
+    emissions_in = 4 * tokens * T  # float32, real positions only
+    padded_out = 4 * B * L * T
+    if op == "log_partition":
+        return dict(fma=tokens * T * T, exp=tokens * T, max_plus=0, bytes=emissions_in)
+    if op == "marginals":
+        return dict(fma=2 * tokens * T * T, exp=tokens * T, max_plus=0, bytes=emissions_in + padded_out)
+    if op == "log_partition_fwd_bwd":
+        return dict(fma=3 * tokens * T * T, exp=tokens * T, max_plus=0, bytes=2 * emissions_in + padded_out)
+    if op == "viterbi":
+        return dict(fma=0, exp=0, max_plus=tokens * T * T, bytes=emissions_in + 8 * B * L)
+    if op == "kbest":
+        return dict(fma=tokens * T * T, exp=tokens * T, max_plus=K * tokens * T * T,
+                    bytes=emissions_in + 8 * B * K * L)
+    raise ValueError(f"no work model for op {op!r}")
+
+
+def lower_bound_s(op: str, tokens: int, B: int, L: int, T: int, K: Optional[int], rates: Rates) -> dict:
+    """{'compute_s', 'memory_s', 'bound_s', 'limit'}: the roofline time of one call."""
+    w = work(op, tokens, B, L, T, K)
+    compute = w["fma"] / rates.fma_double + w["exp"] / rates.exp_double + w["max_plus"] / rates.max_plus_float
+    memory = w["bytes"] / rates.copy_bytes
+    return {"compute_s": compute, "memory_s": memory, "bound_s": max(compute, memory),
+            "limit": "compute" if compute >= memory else "memory"}
