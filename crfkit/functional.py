@@ -137,12 +137,13 @@ def expected_transition_counts(emissions, transitions, lengths=None, start=None,
     marginals P(y_{i-1} = s, y_i = t | x) summed over positions. With marginals() it gives
     every expectation of a score, E_p[s_q(y)], hence exact CRF cross entropy and KL divergence.
 
-    Computed by the reference implementation on every backend (about as fast as the reference
-    log Z forward+backward; no dedicated kernel yet). Differentiable.
+    The compiled backend has a CPU kernel for it (the per-sentence transition gradients of the
+    log Z backward); differentiable calls, other devices and the other backends run the
+    reference (autograd through its log Z), which is slower. Differentiable.
     """
-    from . import reference  # one implementation for every backend, see the docstring
-
-    return reference.expected_transition_counts(*_prepare(emissions, transitions, lengths, start, end))
+    backend = backends.current()
+    implementation = getattr(backend, "expected_transition_counts", backends.reference.expected_transition_counts)
+    return implementation(*_prepare(emissions, transitions, lengths, start, end))
 
 
 def viterbi(emissions, transitions, lengths=None, start=None, end=None):

@@ -20,6 +20,16 @@ TORCH_LIBRARY(crfkit, m) {
         "Tensor lengths) -> Tensor");
   m.def("log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
         "Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
+  // log Z that keeps its forward state (B, 2, L, T) float64 and a status per sentence (B,)
+  // uint8, for a backward that does not rerun the forward (used when log Z is differentiated).
+  m.def("log_partition_saving(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+        "Tensor lengths) -> (Tensor log_z, Tensor state, Tensor status)");
+  m.def("log_partition_backward_saved(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
+        "Tensor start, Tensor end, Tensor lengths, Tensor state, Tensor status) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  // Pairwise marginals summed over positions, per sentence: (B, T, T).
+  m.def("expected_transition_counts(Tensor emissions, Tensor transitions, Tensor start, "
+        "Tensor end, Tensor lengths) -> Tensor");
   // Decoders return (scores, paths): the differentiable output first (opcheck's AOT test
   // sums the outputs starting from the first and cannot start from an integer tensor).
   m.def("viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "

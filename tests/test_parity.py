@@ -104,9 +104,31 @@ def test_opcheck_every_op():
         (ops.sequence_score, (req[0], req[1], req[2], req[3], ln, tags)),
         (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64), em, tr, s, e, ln)),
         (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64), em, ln, tags)),
+        (ops.log_partition_saving, (req[0], req[1], req[2], req[3], ln)),
+        (ops.expected_transition_counts, (em, tr, s, e, ln)),
     ]
+    _, state, status = ops.log_partition_saving(em, tr, s, e, ln)
+    cases.append((ops.log_partition_backward_saved, (torch.ones(3, dtype=torch.float64), em, tr, s, e, ln, state, status)))
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("scale", [1.0, 1e4])  # 1e4: the exact log-space path (status "recompute")
+def test_backward_from_saved_state_equals_the_plain_backward(scale):
+    em, tr, ln, s, e = random_crf(6, 9, 5, scale=scale)
+    tr[1, 2] = -math.inf
+    em[2, :3] = -math.inf  # sentence 2: nothing allowed (status "no gradient")
+    ops = torch.ops.crfkit
+    grad = torch.randn(6, dtype=torch.float64)
+    log_z, state, status = ops.log_partition_saving(em, tr, s, e, ln)
+    assert torch.equal(log_z, ops.log_partition(em, tr, s, e, ln))
+    saved = ops.log_partition_backward_saved(grad, em, tr, s, e, ln, state, status)
+    plain = ops.log_partition_backward(grad, em, tr, s, e, ln)
+    for a, b in zip(saved, plain):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="saved forward"):
+        ops.log_partition_backward_saved(grad, em, tr, s, e, ln, state.float(), status)
 
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")

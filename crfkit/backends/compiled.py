@@ -22,6 +22,9 @@ EXPECTED_SCHEMAS = {
     "log_partition": "crfkit::log_partition(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
     "marginals": "crfkit::marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
     "log_partition_backward": "crfkit::log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)",
+    "log_partition_saving": "crfkit::log_partition_saving(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor log_z, Tensor state, Tensor status)",
+    "log_partition_backward_saved": "crfkit::log_partition_backward_saved(Tensor grad_log_z, Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, Tensor state, Tensor status) -> (Tensor, Tensor, Tensor, Tensor)",
+    "expected_transition_counts": "crfkit::expected_transition_counts(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
     "viterbi": "crfkit::viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor scores, Tensor paths)",
     "kbest_viterbi": "crfkit::kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths)",
     "sequence_score": "crfkit::sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, Tensor tags) -> Tensor",
@@ -59,6 +62,24 @@ def _(grad_log_z, emissions, transitions, start, end, lengths):
     return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
 
 
+@torch.library.register_fake("crfkit::log_partition_saving")
+def _(emissions, transitions, start, end, lengths):
+    B, L, T = emissions.shape
+    return (emissions.new_empty(B), emissions.new_empty((B, 2, L, T), dtype=torch.float64),
+            emissions.new_empty(B, dtype=torch.uint8))
+
+
+@torch.library.register_fake("crfkit::log_partition_backward_saved")
+def _(grad_log_z, emissions, transitions, start, end, lengths, state, status):
+    return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
+
+
+@torch.library.register_fake("crfkit::expected_transition_counts")
+def _(emissions, transitions, start, end, lengths):
+    B, _L, T = emissions.shape
+    return emissions.new_empty((B, T, T))
+
+
 @torch.library.register_fake("crfkit::viterbi")
 def _(emissions, transitions, start, end, lengths):
     B, L, _T = emissions.shape
@@ -94,6 +115,21 @@ def _log_partition_backward(ctx, grad_log_z):
 
 
 torch.library.register_autograd("crfkit::log_partition", _log_partition_backward, setup_context=_save_crf_inputs)
+
+
+def _save_crf_inputs_and_state(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5], *output[1:])  # output = (log_z, state, status)
+
+
+def _log_partition_saving_backward(ctx, grad_log_z, _grad_state, _grad_status):
+    emissions, transitions, start, end, lengths, state, status = ctx.saved_tensors
+    grads = ops.log_partition_backward_saved(grad_log_z.contiguous(), emissions, transitions, start, end,
+                                             lengths, state, status)
+    return (*grads, None)
+
+
+torch.library.register_autograd("crfkit::log_partition_saving", _log_partition_saving_backward,
+                                setup_context=_save_crf_inputs_and_state)
 
 
 def _marginals_backward(ctx, grad_marginals):
@@ -151,8 +187,34 @@ torch.library.register_autograd(
 
 
 # ---- the backend interface (same order of arguments as crfkit.reference) ----------------------
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
+# Which (op, device) pairs have a kernel (the CPU-only ops have none on CUDA). Looked up once
+# here: torch.compile cannot trace the dispatcher query itself.
+_KERNELS = {(name, key): torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit::{name}", key)
+            for name in EXPECTED_SCHEMAS for key in ("CPU", "CUDA")}
+
+
+def _has_kernel(op_name: str, tensor: Tensor) -> bool:
+    """Whether op_name has a kernel for tensor's device."""
+    return _KERNELS[(op_name, "CUDA" if tensor.is_cuda else "CPU")]
+
+
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:
+    # When log Z will be differentiated, keep the forward's state (16 B L T bytes) so that the
+    # backward does not rerun the forward recursion; otherwise O(T) working memory per thread.
+    if _needs_grad(emissions, transitions, start, end) and _has_kernel("log_partition_saving", emissions):
+        return ops.log_partition_saving(emissions, transitions, start, end, lengths)[0]
     return ops.log_partition(emissions, transitions, start, end, lengths)
+
+
+def expected_transition_counts(emissions, transitions, lengths, start, end) -> Tensor:
+    # The kernel has no derivative of its own: differentiable calls take the reference.
+    if _needs_grad(emissions, transitions, start, end) or not _has_kernel("expected_transition_counts", emissions):
+        return reference.expected_transition_counts(emissions, transitions, lengths, start, end)
+    return ops.expected_transition_counts(emissions, transitions, start, end, lengths)
 
 
 def marginals(emissions, transitions, lengths, start, end) -> Tensor:

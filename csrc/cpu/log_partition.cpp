@@ -111,16 +111,35 @@ void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* 
   }
 }
 
-enum class Output { kLogPartition, kMarginals, kBackward };
+// kLogPartitionSaving is log Z that also keeps the forward pass's state for the backward
+// (kBackwardFromState), so that training runs the forward recursion once instead of twice.
+enum class Output { kLogPartition, kLogPartitionSaving, kMarginals, kBackward, kBackwardFromState };
 
-// One driver for the three ops: they share the scans, the per-thread buffers, the checks.
+// What the saved state holds for sentence b (the `status` tensor).
+enum SavedStatus : uint8_t {
+  kRecompute = 0,   // the fast path left its range: the backward recomputes exactly
+  kFastState = 1,   // state[b] holds the scaled forward rows a (n, T) and w (n, T)
+  kNoGradient = 2,  // length 0, or log Z = -inf: every gradient is 0
+};
+
+// Per-sentence forward state of the probability-space path: (B, 2, L, T) double.
+struct ForwardState {
+  double* rows = nullptr;     // nullptr when the op keeps no state
+  uint8_t* status = nullptr;  // (B,) SavedStatus
+  int64_t L = 0, T = 0;
+  double* a_rows(int64_t b) const { return rows + b * 2 * L * T; }
+  double* w_rows(int64_t b) const { return rows + (b * 2 + 1) * L * T; }
+};
+
+// One driver for the ops: they share the scans, the per-thread buffers, the checks.
 // Each sentence runs the probability-space fast path (prob_space.h) and falls back to the exact
 // log-space scans above when that path reports a value out of its range.
 template <typename scalar_t, Output kOut>
 void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
                    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                    const scalar_t* grad_log_z, scalar_t* log_z_out, scalar_t* emit_out,
-                   scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out) {
+                   scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out,
+                   const ForwardState& state = {}) {
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const scalar_t* emit = emissions.data_ptr<scalar_t>();
   const scalar_t* trans = transitions.data_ptr<scalar_t>();
@@ -130,14 +149,20 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   const ProbTables tables(trans, en, T);
   const ScaledTransitions<scalar_t> by_col(trans, T, /*by_column=*/true);
   const ScaledTransitions<scalar_t> by_row(trans, T, /*by_column=*/false);
+  constexpr bool saving = kOut == Output::kLogPartitionSaving;
+  constexpr bool from_state = kOut == Output::kBackwardFromState;
+  constexpr bool writes_log_z = kOut == Output::kLogPartition || saving;
   constexpr bool keep_rows = kOut != Output::kLogPartition;
-  constexpr bool pairwise = kOut == Output::kBackward;
+  constexpr bool pairwise = kOut == Output::kBackward || from_state;
   const int64_t rows = keep_rows ? std::max<int64_t>(L, 1) : 2;
   std::vector<char> bad(B, 0);
 
   at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
-    // Fast path: scaled probabilities in double. Exact path: normalised log space.
-    std::vector<double> prob_a(rows * T), prob_w(keep_rows ? rows * T : 0), prob_work(3 * T);
+    // Fast path: scaled probabilities in double (in the saved state when there is one).
+    // Exact path: normalised log space.
+    const bool own_rows = !(saving || from_state);
+    std::vector<double> prob_a(own_rows ? rows * T : 0), prob_w(own_rows && keep_rows ? rows * T : 0);
+    std::vector<double> prob_work(3 * T);
     std::vector<scalar_t> alpha_hat(rows * T), work(4 * T + (pairwise ? T * T : 0));
     std::vector<double> offset(rows);
     for (int64_t b = b_begin; b < b_end; ++b) {
@@ -148,30 +173,42 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
         continue;
       }
       if (n == 0) {  // the empty sequence: log Z = 0, nothing to differentiate
-        if (kOut == Output::kLogPartition) log_z_out[b] = 0;
+        if (writes_log_z) log_z_out[b] = 0;
+        if (saving) state.status[b] = kNoGradient;
         continue;
       }
-      double log_z = 0;
-      bool fast = tables.usable && prob_forward(emit_b, st, tables, n, keep_rows, prob_a.data(),
-                                                prob_w.data(), prob_work.data(), &log_z);
+      double* a_rows = own_rows ? prob_a.data() : state.a_rows(b);
+      double* w_rows = own_rows ? prob_w.data() : state.w_rows(b);
       auto exact_forward = [&] {
         return forward_scan(emit_b, trans, st, en, by_col, n, T, keep_rows, alpha_hat.data(),
                             offset.data(), work.data());
       };
-      if (!fast) log_z = exact_forward();
-      if (kOut == Output::kLogPartition) {
+      double log_z = 0;
+      bool fast = false;
+      if (from_state) {  // the forward already ran: its state says what is left to do
+        TORCH_CHECK(state.status[b] <= kNoGradient, "crfkit: invalid saved forward state");
+        if (state.status[b] == kNoGradient) continue;
+        fast = state.status[b] == kFastState;
+        if (!fast) log_z = exact_forward();
+      } else {
+        fast = tables.usable && prob_forward(emit_b, st, tables, n, keep_rows, a_rows, w_rows,
+                                             prob_work.data(), &log_z);
+        if (!fast) log_z = exact_forward();
+      }
+      if (writes_log_z) {
         log_z_out[b] = static_cast<scalar_t>(log_z);
+        if (saving) state.status[b] = log_z == kNegInfD ? kNoGradient : fast ? kFastState : kRecompute;
         continue;
       }
       // Every sequence forbidden: log Z = -inf and all gradients / marginals stay 0.
       if (log_z == kNegInfD) continue;
-      const scalar_t g = kOut == Output::kBackward ? grad_log_z[b] : scalar_t(1);
+      const scalar_t g = kOut == Output::kMarginals ? scalar_t(1) : grad_log_z[b];
       if (g == 0) continue;
       scalar_t* grad_emit_b = emit_out + b * L * T;
       scalar_t* grad_trans_b = pairwise ? trans_out + b * T * T : nullptr;
       scalar_t* grad_start_b = pairwise ? start_out + b * T : nullptr;
       scalar_t* grad_end_b = pairwise ? end_out + b * T : nullptr;
-      if (fast && prob_backward<scalar_t, pairwise>(tables, n, prob_a.data(), prob_w.data(), g,
+      if (fast && prob_backward<scalar_t, pairwise>(tables, n, a_rows, w_rows, g,
                                                     grad_emit_b, grad_trans_b, grad_start_b,
                                                     grad_end_b, prob_work.data(),
                                                     prob_work.data() + T)) {
@@ -245,12 +282,94 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
 }
 
+// log Z (B,) plus the state its backward needs: the scaled forward rows (B, 2, L, T) double and
+// a status per sentence (B,) uint8 (SavedStatus). Used when log Z will be differentiated, so
+// that the backward does not run the forward recursion again; costs 16 * B * L * T bytes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_saving_cpu(
+    const at::Tensor& emissions_in, const at::Tensor& transitions_in, const at::Tensor& start_in,
+    const at::Tensor& end_in, const at::Tensor& lengths_in) {
+  const auto [emissions, transitions, start, end, lengths] =
+      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  auto log_z = at::empty({B}, emissions.options());
+  // Zeroed, not empty: rows past a sentence's length are never written, and an op's outputs
+  // must not depend on leftover memory (torch.compile and opcheck compare runs).
+  auto rows = at::zeros({B, 2, L, T}, emissions.options().dtype(at::kDouble));
+  auto status = at::empty({B}, emissions.options().dtype(at::kByte));
+  const ForwardState state{rows.data_ptr<double>(), status.data_ptr<uint8_t>(), L, T};
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_saving", [&] {
+    run_sentences<scalar_t, Output::kLogPartitionSaving>(emissions, transitions, start, end, lengths,
+                                                         nullptr, log_z.data_ptr<scalar_t>(), nullptr,
+                                                         nullptr, nullptr, nullptr, state);
+  });
+  return {log_z, rows, status};
+}
+
+// log_partition_backward from the state of log_partition_saving (same inputs, same results).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_saved_cpu(
+    const at::Tensor& grad_log_z_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
+    const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in,
+    const at::Tensor& rows_in, const at::Tensor& status_in) {
+  const at::Tensor grad_log_z = grad_log_z_in.contiguous();
+  const auto [emissions, transitions, start, end, lengths] =
+      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
+                  grad_log_z.scalar_type() == emissions.scalar_type(),
+              "crfkit: grad_log_z must be (batch,) with the dtype of emissions");
+  TORCH_CHECK(rows_in.scalar_type() == at::kDouble && rows_in.dim() == 4 && rows_in.size(0) == B &&
+                  rows_in.size(1) == 2 && rows_in.size(2) == L && rows_in.size(3) == T,
+              "crfkit: saved forward rows must be (batch, 2, seq_len, num_tags) float64");
+  TORCH_CHECK(status_in.scalar_type() == at::kByte && status_in.dim() == 1 && status_in.size(0) == B,
+              "crfkit: saved forward status must be (batch,) uint8");
+  const at::Tensor rows = rows_in.contiguous(), status = status_in.contiguous();
+  auto grad_emissions = at::zeros_like(emissions);
+  auto grad_trans = at::zeros({B, T, T}, emissions.options());
+  auto grad_start = at::zeros({B, T}, emissions.options());
+  auto grad_end = at::zeros({B, T}, emissions.options());
+  // The kernel only reads the state; ForwardState has mutable pointers for the saving op.
+  const ForwardState state{const_cast<double*>(rows.data_ptr<double>()),
+                           const_cast<uint8_t*>(status.data_ptr<uint8_t>()), L, T};
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward_saved", [&] {
+    run_sentences<scalar_t, Output::kBackwardFromState>(
+        emissions, transitions, start, end, lengths, grad_log_z.data_ptr<scalar_t>(), nullptr,
+        grad_emissions.data_ptr<scalar_t>(), grad_trans.data_ptr<scalar_t>(),
+        grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>(), state);
+  });
+  return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
+}
+
+// E[number of s -> t transitions] per sentence: (B, T, T). The per-sentence partial sums of
+// the transitions' gradient of log Z (grad_log_z = 1), left unreduced.
+at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
+                                          const at::Tensor& start_in, const at::Tensor& end_in,
+                                          const at::Tensor& lengths_in) {
+  const auto [emissions, transitions, start, end, lengths] =
+      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+  const int64_t B = emissions.size(0), T = emissions.size(2);
+  auto ones = at::ones({B}, emissions.options());
+  auto grad_emissions = at::zeros_like(emissions);
+  auto counts = at::zeros({B, T, T}, emissions.options());
+  auto grad_start = at::zeros({B, T}, emissions.options());
+  auto grad_end = at::zeros({B, T}, emissions.options());
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_expected_transition_counts", [&] {
+    run_sentences<scalar_t, Output::kBackward>(
+        emissions, transitions, start, end, lengths, ones.data_ptr<scalar_t>(), nullptr,
+        grad_emissions.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(),
+        grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>());
+  });
+  return counts;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
   m.impl("log_partition", &log_partition_cpu);
+  m.impl("log_partition_saving", &log_partition_saving_cpu);
   m.impl("marginals", &marginals_cpu);
   m.impl("log_partition_backward", &log_partition_backward_cpu);
+  m.impl("log_partition_backward_saved", &log_partition_backward_saved_cpu);
+  m.impl("expected_transition_counts", &expected_transition_counts_cpu);
 }
 
 }  // namespace cpu
