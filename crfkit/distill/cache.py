@@ -1,0 +1,832 @@
+"""The teacher-label cache: run a teacher once over a transfer set and keep, per sentence, its
+k-best paths, their log-probabilities, log Z and optionally its marginals, in sharded
+safetensors files that load lazily, with a manifest recording the teacher, K and the data.
+
+    cache = label_corpus(teacher, sentences, "labels/", k=5,
+                         teacher_info={"model": "bert-base-cased-conll", "checkpoint": "sha256:..."})
+    batch = cache.batch(ids)                                  # CachedBatch, padded
+    loss = crfkit.distill.kbest_cross_entropy(student_emissions, student_transitions,
+                                              batch.kbest, batch.lengths)
+
+Teacher
+    Any callable ``teacher(list_of_sentences) -> TeacherOutput(emissions (B, L, T),
+    transitions (T, T), lengths (B,), start=None, end=None)``; a plain tuple or a mapping with
+    those names is accepted too. Sentences are arbitrary items (token lists, strings, ...): the
+    cache only indexes ``sentences[i]`` and hashes them. The cache itself calls
+    crfkit.kbest_viterbi, crfkit.log_partition and (optionally) crfkit.marginals on the
+    teacher's outputs, under torch.no_grad(), on whatever device the emissions live on.
+    Batches never straddle shards, so the teacher sees batches of at most ``batch_size``.
+
+On-disk format (format_version 1), one directory:
+    manifest.json           format, format_version, teacher (user's description), corpus (user's
+                            description), corpus_fingerprint ("sha256:..." of the sentences),
+                            num_sentences, k, num_tags, label_names, shard_size, num_shards,
+                            with_marginals, marginals_dtype, paths_dtype, float_dtype,
+                            config_hash, complete, shards: [{index, file, first_id, end_id,
+                            num_sentences, num_tokens, bytes}]
+    shard-00017.safetensors sentences [17 * shard_size, 18 * shard_size) (the last shard shorter),
+                            in id order, as concatenated ragged arrays:
+        ids        int64 (S,)             global sentence ids (index into the corpus)
+        offsets    int64 (S + 1,)         sentence j owns tokens offsets[j] .. offsets[j+1]-1
+        paths      int8 / int16 / int32   (K * num_tokens,): sentence j's (K, n_j) block of tag
+                                          paths, row-major, at K * offsets[j]; -1 marks a missing
+                                          row (fewer than K allowed sequences). int8 while
+                                          num_tags <= 127, int16 while <= 32767.
+        log_probs  float32 (S, K)         -inf on missing rows
+        scores     float32 (S, K)         the teacher's path scores (= log_probs + log_z)
+        log_z      float32 (S,)           -inf when every sequence is forbidden
+        marginals  float16 or float32 (num_tokens, T), only with with_marginals (float16 by
+                                          default: probabilities in [0, 1] keep ~3 significant
+                                          digits, half the size of float32)
+    and safetensors metadata: format, format_version, config_hash, shard_index, first_id,
+    end_id, num_tokens, k, num_tags, rank.
+    Scores and probabilities are stored in float32 whatever the teacher's dtype.
+
+Crash safety
+    Every file (shard or manifest) is written to a temporary file ``.NAME.tmp-PID-RANDOM`` in the
+    same directory, flushed and fsync'ed, then os.replace'd onto its final name (atomic on POSIX),
+    and the directory is fsync'ed. So a file with a final shard name is always complete; a kill at
+    any point leaves at most a temporary file, which never matches a shard name, is ignored, and
+    is deleted when the labelling resumes. Shard i always holds the fixed id range
+    [i * shard_size, (i + 1) * shard_size), so on resume the missing shards are exactly the
+    missing sentences: nothing is labelled twice, nothing is lost. The manifest is written first
+    (complete = false) with everything a resume must match (K, teacher, corpus fingerprint,
+    shard size, marginals); a resume that asks for something else is refused with a
+    CacheMismatchError naming the differences. After the last shard the manifest is rewritten
+    with complete = true and the shard list. Only one labelling job may write to a directory at a
+    time (the ranks of one torchrun job count as one).
+
+torchrun / torch.distributed
+    If torch.distributed is initialised, or RANK and WORLD_SIZE (> 1) are set in the environment
+    (torchrun sets them; the cache then initialises a gloo process group itself from the env://
+    variables and destroys it before returning), the ranks share the work: rank 0 checks the
+    directory and lists the missing shards, every rank takes every world_size-th of that list
+    (shards i with i % world_size == rank on a fresh run), and after a barrier rank 0 writes the
+    final manifest. Coordination runs on a dedicated gloo group (CPU; works whatever the default
+    backend), with a long timeout (``dist_timeout``, default 24 h) because ranks wait at the
+    barrier for the slowest one. The directory must be visible to every rank (shared filesystem).
+    Every rank returns the same TeacherLabelCache. Progress (tqdm) is shown by rank 0 only.
+
+Runtime dependencies: torch, numpy, safetensors, tqdm.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import operator
+import os
+import re
+import secrets
+import warnings
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as _safetensors_save
+from torch import Tensor
+
+from ..functional import KBest, kbest_viterbi, log_partition, marginals
+
+__all__ = [
+    "CacheMismatchError",
+    "CachedBatch",
+    "CachedLabels",
+    "TeacherLabelCache",
+    "TeacherOutput",
+    "corpus_fingerprint",
+    "label_corpus",
+    "load_cache",
+]
+
+FORMAT = "crfkit-teacher-labels"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DEFAULT_SHARD_SIZE = 1024
+_SHARD_RE = re.compile(r"^shard-(\d+)\.safetensors$")
+_TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-z]+-[0-9a-f]+$")
+_MARGINAL_DTYPES = {torch.float16: "float16", torch.float32: "float32"}
+_FLOAT_DTYPE = torch.float32
+_FINGERPRINT_CHUNK = 4096
+
+
+class TeacherOutput(NamedTuple):
+    """What a teacher returns for a batch of B sentences: emissions (B, L, T), transitions (T, T),
+    lengths (B,) (None: all L), start / end (T,) or None."""
+
+    emissions: Tensor
+    transitions: Tensor
+    lengths: Optional[Tensor]
+    start: Optional[Tensor] = None
+    end: Optional[Tensor] = None
+
+
+class CachedLabels(NamedTuple):
+    """One sentence's cached teacher labels (n = its length, K = the cache's k, T = num_tags).
+
+    id         int                  global sentence id (index into the corpus)
+    paths      (K, n) int64         k-best tag paths, best first; a missing row is all -1
+    log_probs  (K,) float32         log p(path | x); -inf on missing rows
+    scores     (K,) float32         the teacher's path scores s(x, path)
+    log_z      () float32           the teacher's log Z(x)
+    marginals  (n, T) or None       teacher marginals, float16 or float32 as stored
+    """
+
+    id: int
+    paths: Tensor
+    log_probs: Tensor
+    scores: Tensor
+    log_z: Tensor
+    marginals: Optional[Tensor]
+
+
+class CachedBatch(NamedTuple):
+    """A padded batch of cached labels (B sentences, padded to length L).
+
+    ids        (B,) int64
+    kbest      crfkit.KBest(paths (B, K, L) int64 with -1 padding, scores (B, K), log_probs (B, K)),
+               what crfkit.kbest_viterbi returns for the same teacher outputs
+    lengths    (B,) int64
+    log_z      (B,)
+    marginals  (B, L, T) (zero at padded positions) or None
+    """
+
+    ids: Tensor
+    kbest: KBest
+    lengths: Tensor
+    log_z: Tensor
+    marginals: Optional[Tensor]
+
+
+class CacheMismatchError(ValueError):
+    """A directory holds teacher labels of a different run (another K, teacher, corpus, ...)."""
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def _encode_item(item: Any) -> bytes:
+    if isinstance(item, bytes):
+        return b"b" + item
+    if isinstance(item, str):
+        return b"s" + item.encode("utf-8")
+    if isinstance(item, Tensor):
+        t = item.detach().cpu().contiguous()
+        head = f"t{t.dtype}{tuple(t.shape)}".encode()
+        return head + t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    try:
+        return b"j" + json.dumps(item, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError):
+        return b"r" + repr(item).encode("utf-8")
+
+
+def corpus_fingerprint(sentences: Sequence) -> str:
+    """"sha256:<hex>" of the number of sentences and every sentence in order.
+
+    Strings, bytes, tensors and JSON-serialisable items (lists of tokens, dicts, ...) are hashed
+    by value; anything else by repr(). For items whose repr does not show their whole value, pass
+    your own ``corpus_fingerprint=`` to label_corpus.
+    """
+    h = hashlib.sha256()
+    n = len(sentences)
+    h.update(f"{FORMAT} corpus {n} chunks {_FINGERPRINT_CHUNK}\n".encode())
+    for first in range(0, n, _FINGERPRINT_CHUNK):
+        items = [sentences[i] for i in range(first, min(n, first + _FINGERPRINT_CHUNK))]
+        try:  # one C-encoder call per chunk: ~10x faster than an item at a time
+            encoded = b"J" + json.dumps(items, ensure_ascii=False, sort_keys=True,
+                                        separators=(",", ":")).encode("utf-8")
+        except (TypeError, ValueError):
+            encoded = b"I" + b"".join(len(e).to_bytes(8, "little") + e for e in map(_encode_item, items))
+        h.update(len(encoded).to_bytes(8, "little"))
+        h.update(encoded)
+    return "sha256:" + h.hexdigest()
+
+
+_corpus_fingerprint = corpus_fingerprint  # label_corpus's argument of that name shadows it
+
+
+def _normalise_json(value: Any, name: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, sort_keys=True))
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{name} must be JSON-serialisable (a string or a dict of strings / numbers), "
+                        f"got {type(value).__name__}: {error}") from None
+
+
+def _config_hash(config: Mapping) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- atomic files
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    """Write data to path so that path is either absent / its old content, or all of data."""
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid():x}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+def _shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def _scan_shards(directory: str) -> dict:
+    found = {}
+    for name in os.listdir(directory):
+        match = _SHARD_RE.match(name)
+        if match:
+            found[int(match.group(1))] = name
+    return found
+
+
+def _read_manifest(directory: str) -> Optional[dict]:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    with open(path, "r", encoding="utf-8") as f:
+        try:
+            manifest = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON ({error}); it was not written by crfkit's cache") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a crfkit teacher-label manifest (format = {manifest.get('format')!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {manifest.get('format_version')}; this crfkit reads "
+                         f"version {FORMAT_VERSION}")
+    return manifest
+
+
+def _write_manifest(directory: str, manifest: Mapping) -> None:
+    data = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n"
+    _atomic_write(os.path.join(directory, MANIFEST), data)
+
+
+def _paths_dtype(num_tags: int) -> torch.dtype:
+    if num_tags <= 127:
+        return torch.int8
+    if num_tags <= 32767:
+        return torch.int16
+    return torch.int32
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+class _Distributed:
+    """Rank / world size and a gloo group for coordination; a no-op with one process."""
+
+    def __init__(self, distributed: Optional[bool], timeout: timedelta):
+        self.rank, self.world_size, self.group = 0, 1, None
+        self._owns_default = False
+        if distributed is False:
+            return
+        import torch.distributed as dist
+
+        self._dist = dist
+        env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if dist.is_available() and dist.is_initialized():
+            pass
+        elif dist.is_available() and env_world > 1 and "RANK" in os.environ:
+            dist.init_process_group(backend="gloo", init_method="env://", timeout=timeout)
+            self._owns_default = True
+        elif distributed:
+            raise RuntimeError("label_corpus(distributed=True) needs torch.distributed initialised, or RANK / "
+                               "WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (run it under torchrun)")
+        else:
+            return
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.world_size > 1:
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def broadcast(self, value):
+        """value from rank 0 (what the other ranks pass is ignored)."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        self._dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def all_gather(self, value) -> list:
+        if self.world_size == 1:
+            return [value]
+        out = [None] * self.world_size
+        self._dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self._dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self._dist.destroy_process_group(self.group)
+            self.group = None
+        if self._owns_default:
+            self._dist.destroy_process_group()
+            self._owns_default = False
+
+
+def _on_rank0(ctx: _Distributed, function: Callable[[], Any]):
+    """Run function on rank 0 and give every rank its result, or raise its error on every rank."""
+    outcome = None
+    if ctx.rank == 0:
+        try:
+            outcome = ("ok", function())
+        except Exception as error:  # noqa: BLE001 - every rank must learn of it, or they would hang
+            if ctx.world_size == 1:
+                raise
+            outcome = ("error", type(error).__name__, str(error))
+    outcome = ctx.broadcast(outcome)
+    if outcome[0] == "error":
+        kinds = {"CacheMismatchError": CacheMismatchError, "ValueError": ValueError, "TypeError": TypeError}
+        raise kinds.get(outcome[1], RuntimeError)(f"{outcome[2]} (raised on rank 0)" if ctx.rank else outcome[2])
+    return outcome[1]
+
+
+# --------------------------------------------------------------------------- labelling
+
+
+def _as_teacher_output(out: Any) -> TeacherOutput:
+    if isinstance(out, TeacherOutput):
+        return out
+    if isinstance(out, Mapping):
+        return TeacherOutput(**out)
+    if isinstance(out, (tuple, list)) and 3 <= len(out) <= 5:
+        return TeacherOutput(*out)
+    raise TypeError("teacher(batch) must return a TeacherOutput(emissions, transitions, lengths, start=None, "
+                    f"end=None) (or a tuple / mapping of those), got {type(out).__name__}")
+
+
+def _label_batch(teacher, items: list, k: int, with_marginals: bool) -> dict:
+    """Teacher outputs for one batch -> the batch's ragged arrays (CPU)."""
+    with torch.no_grad():
+        out = _as_teacher_output(teacher(items))
+        emissions, transitions, lengths, start, end = out
+        if not isinstance(emissions, Tensor) or emissions.dim() != 3:
+            raise ValueError("the teacher's emissions must be a (batch, seq_len, num_tags) tensor, got "
+                             f"{tuple(emissions.shape) if isinstance(emissions, Tensor) else type(emissions).__name__}")
+        B, L, T = emissions.shape
+        if B != len(items):
+            raise ValueError(f"the teacher returned emissions for {B} sentences for a batch of {len(items)}")
+        if lengths is None:
+            lengths = torch.full((B,), L, dtype=torch.long, device=emissions.device)
+        kb = kbest_viterbi(emissions, transitions, k, lengths, start, end)
+        log_z = log_partition(emissions, transitions, lengths, start, end)
+        margs = marginals(emissions, transitions, lengths, start, end) if with_marginals else None
+    lengths = lengths.detach().to("cpu", torch.long)
+    real = np.arange(L) < lengths.numpy()[:, None]                     # (B, L)
+    # Boolean indexing reads row-major (b, k, i): sentence b's (K, n_b) block, contiguous.
+    # numpy's, single-threaded, is several times faster than torch's here on a busy machine.
+    paths = torch.from_numpy(kb.paths.cpu().numpy()[np.broadcast_to(real[:, None, :], (B, k, L))])
+    batch = {
+        "num_tags": T,
+        "lengths": lengths,
+        "paths": paths,
+        "log_probs": kb.log_probs.detach().to("cpu", _FLOAT_DTYPE),
+        "scores": kb.scores.detach().to("cpu", _FLOAT_DTYPE),
+        "log_z": log_z.detach().to("cpu", _FLOAT_DTYPE),
+    }
+    if margs is not None:
+        batch["marginals"] = torch.from_numpy(margs.detach().cpu().numpy()[real])   # (sum n_b, T)
+    return batch
+
+
+def _shard_bytes(batches: List[dict], first_id: int, end_id: int, metadata: dict,
+                 paths_dtype: torch.dtype, marginals_dtype: Optional[torch.dtype]) -> bytes:
+    lengths = torch.cat([b["lengths"] for b in batches])
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    tensors = {
+        "ids": torch.arange(first_id, end_id, dtype=torch.long),
+        "offsets": offsets,
+        "paths": torch.cat([b["paths"] for b in batches]).to(paths_dtype),
+        "log_probs": torch.cat([b["log_probs"] for b in batches]),
+        "scores": torch.cat([b["scores"] for b in batches]),
+        "log_z": torch.cat([b["log_z"] for b in batches]),
+    }
+    if marginals_dtype is not None:
+        tensors["marginals"] = torch.cat([b["marginals"] for b in batches]).to(marginals_dtype)
+    metadata = dict(metadata, num_tokens=str(int(offsets[-1])))
+    return _safetensors_save({name: t.contiguous() for name, t in tensors.items()}, metadata=metadata)
+
+
+def _shard_header(path: str) -> dict:
+    with safe_open(path, framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def label_corpus(
+    teacher: Callable[[list], Any],
+    sentences: Sequence,
+    directory: str,
+    k: int,
+    *,
+    batch_size: int = 32,
+    shard_size: Optional[int] = None,
+    teacher_info: Any = None,
+    corpus_info: Any = None,
+    label_names: Optional[Sequence[str]] = None,
+    with_marginals: bool = False,
+    marginals_dtype: torch.dtype = torch.float16,
+    progress: bool = True,
+    corpus_fingerprint: Optional[str] = None,
+    distributed: Optional[bool] = None,
+    dist_timeout: timedelta = timedelta(hours=24),
+    max_open_shards: int = 8,
+) -> "TeacherLabelCache":
+    """Label ``sentences`` with ``teacher`` into ``directory`` (created if needed) and return the
+    cache; resumes a previous run in the same directory, or returns at once if it is complete.
+
+    teacher         callable(list of sentences) -> TeacherOutput (see the module docstring)
+    sentences       a Sequence (len() and [i]); sentence ids are indices into it
+    k               paths kept per sentence
+    batch_size      sentences per teacher call (batches never straddle shards)
+    shard_size      sentences per shard file; None: the existing cache's, else 1024
+    teacher_info    JSON-serialisable description of the teacher (model name, checkpoint hash):
+                    recorded in the manifest; a resume with another one is refused
+    corpus_info     JSON-serialisable description of the corpus, recorded and checked likewise
+    label_names     optional tag names (len = num_tags), recorded and checked likewise
+    with_marginals  also store the teacher's marginals (num_tokens, T) in marginals_dtype
+                    (torch.float16, the default, or torch.float32)
+    corpus_fingerprint  your own fingerprint of the corpus (default: corpus_fingerprint(sentences))
+    distributed     None: split across ranks when torch.distributed is initialised or RANK /
+                    WORLD_SIZE are set; False: never; True: require it
+    Raises CacheMismatchError if the directory holds labels of another K / teacher / corpus /
+    shard size / marginals setting.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
+        raise ValueError(f"shard_size must be a positive int or None, got {shard_size!r}")
+    if with_marginals and marginals_dtype not in _MARGINAL_DTYPES:
+        raise ValueError(f"marginals_dtype must be torch.float16 or torch.float32, got {marginals_dtype}")
+    if not hasattr(sentences, "__len__") or not hasattr(sentences, "__getitem__"):
+        raise TypeError(f"sentences must be a Sequence (len() and indexing), got {type(sentences).__name__}")
+    if not callable(teacher):
+        raise TypeError(f"teacher must be callable, got {type(teacher).__name__}")
+    teacher_info = _normalise_json(teacher_info, "teacher_info")
+    corpus_info = _normalise_json(corpus_info, "corpus_info")
+    if label_names is not None:
+        label_names = [str(name) for name in label_names]
+    directory = os.fspath(directory)
+    num_sentences = len(sentences)
+
+    ctx = _Distributed(distributed, dist_timeout)
+    try:
+        fingerprint = corpus_fingerprint if corpus_fingerprint is not None else _corpus_fingerprint(sentences)
+        seen = ctx.all_gather((num_sentences, fingerprint))
+        if len(set(seen)) != 1:
+            raise ValueError(f"the ranks were given different corpora: (num_sentences, fingerprint) per rank = {seen}")
+
+        request = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "k": k,
+            "teacher": teacher_info,
+            "corpus": corpus_info,
+            "corpus_fingerprint": fingerprint,
+            "num_sentences": num_sentences,
+            "label_names": label_names,
+            "with_marginals": bool(with_marginals),
+            "marginals_dtype": _MARGINAL_DTYPES[marginals_dtype] if with_marginals else None,
+        }
+        plan = _on_rank0(ctx, lambda: _prepare_directory(directory, request, shard_size))
+        if plan["missing"]:
+            _label_shards(teacher, sentences, directory, plan, ctx, batch_size, progress)
+        if plan["missing"] or not plan["complete"]:
+            ctx.barrier()
+            _on_rank0(ctx, lambda: _finalise(directory, plan))
+        return TeacherLabelCache(directory, max_open_shards=max_open_shards)
+    finally:
+        ctx.close()
+
+
+def _prepare_directory(directory: str, request: dict, shard_size: Optional[int]) -> dict:
+    """Rank 0, before any shard is written: check / create the manifest, delete leftover
+    temporary files, list the shards that exist and the ones still missing."""
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        if _TMP_RE.match(name):  # a write that was killed before its os.replace
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+    manifest = _read_manifest(directory)
+    existing = _scan_shards(directory)
+    if manifest is None:
+        if existing:
+            raise CacheMismatchError(f"{directory} holds shard files but no {MANIFEST}: it was not written by "
+                                     "label_corpus (or its manifest was deleted); use an empty directory")
+        shard_size = shard_size or DEFAULT_SHARD_SIZE
+    elif not existing and not manifest.get("complete"):
+        manifest = None  # an earlier run stopped before its first shard: nothing to mix, start afresh
+        shard_size = shard_size or DEFAULT_SHARD_SIZE
+    else:
+        asked = dict(request, shard_size=shard_size or manifest.get("shard_size"))
+        differences = [f"{key}: the cache has {manifest.get(key)!r}, this run asks for {value!r}"
+                       for key, value in asked.items() if manifest.get(key) != value]
+        if differences:
+            raise CacheMismatchError(
+                f"{directory} holds teacher labels of a different run, refusing to mix them:\n  "
+                + "\n  ".join(differences)
+                + "\nUse another directory, or delete this one to relabel.")
+        shard_size = manifest["shard_size"]
+    config = dict(request, shard_size=shard_size)
+    config_hash = _config_hash(config)
+    num_shards = math.ceil(request["num_sentences"] / shard_size)
+    if manifest is None:
+        manifest = dict(config, config_hash=config_hash, num_shards=num_shards, num_tags=None, paths_dtype=None,
+                        float_dtype="float32", complete=False, shards=[])
+        _write_manifest(directory, manifest)
+
+    num_tags = set()
+    present = []
+    for index, name in sorted(existing.items()):
+        path = os.path.join(directory, name)
+        try:
+            header = _shard_header(path)
+        except Exception as error:  # noqa: BLE001 - any unreadable header
+            warnings.warn(f"{path} is unreadable ({error}); deleting it and labelling its sentences again")
+            os.unlink(path)
+            continue
+        if header.get("config_hash") != config_hash or index >= num_shards:
+            raise CacheMismatchError(f"{path} was written by a different labelling run (config_hash "
+                                     f"{header.get('config_hash')!r}, expected {config_hash!r}); refusing to mix them")
+        num_tags.add(int(header["num_tags"]))
+        present.append(index)
+    if len(num_tags) > 1:
+        raise CacheMismatchError(f"the shards in {directory} disagree on num_tags: {sorted(num_tags)}")
+    missing = sorted(set(range(num_shards)) - set(present))
+    if manifest.get("complete") and missing:
+        warnings.warn(f"{directory}: the manifest says complete but {len(missing)} shard(s) are missing; "
+                      "labelling them again")
+    return {
+        "config": config,
+        "config_hash": config_hash,
+        "num_shards": num_shards,
+        "num_tags": num_tags.pop() if num_tags else manifest.get("num_tags"),
+        "missing": missing,
+        "complete": bool(manifest.get("complete")) and not missing,
+    }
+
+
+def _label_shards(teacher, sentences, directory, plan, ctx, batch_size, progress) -> None:
+    from tqdm.auto import tqdm
+
+    config = plan["config"]
+    k, shard_size, n = config["k"], config["shard_size"], config["num_sentences"]
+    mine = plan["missing"][ctx.rank::ctx.world_size]
+    marginals_dtype = {v: d for d, v in _MARGINAL_DTYPES.items()}.get(config["marginals_dtype"])
+    num_tags = plan["num_tags"]
+    label_names = config["label_names"]
+    total = sum(min(n, (i + 1) * shard_size) - i * shard_size for i in mine)
+    desc = "teacher labels" + (f" (rank 0 of {ctx.world_size})" if ctx.world_size > 1 else "")
+    with tqdm(total=total, desc=desc, unit="sent", disable=not progress or ctx.rank != 0, dynamic_ncols=True) as bar:
+        for index in mine:
+            first, end = index * shard_size, min(n, (index + 1) * shard_size)
+            batches = []
+            for lo in range(first, end, batch_size):
+                hi = min(end, lo + batch_size)
+                batch = _label_batch(teacher, [sentences[i] for i in range(lo, hi)], k, config["with_marginals"])
+                T = batch["num_tags"]
+                if num_tags is None:
+                    if label_names is not None and len(label_names) != T:
+                        raise ValueError(f"label_names has {len(label_names)} names but the teacher has {T} tags")
+                    num_tags = T
+                elif T != num_tags:
+                    raise CacheMismatchError(f"the teacher gives {T} tags but the cache in {directory} holds "
+                                             f"{num_tags}; refusing to mix them")
+                batches.append(batch)
+                bar.update(hi - lo)
+            metadata = {
+                "format": FORMAT,
+                "format_version": str(FORMAT_VERSION),
+                "config_hash": plan["config_hash"],
+                "shard_index": str(index),
+                "first_id": str(first),
+                "end_id": str(end),
+                "k": str(k),
+                "num_tags": str(num_tags),
+                "rank": str(ctx.rank),
+            }
+            data = _shard_bytes(batches, first, end, metadata, _paths_dtype(num_tags), marginals_dtype)
+            _atomic_write(os.path.join(directory, _shard_name(index)), data)
+
+
+def _finalise(directory: str, plan: dict) -> None:
+    """Rank 0, after every rank's shards are written: check them, write the complete manifest."""
+    config = plan["config"]
+    shard_size, n = config["shard_size"], config["num_sentences"]
+    existing = _scan_shards(directory)
+    missing = [i for i in range(plan["num_shards"]) if i not in existing]
+    if missing:
+        raise RuntimeError(f"{directory}: shards {missing[:10]}{'...' if len(missing) > 10 else ''} are missing "
+                           "after labelling; run label_corpus again to resume")
+    shards, num_tags = [], set()
+    for index in range(plan["num_shards"]):
+        path = os.path.join(directory, existing[index])
+        header = _shard_header(path)
+        first, end = index * shard_size, min(n, (index + 1) * shard_size)
+        if (header.get("config_hash") != plan["config_hash"] or int(header["first_id"]) != first
+                or int(header["end_id"]) != end):
+            raise CacheMismatchError(f"{path} does not hold sentences [{first}, {end}) of this run")
+        num_tags.add(int(header["num_tags"]))
+        shards.append({"index": index, "file": existing[index], "first_id": first, "end_id": end,
+                       "num_sentences": end - first, "num_tokens": int(header["num_tokens"]),
+                       "bytes": os.path.getsize(path)})
+    if len(num_tags) > 1:
+        raise CacheMismatchError(f"the shards in {directory} disagree on num_tags: {sorted(num_tags)}")
+    T = num_tags.pop() if num_tags else plan["num_tags"]
+    manifest = dict(config, config_hash=plan["config_hash"], num_shards=plan["num_shards"], num_tags=T,
+                    paths_dtype=str(_paths_dtype(T)).replace("torch.", "") if T is not None else None,
+                    float_dtype="float32", complete=True, shards=shards)
+    _write_manifest(directory, manifest)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Shard:
+    """One open shard: the small arrays in memory, marginals read on demand (memory-mapped)."""
+
+    def __init__(self, path: str, k: int, first_id: int, end_id: int):
+        handle = safe_open(path, framework="pt")
+        ids = handle.get_tensor("ids")
+        if len(ids) != end_id - first_id or (len(ids) and (int(ids[0]) != first_id or int(ids[-1]) != end_id - 1)):
+            raise ValueError(f"{path} does not hold sentences [{first_id}, {end_id}); the cache is damaged")
+        self.offsets = handle.get_tensor("offsets").tolist()
+        self.paths = handle.get_tensor("paths")
+        self.log_probs = handle.get_tensor("log_probs")
+        self.scores = handle.get_tensor("scores")
+        self.log_z = handle.get_tensor("log_z")
+        # the marginals (the bulk of a shard) stay on disk, memory-mapped, sliced per sentence
+        self.marginals = handle.get_slice("marginals") if "marginals" in handle.keys() else None
+        self.first_id, self.k = first_id, k
+
+    def record(self, sentence_id: int) -> CachedLabels:
+        j = sentence_id - self.first_id
+        begin, end = self.offsets[j], self.offsets[j + 1]
+        paths = self.paths[self.k * begin:self.k * end].view(self.k, end - begin).to(torch.long)
+        margs = self.marginals[begin:end] if self.marginals is not None else None
+        return CachedLabels(sentence_id, paths, self.log_probs[j], self.scores[j], self.log_z[j], margs)
+
+
+class TeacherLabelCache:
+    """A labelled corpus on disk, read lazily: only the manifest is read when it is opened; a
+    shard is opened at the first request of one of its sentences, and at most
+    ``max_open_shards`` stay open (least recently used closed first).
+
+    len(cache), cache[sentence_id] -> CachedLabels, iteration in id order; a map-style dataset
+    for torch.utils.data.DataLoader with ``collate_fn=TeacherLabelCache.collate``.
+    ``allow_incomplete=True`` opens a cache whose labelling has not finished (sentences of
+    missing shards raise KeyError).
+    """
+
+    def __init__(self, directory: str, *, max_open_shards: int = 8, allow_incomplete: bool = False):
+        self.directory = os.fspath(directory)
+        manifest = _read_manifest(self.directory)
+        if manifest is None:
+            raise FileNotFoundError(f"{os.path.join(self.directory, MANIFEST)} does not exist: not a teacher-label cache")
+        if not manifest["complete"] and not allow_incomplete:
+            raise ValueError(f"the teacher-label cache in {self.directory} is incomplete (labelling was interrupted); "
+                             "run label_corpus again to finish it, or pass allow_incomplete=True")
+        if max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be at least 1, got {max_open_shards}")
+        self.manifest = manifest
+        self.max_open_shards = max_open_shards
+        if manifest["complete"]:
+            self._files = {entry["index"]: entry["file"] for entry in manifest["shards"]}
+        else:
+            self._files = _scan_shards(self.directory)
+        self._open: "OrderedDict[int, _Shard]" = OrderedDict()
+
+    k = property(lambda self: self.manifest["k"], doc="paths per sentence")
+    num_tags = property(lambda self: self.manifest["num_tags"], doc="the teacher's number of tags")
+    label_names = property(lambda self: self.manifest["label_names"], doc="tag names, or None")
+    teacher_info = property(lambda self: self.manifest["teacher"], doc="the teacher's description")
+    corpus_info = property(lambda self: self.manifest["corpus"], doc="the corpus's description")
+    complete = property(lambda self: self.manifest["complete"], doc="labelling finished")
+    shard_size = property(lambda self: self.manifest["shard_size"], doc="sentences per shard")
+
+    def __len__(self) -> int:
+        return self.manifest["num_sentences"]
+
+    def __repr__(self) -> str:
+        return (f"TeacherLabelCache({self.directory!r}, sentences={len(self)}, k={self.k}, num_tags={self.num_tags}, "
+                f"shards={self.manifest['num_shards']}, marginals={self.manifest['with_marginals']})")
+
+    def _shard(self, index: int) -> _Shard:
+        shard = self._open.get(index)
+        if shard is not None:
+            self._open.move_to_end(index)
+            return shard
+        name = self._files.get(index)
+        if name is None:
+            raise KeyError(f"shard {index} of {self.directory} has not been labelled yet")
+        first = index * self.shard_size
+        shard = _Shard(os.path.join(self.directory, name), self.k, first, min(len(self), first + self.shard_size))
+        self._open[index] = shard
+        while len(self._open) > self.max_open_shards:
+            self._open.popitem(last=False)
+        return shard
+
+    def __getitem__(self, sentence_id) -> CachedLabels:
+        i = operator.index(sentence_id)
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sentence id {sentence_id} out of range for a cache of {n} sentences")
+        return self._shard(i // self.shard_size).record(i)
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def batch(self, ids, pad_to: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> CachedBatch:
+        """Records ids (an iterable of ints or a 1-D tensor) -> a padded CachedBatch."""
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        return self.collate([self[i] for i in ids], pad_to=pad_to, dtype=dtype)
+
+    @staticmethod
+    def collate(records: Sequence[CachedLabels], pad_to: Optional[int] = None,
+                dtype: Optional[torch.dtype] = None) -> CachedBatch:
+        """CachedLabels records -> CachedBatch padded to length pad_to (default: the longest).
+
+        kbest.paths (B, K, L) int64 with -1 at padded positions and on missing rows, kbest.scores /
+        kbest.log_probs (B, K), lengths (B,), log_z (B,), marginals (B, L, T) or None;
+        floats are float32 unless dtype is given (marginals keep their stored dtype unless dtype is given).
+        """
+        B = len(records)
+        if B == 0:
+            raise ValueError("collate needs at least one record")
+        K = records[0].paths.shape[0]
+        lengths = torch.tensor([r.paths.shape[1] for r in records], dtype=torch.long)
+        longest = int(lengths.max())
+        L = longest if pad_to is None else int(pad_to)
+        if L < longest:
+            raise ValueError(f"pad_to = {pad_to} is shorter than the longest sentence of the batch ({longest})")
+        paths = torch.full((B, K, L), -1, dtype=torch.long)
+        for b, r in enumerate(records):
+            if r.paths.shape[0] != K:
+                raise ValueError(f"records with different K: {K} and {r.paths.shape[0]}")
+            paths[b, :, :r.paths.shape[1]] = r.paths
+        log_probs = torch.stack([r.log_probs for r in records])
+        scores = torch.stack([r.scores for r in records])
+        log_z = torch.stack([r.log_z for r in records])
+        margs = None
+        if all(r.marginals is not None for r in records):
+            T = records[0].marginals.shape[1]
+            margs = torch.zeros((B, L, T), dtype=dtype or records[0].marginals.dtype)
+            for b, r in enumerate(records):
+                margs[b, :r.marginals.shape[0]] = r.marginals
+        if dtype is not None:
+            log_probs, scores, log_z = log_probs.to(dtype), scores.to(dtype), log_z.to(dtype)
+        ids = torch.tensor([r.id for r in records], dtype=torch.long)
+        return CachedBatch(ids, KBest(paths, scores, log_probs), lengths, log_z, margs)
+
+    def close(self) -> None:
+        """Close every open shard (the cache reopens them on demand)."""
+        self._open.clear()
+
+    def __getstate__(self):  # DataLoader workers get a copy without the open shards
+        state = dict(self.__dict__)
+        state["_open"] = OrderedDict()
+        return state
+
+
+def load_cache(directory: str, **kwargs) -> TeacherLabelCache:
+    """TeacherLabelCache(directory, **kwargs)."""
+    return TeacherLabelCache(directory, **kwargs)
