@@ -32,7 +32,7 @@ Conventions, the same in every backend:
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor

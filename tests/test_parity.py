@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import crfkit
-from crfkit import reference
 from conftest import random_crf
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4)}

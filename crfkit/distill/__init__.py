@@ -13,6 +13,21 @@ Modules:
     embeddings      teacher embedding transfer and SVD reduction
     cache           the teacher-label cache (sharded, resumable, torchrun-aware)
 """
+from .alignment import align_labels_to_pieces, align_to_words, first_piece_mask, word_index_from_word_ids
+from .augment import AugmentedSentence, PosUnigrams, augment_sentence, augment_sentences
+from .cache import (
+    CachedBatch,
+    CachedLabels,
+    CacheMismatchError,
+    TeacherLabelCache,
+    TeacherOutput,
+    label_corpus,
+    load_cache,
+)
+from .embeddings import TransferReport, svd_reduce, teacher_word_vectors, transfer_embeddings
+from .output import hard_cross_entropy, logit_mse, soft_cross_entropy
+from .representation import GeluProjectionLoss, HiddenStateMSE, attention_mse, layer_transfer_loss, uniform_layer_map
+from .schedules import AdaptiveTheta, LinearAnnealing, adaptive_kd_loss, adaptive_theta, linear_annealing
 from .structured import (
     crf_cross_entropy,
     crf_kl_divergence,
@@ -23,3 +38,55 @@ from .structured import (
     token_kd,
     topk_loss,
 )
+from .unfreezing import Stage, UnfreezingRound, gradual_unfreezing, stagewise_training
+from .weighting import FixedWeights, ScheduledWeights, UncertaintyWeighting
+
+__all__ = [
+    "AdaptiveTheta",
+    "AugmentedSentence",
+    "CacheMismatchError",
+    "CachedBatch",
+    "CachedLabels",
+    "FixedWeights",
+    "GeluProjectionLoss",
+    "HiddenStateMSE",
+    "LinearAnnealing",
+    "PosUnigrams",
+    "ScheduledWeights",
+    "Stage",
+    "TeacherLabelCache",
+    "TeacherOutput",
+    "TransferReport",
+    "UncertaintyWeighting",
+    "UnfreezingRound",
+    "adaptive_kd_loss",
+    "adaptive_theta",
+    "align_labels_to_pieces",
+    "align_to_words",
+    "attention_mse",
+    "augment_sentence",
+    "augment_sentences",
+    "crf_cross_entropy",
+    "crf_kl_divergence",
+    "crf_nll",
+    "first_piece_mask",
+    "fuzzy_loss",
+    "gradual_unfreezing",
+    "hard_cross_entropy",
+    "kbest_cross_entropy",
+    "label_corpus",
+    "layer_transfer_loss",
+    "linear_annealing",
+    "load_cache",
+    "log1mexp",
+    "logit_mse",
+    "soft_cross_entropy",
+    "stagewise_training",
+    "svd_reduce",
+    "teacher_word_vectors",
+    "token_kd",
+    "topk_loss",
+    "transfer_embeddings",
+    "uniform_layer_map",
+    "word_index_from_word_ids",
+]
