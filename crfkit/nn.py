@@ -64,6 +64,11 @@ class CRF(nn.Module):
 
         return masked(self.transitions, self.transition_mask), masked(self.start, self.start_mask), masked(self.end, self.end_mask)
 
+    def constrained_parameters(self):
+        """(transitions (T, T), start (T,) or None, end (T,) or None) with the constraint masks
+        added: what the functional ops (e.g. crfkit.kbest_viterbi for distillation) need."""
+        return self._parameters_for(None)
+
     def _lengths(self, emissions: Tensor, lengths: Optional[Tensor], mask: Optional[Tensor]) -> Optional[Tensor]:
         if mask is not None:
             if lengths is not None:
