@@ -25,6 +25,17 @@ def backend(request):
         yield request.param
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny tensors: a second intra-op thread only adds
+    synchronisation, which costs seconds on a shared, busy CPU. Use with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -8,14 +8,7 @@ import torch.nn.functional as F
 from crfkit.distill.output import hard_cross_entropy, logit_mse, soft_cross_entropy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tensors here are tiny: a second intra-op thread only adds synchronisation, which costs
-    # seconds on a shared, busy CPU.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 B, L, C = 3, 5, 4

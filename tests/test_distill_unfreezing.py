@@ -9,14 +9,7 @@ from torch import nn
 from crfkit.distill.unfreezing import Stage, UnfreezingRound, gradual_unfreezing, stagewise_training
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tensors here are tiny: a second intra-op thread only adds synchronisation, which costs
-    # seconds on a shared, busy CPU.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 LAYERS = ["0", "2", "4"]  # bottom to top

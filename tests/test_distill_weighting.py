@@ -10,14 +10,7 @@ from crfkit.distill.schedules import AdaptiveTheta
 from crfkit.distill.weighting import FixedWeights, ScheduledWeights, UncertaintyWeighting
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tensors here are tiny: a second intra-op thread only adds synchronisation, which costs
-    # seconds on a shared, busy CPU.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_uncertainty_value_and_gradient_match_formula():

@@ -71,7 +71,32 @@ def _prepare_hidden(student_hidden, teacher_hidden, mask, student_width: int, te
     return student, teacher_hidden, mask
 
 
-class HiddenStateMSE(nn.Module):
+class _ProjectedHiddenLoss(nn.Module):
+    """Shared forward of the hidden-state losses: check, project the student's states, zero the
+    padding, then a distance per position (the subclass's `_distance`), reduced."""
+
+    student_width: int
+    teacher_width: int
+
+    def project(self, student_hidden: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _distance(self, projected: Tensor, teacher: Tensor) -> Tensor:
+        """(..., d_t), (..., d_t) -> (...): the distance per position."""
+        raise NotImplementedError
+
+    def forward(self, student_hidden: Tensor, teacher_hidden: Tensor, mask: Optional[Tensor] = None,
+                reduction: str = "mean") -> Tensor:
+        _check_reduction(reduction)
+        student, teacher, mask = _prepare_hidden(student_hidden, teacher_hidden, mask,
+                                                 self.student_width, self.teacher_width)
+        projected = self.project(student)
+        dtype = _compute_dtype(projected, teacher)
+        projected, teacher = _zero_padding(projected, mask, dtype), _zero_padding(teacher, mask, dtype)
+        return _reduce(_zero_excluded(self._distance(projected, teacher), mask), mask, reduction)
+
+
+class HiddenStateMSE(_ProjectedHiddenLoss):
     """Seed 001's L_hidn = MSE(H_s W_h, H_t), with a learned projection W_h when widths differ.
 
     Args:
@@ -100,16 +125,8 @@ class HiddenStateMSE(nn.Module):
         """H_s W_h: (..., d_s) -> (..., d_t)."""
         return self.projection(student_hidden)
 
-    def forward(self, student_hidden: Tensor, teacher_hidden: Tensor, mask: Optional[Tensor] = None,
-                reduction: str = "mean") -> Tensor:
-        _check_reduction(reduction)
-        student, teacher, mask = _prepare_hidden(student_hidden, teacher_hidden, mask,
-                                                 self.student_width, self.teacher_width)
-        projected = self.project(student)
-        dtype = _compute_dtype(projected, teacher)
-        projected, teacher = _zero_padding(projected, mask, dtype), _zero_padding(teacher, mask, dtype)
-        per_position = (projected - teacher).square().mean(-1)
-        return _reduce(per_position, mask, reduction)
+    def _distance(self, projected: Tensor, teacher: Tensor) -> Tensor:
+        return (projected - teacher).square().mean(-1)
 
     def extra_repr(self) -> str:
         return f"student_width={self.student_width}, teacher_width={self.teacher_width}"
@@ -120,7 +137,7 @@ _DISTANCES = ("mse", "cosine", "keras_kld")
 _KERAS_EPSILON = 1e-7
 
 
-class GeluProjectionLoss(nn.Module):
+class GeluProjectionLoss(_ProjectedHiddenLoss):
     """Seed 002's representation loss L_RL: a distance between the student's hidden states
     projected to the teacher's width, z~_s = GELU(W_f h_s + b_f), and the teacher's layer-l
     hidden states z_l^t (l around 6-7 of 12 in seed 002).
@@ -163,23 +180,14 @@ class GeluProjectionLoss(nn.Module):
         """z~_s = GELU(W_f h_s + b_f): (..., d_s) -> (..., d_t)."""
         return F.gelu(self.projection(student_hidden), approximate=self.approximate)
 
-    def forward(self, student_hidden: Tensor, teacher_hidden: Tensor, mask: Optional[Tensor] = None,
-                reduction: str = "mean") -> Tensor:
-        _check_reduction(reduction)
-        student, teacher, mask = _prepare_hidden(student_hidden, teacher_hidden, mask,
-                                                 self.student_width, self.teacher_width)
-        projected = self.project(student)
-        dtype = _compute_dtype(projected, teacher)
-        projected, teacher = _zero_padding(projected, mask, dtype), _zero_padding(teacher, mask, dtype)
+    def _distance(self, projected: Tensor, teacher: Tensor) -> Tensor:
         if self.distance == "mse":
-            per_position = (projected - teacher).square().mean(-1)
-        elif self.distance == "cosine":
-            per_position = 1 - F.cosine_similarity(projected, teacher, dim=-1, eps=1e-8)
-        else:
-            target = teacher.clamp(_KERAS_EPSILON, 1)
-            prediction = projected.clamp(_KERAS_EPSILON, 1)
-            per_position = (target * (target.log() - prediction.log())).sum(-1)
-        return _reduce(_zero_excluded(per_position, mask), mask, reduction)
+            return (projected - teacher).square().mean(-1)
+        if self.distance == "cosine":
+            return 1 - F.cosine_similarity(projected, teacher, dim=-1, eps=1e-8)
+        target = teacher.clamp(_KERAS_EPSILON, 1)
+        prediction = projected.clamp(_KERAS_EPSILON, 1)
+        return (target * (target.log() - prediction.log())).sum(-1)
 
     def extra_repr(self) -> str:
         return (f"student_width={self.student_width}, teacher_width={self.teacher_width}, "
