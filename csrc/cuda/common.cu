@@ -1,0 +1,113 @@
+// Device-side validation of the data every op reads, and the host side that turns the status
+// words into the CPU kernels' error messages (see common.cuh).
+#include "common.cuh"
+
+namespace crfkit {
+namespace cuda {
+namespace {
+
+constexpr int kValidateThreads = 256;
+constexpr int64_t kMaxValidateBlocks = 1024;  // grid-stride loops cover the rest
+
+// lengths (B,) int64 within [0, L]; transitions (T*T), start, end (T) free of NaN / +inf.
+// Null parameter pointers are skipped.
+template <typename scalar_t>
+__global__ void validate_inputs_kernel(const int64_t* lengths, int64_t batch, int64_t max_len,
+                                       const scalar_t* transitions, const scalar_t* start,
+                                       const scalar_t* end, int64_t num_tags, long long* status) {
+  const int64_t count = batch > num_tags * num_tags ? batch : num_tags * num_tags;
+  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < count;
+       idx += (int64_t)gridDim.x * blockDim.x) {
+    if (idx < batch) {
+      const int64_t n = lengths[idx];
+      if (n < 0 || n > max_len) report(status, kBadLength, idx);
+    }
+    if (transitions != nullptr && idx < num_tags * num_tags && is_nan_or_pos_inf(transitions[idx])) {
+      report(status, kBadTransitions, idx);
+    }
+    if (start != nullptr && idx < num_tags && is_nan_or_pos_inf(start[idx])) report(status, kBadStart, idx);
+    if (end != nullptr && idx < num_tags && is_nan_or_pos_inf(end[idx])) report(status, kBadEnd, idx);
+  }
+}
+
+// emissions (B, L, T): the first sentence with NaN / +inf at a position below its length.
+// Flat grid-stride loop (coalesced reads); a sentence with an invalid length is skipped (that
+// error is reported by validate_inputs_kernel and takes precedence).
+template <typename scalar_t>
+__global__ void check_emissions_kernel(const scalar_t* emissions, const int64_t* lengths, int64_t batch,
+                                       int64_t max_len, int64_t num_tags, long long* status) {
+  const int64_t per_sentence = max_len * num_tags;
+  const int64_t count = batch * per_sentence;
+  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < count;
+       idx += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = idx / per_sentence;
+    const int64_t position = (idx - b * per_sentence) / num_tags;
+    const int64_t n = lengths[b];
+    if (n >= 0 && n <= max_len && position < n && is_nan_or_pos_inf(emissions[idx])) {
+      report(status, kBadEmissions, b);
+    }
+  }
+}
+
+int64_t grid_for(int64_t count) {
+  return std::max<int64_t>(1, std::min(kMaxValidateBlocks, (count + kValidateThreads - 1) / kValidateThreads));
+}
+
+}  // namespace
+
+void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at::Tensor& transitions,
+                            const at::Tensor& start, const at::Tensor& end, Status& status) {
+  const int64_t batch = lengths.size(0);
+  const int64_t num_tags = transitions.defined() ? transitions.size(0) : 0;
+  const int64_t count = std::max(batch, num_tags * num_tags);
+  if (count == 0) return;
+  const auto type = transitions.defined() ? transitions.scalar_type() : at::kFloat;
+  AT_DISPATCH_FLOATING_TYPES(type, "crfkit_validate_inputs", [&] {
+    auto pointer = [](const at::Tensor& x) { return x.defined() ? x.data_ptr<scalar_t>() : nullptr; };
+    validate_inputs_kernel<scalar_t><<<grid_for(count), kValidateThreads, 0, current_stream()>>>(
+        lengths.data_ptr<int64_t>(), batch, max_len, pointer(transitions), pointer(start), pointer(end),
+        num_tags, status.data());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengths, Status& status) {
+  const int64_t count = emissions.numel();
+  if (count == 0) return;
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_check_emissions", [&] {
+    check_emissions_kernel<scalar_t><<<grid_for(count), kValidateThreads, 0, current_stream()>>>(
+        emissions.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), emissions.size(0), emissions.size(1),
+        emissions.size(2), status.data());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void Status::raise_if_bad(const at::Tensor& lengths, int64_t max_len, const at::Tensor& tags,
+                          int64_t num_tags) const {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
+  const at::Tensor host = words_.to(at::kCPU);  // waits for the kernels of this op
+  const int64_t* word = host.data_ptr<int64_t>();
+  if (word[kBadLength] != kStatusClear) {
+    const int64_t b = word[kBadLength];
+    TORCH_CHECK_VALUE(false, "crfkit: lengths[", b, "] = ", lengths[b].item<int64_t>(),
+                      " is outside [0, seq_len = ", max_len, "]");
+  }
+  TORCH_CHECK_VALUE(word[kBadTransitions] == kStatusClear,
+                    "crfkit: transitions contains NaN or +inf (use -inf to forbid a transition)");
+  TORCH_CHECK_VALUE(word[kBadStart] == kStatusClear,
+                    "crfkit: start contains NaN or +inf (use -inf to forbid a first tag)");
+  TORCH_CHECK_VALUE(word[kBadEnd] == kStatusClear,
+                    "crfkit: end contains NaN or +inf (use -inf to forbid a last tag)");
+  if (word[kBadTag] != kStatusClear && tags.defined()) {
+    const int64_t flat = word[kBadTag];
+    const int64_t per_sentence = tags.size(1) * tags.size(2);
+    const int64_t b = flat / per_sentence, j = (flat % per_sentence) / tags.size(2), i = flat % tags.size(2);
+    TORCH_CHECK_VALUE(false, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", tags[b][j][i].item<int64_t>(),
+                      " is not a tag index in [0, ", num_tags, ")");
+  }
+  TORCH_CHECK_VALUE(word[kBadEmissions] == kStatusClear, "crfkit: emissions[", word[kBadEmissions],
+                    "] contains NaN or +inf within its length (use -inf to forbid a tag)");
+}
+
+}  // namespace cuda
+}  // namespace crfkit

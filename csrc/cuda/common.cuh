@@ -1,0 +1,283 @@
+// Shared pieces of the CUDA kernels: argument checks, the status words that carry
+// data-dependent errors back to the host, numeric helpers, group reductions and the launch
+// layout every per-sentence kernel uses.
+//
+// Thread layout (log Z, marginals, Viterbi, k-best): one GROUP of G lanes per sentence,
+// G = min(next power of two >= T, 32), so a group never spans two warps and every
+// synchronisation inside the time loop is a __syncwarp or a shuffle, never a block barrier.
+// Lane l owns the tags t = l, l + G, l + 2G, ... (loops over tags: any T works). Blocks hold
+// 1..4 warps and are PERSISTENT: the grid is at most what is resident on the device and each
+// group walks over sentences b = first, first + groups in grid, ... (so B is not limited by the
+// grid size, and per-group workspaces are sized by the grid, not by B). All groups of a warp
+// run the time loop to the longest sentence of the warp, predicated off past their own length,
+// so the warp stays converged and __syncwarp() with the full mask is always legal.
+//
+// Errors that depend on the data (lengths out of range, NaN / +inf scores, bad tags) are
+// detected on the device while the kernels run: the first offending index is recorded with
+// atomicMin in a few int64 status words, and the host reads them back once after the launch
+// (one synchronisation per op) and raises the same messages as the CPU kernels. The kernels
+// never read out of bounds on bad data (bad lengths count as 0, bad tags are not followed,
+// backtraces stop at an out-of-range code), so a bad call raises instead of crashing.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "../checks.h"
+
+namespace crfkit {
+namespace cuda {
+
+constexpr int kWarpSize = 32;
+constexpr int kMaxWarpsPerBlock = 4;
+constexpr int kMaxThreadsPerBlock = kWarpSize * kMaxWarpsPerBlock;
+// Dynamic shared memory one block may use without opting in (every architecture since sm_35).
+// Buffers that do not fit go to global memory (cached in L1 / L2) instead; see plan_shared.
+constexpr size_t kSharedBudget = 48 * 1024;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---- status words ------------------------------------------------------------------------
+// Each word holds the smallest offending index found (atomicMin), INT64_MAX when none.
+enum StatusWord : int {
+  kBadLength = 0,       // sentence index b with lengths[b] outside [0, L]
+  kBadTransitions = 1,  // flat index of a NaN / +inf transition
+  kBadStart = 2,
+  kBadEnd = 3,
+  kBadTag = 4,          // flat index (b * N + j) * L + i of a tag outside [0, T)
+  kBadEmissions = 5,    // sentence index b with NaN / +inf emissions within its length
+  kNumStatusWords = 6,
+};
+constexpr int64_t kStatusClear = std::numeric_limits<int64_t>::max();
+
+__device__ __forceinline__ void report(long long* status, StatusWord word, int64_t index) {
+  atomicMin(status + word, static_cast<long long>(index));
+}
+
+// Device-side error reporting of one op: allocate, let the kernels fill, then raise.
+class Status {
+ public:
+  explicit Status(const at::Tensor& like)
+      : words_(at::full({kNumStatusWords}, kStatusClear, like.options().dtype(at::kLong))) {}
+
+  long long* data() { return reinterpret_cast<long long*>(words_.data_ptr<int64_t>()); }
+
+  // Copies the words to the host (one synchronisation) and raises the first error in the order
+  // the CPU kernels check: lengths, transitions, start, end, tags, emissions. While a CUDA graph
+  // is being captured nothing can be read back; the checks are skipped then (the kernels stay
+  // memory-safe on bad data, the results are just meaningless).
+  // `lengths` / `tags` (may be undefined) give the values quoted in the messages.
+  void raise_if_bad(const at::Tensor& lengths, int64_t max_len, const at::Tensor& tags = {},
+                    int64_t num_tags = 0) const;
+
+ private:
+  at::Tensor words_;
+};
+
+// lengths[b] in [0, L] and transitions / start / end free of NaN / +inf (any of the three may
+// be null, e.g. for sequence_score_backward, which has none). One small grid-stride kernel.
+void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at::Tensor& transitions,
+                            const at::Tensor& start, const at::Tensor& end, Status& status);
+
+// Emissions (B, L, T) free of NaN / +inf within each sentence's length; for ops that do not
+// read every emission themselves (sequence_score).
+void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengths, Status& status);
+
+// ---- arguments -----------------------------------------------------------------------------
+// The CRF arguments of a CUDA op, dense and shape-checked (values are checked on the device).
+inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& transitions,
+                                 const at::Tensor& start, const at::Tensor& end,
+                                 const at::Tensor& lengths) {
+  CrfArgs a{emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
+            lengths.contiguous()};
+  check_crf_inputs(a.emissions, a.transitions, a.start, a.end, a.lengths);
+  TORCH_CHECK(a.emissions.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got emissions on ",
+              a.emissions.device());
+  return a;
+}
+
+// ---- numerics ------------------------------------------------------------------------------
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t neg_inf();
+template <>
+__device__ __forceinline__ float neg_inf<float>() { return -CUDART_INF_F; }
+template <>
+__device__ __forceinline__ double neg_inf<double>() { return -CUDART_INF; }
+
+template <typename scalar_t>
+__device__ __forceinline__ bool is_nan_or_pos_inf(scalar_t v) {
+  return (v != v) || (v == -neg_inf<scalar_t>());
+}
+
+// The precise library functions (no fast-math): exp(-inf) = 0, log(0) = -inf.
+__device__ __forceinline__ float exp_(float x) { return expf(x); }
+__device__ __forceinline__ double exp_(double x) { return ::exp(x); }
+__device__ __forceinline__ float log_(float x) { return logf(x); }
+__device__ __forceinline__ double log_(double x) { return ::log(x); }
+
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t max_(scalar_t a, scalar_t b) { return b > a ? b : a; }
+
+// The same thresholds as the CPU log-space kernels (csrc/cpu/log_space.h), for the same reasons:
+// a factored sum at or above trusted_sum_min lost nothing to underflow; pairwise terms with an
+// exponent shift at most pairwise_fast_bound are computed factored.
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t trusted_sum_min();
+template <>
+__device__ __forceinline__ float trusted_sum_min<float>() { return 0x1p-92f; }
+template <>
+__device__ __forceinline__ double trusted_sum_min<double>() { return 0x1p-960; }
+
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t pairwise_fast_bound();
+template <>
+__device__ __forceinline__ float pairwise_fast_bound<float>() { return 20.0f; }
+template <>
+__device__ __forceinline__ double pairwise_fast_bound<double>() { return 600.0; }
+
+// ---- group reductions (G lanes, G a power of two <= 32) --------------------------------------
+// Every lane of the WARP must call these (the shuffles use the full mask); with width G each
+// group of G lanes reduces on its own. The xor butterfly leaves the identical result in every
+// lane of the group (additions are commutative), so the results are group-uniform.
+template <typename V>
+__device__ __forceinline__ V group_max(V v, int lanes) {
+  for (int offset = lanes / 2; offset > 0; offset /= 2) {
+    const V other = __shfl_xor_sync(kFullMask, v, offset, lanes);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+template <typename V>
+__device__ __forceinline__ V group_sum(V v, int lanes) {
+  for (int offset = lanes / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset, lanes);
+  return v;
+}
+
+// (value, index) of the maximum; among equal values the smallest index wins, which is what a
+// sequential scan in ascending index with a strict '>' returns (the CPU kernels' tie rule).
+template <typename scalar_t>
+__device__ __forceinline__ void group_argmax(scalar_t& value, int& index, int lanes) {
+  for (int offset = lanes / 2; offset > 0; offset /= 2) {
+    const scalar_t other_value = __shfl_xor_sync(kFullMask, value, offset, lanes);
+    const int other_index = __shfl_xor_sync(kFullMask, index, offset, lanes);
+    if (other_value > value || (other_value == value && other_index < index)) {
+      value = other_value;
+      index = other_index;
+    }
+  }
+}
+
+// Longest sentence of the warp: the trip count of its time loop.
+__device__ __forceinline__ int64_t warp_max(int64_t v) { return group_max(v, kWarpSize); }
+
+// ---- launch layout --------------------------------------------------------------------------
+// Lanes per sentence: the smallest power of two >= T, at most a warp.
+inline int lanes_per_sentence(int64_t num_tags) {
+  int lanes = 1;
+  while (lanes < num_tags && lanes < kWarpSize) lanes *= 2;
+  return lanes;
+}
+
+__host__ __device__ inline size_t align_up(size_t bytes, size_t to = 16) {
+  return (bytes + to - 1) / to * to;
+}
+
+// Where a kernel's buffers live. Per-group buffers ("arenas": alpha, lists, ...) first: they
+// are in the innermost loops. Then an optional per-group accumulator, then the block-wide
+// read-only tables. Whatever does not fit in kSharedBudget lives in global memory (a
+// per-group slice of a workspace tensor), reached through the same generic pointers.
+struct SharedPlan {
+  int lanes = 1;            // G
+  int threads = kWarpSize;  // warps per block * 32
+  int groups_per_block = 1;
+  bool arena_in_shared = true;
+  bool accumulator_in_shared = true;
+  bool tables_in_shared = true;
+  size_t shared_bytes = 0;  // dynamic shared memory of one block
+};
+
+inline SharedPlan plan_shared(int64_t num_tags, size_t arena_bytes, size_t accumulator_bytes,
+                              size_t table_bytes) {
+  SharedPlan plan;
+  plan.lanes = lanes_per_sentence(num_tags);
+  int warps = kMaxWarpsPerBlock;
+  // Fewer warps per block before giving up shared memory for the arenas.
+  while (warps > 1 && (size_t)(warps * kWarpSize / plan.lanes) * arena_bytes > kSharedBudget) warps /= 2;
+  plan.threads = warps * kWarpSize;
+  plan.groups_per_block = plan.threads / plan.lanes;
+  size_t used = 0;
+  const size_t arenas = plan.groups_per_block * align_up(arena_bytes);
+  plan.arena_in_shared = arenas <= kSharedBudget;
+  if (plan.arena_in_shared) used += arenas;
+  const size_t accumulators = plan.groups_per_block * align_up(accumulator_bytes);
+  plan.accumulator_in_shared = accumulator_bytes > 0 && used + accumulators <= kSharedBudget;
+  if (plan.accumulator_in_shared) used += accumulators;
+  plan.tables_in_shared = table_bytes > 0 && used + align_up(table_bytes) <= kSharedBudget;
+  if (plan.tables_in_shared) used += align_up(table_bytes);
+  plan.shared_bytes = used;
+  return plan;
+}
+
+// Device side of a SharedPlan: the group's arena (in shared memory or its slice of the global
+// workspace); `cursor` moves past the block's arenas when they are in shared memory.
+__device__ __forceinline__ unsigned char* group_arena(unsigned char*& cursor, const SharedPlan& plan,
+                                                      size_t arena_bytes, unsigned char* workspace,
+                                                      int group, int64_t slot) {
+  if (!plan.arena_in_shared) return workspace + slot * arena_bytes;
+  unsigned char* arena = cursor + group * arena_bytes;
+  cursor += plan.groups_per_block * arena_bytes;
+  return arena;
+}
+
+// A read-only table for the whole block: copied to shared memory at `cursor` when the plan
+// says so (the caller then needs one __syncthreads), else read where it is.
+template <typename scalar_t>
+__device__ __forceinline__ const scalar_t* stage_table(unsigned char*& cursor, bool in_shared,
+                                                       const scalar_t* table, int64_t count) {
+  if (!in_shared) return table;
+  scalar_t* copy = reinterpret_cast<scalar_t*>(cursor);
+  for (int64_t k = threadIdx.x; k < count; k += blockDim.x) copy[k] = table[k];
+  cursor += align_up(count * sizeof(scalar_t));
+  return copy;
+}
+
+// Blocks of a persistent launch: enough for every sentence, at most what the device holds at
+// once (so that per-group workspaces stay bounded), at most max_blocks. At least 1.
+template <typename Kernel>
+int64_t persistent_blocks(Kernel kernel, const SharedPlan& plan, int64_t num_sentences,
+                          int64_t max_blocks = std::numeric_limits<int64_t>::max()) {
+  int device = 0, multiprocessors = 1, per_multiprocessor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, plan.threads,
+                                                               plan.shared_bytes));
+  const int64_t resident = std::max<int64_t>(1, (int64_t)per_multiprocessor * multiprocessors);
+  const int64_t needed = (num_sentences + plan.groups_per_block - 1) / plan.groups_per_block;
+  return std::max<int64_t>(1, std::min({needed, resident, max_blocks}));
+}
+
+// Backpointers in the smallest unsigned type that holds every code (code < num_codes), as in
+// the CPU kernels.
+template <typename F>
+void dispatch_backpointer_type(int64_t num_codes, F&& f) {
+  if (num_codes <= 256) {
+    f(uint8_t{});
+  } else if (num_codes <= 65536) {
+    f(uint16_t{});
+  } else {
+    f(uint32_t{});
+  }
+}
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+}  // namespace cuda
+}  // namespace crfkit

@@ -1,0 +1,582 @@
+// CUDA kernels: log partition (forward algorithm), marginals and the analytic backward of
+// log Z (forward-backward), one fused kernel per op with the whole time loop inside.
+//
+// Layout: one group of G lanes per sentence (common.cuh); lane l owns tags l, l + G, ...
+// Per position and tag the forward step is the factored log-space step of the CPU kernels
+// (csrc/cpu/log_space.h):
+//     alpha_next[t] = col_max[t] + log(sum_s p[s] * E[s][t]) + emit[t],
+//     p[s] = exp(alpha_hat[s])  (alpha_hat normalised to max 0: p <= 1),
+//     E[s][t] = exp(trans[s, t] - col_max[t])  (one table for the whole call),
+// i.e. one exponential (p of the lane's own tag, shared through the group's arena), T
+// multiply-adds and one logarithm per tag; a column whose sum falls below trusted_sum_min is
+// recomputed exactly (max-shifted logsumexp). The rows are normalised after every position
+// (offsets accumulated in double), exactly like the CPU kernels, so float32 stays accurate on
+// long sentences with large scores. Results agree with the CPU kernels to rounding, not bit
+// for bit (different summation order, and the CPU also has a probability-space fast path).
+//
+// Marginals / backward: the forward pass stores the normalised alpha rows in the OUTPUT tensor
+// itself (B, L, T) (no extra O(B L T) workspace), and the backward pass, from the last position
+// to the first, reads row i, overwrites it with the marginals of position i, and reads row i-1
+// for the pairwise (transition) marginals. The same lane wrote and reads each entry. The
+// running offsets (needed for the pairwise shift against log Z) go to a per-group (L,) double
+// workspace. Marginals are normalised per position (they sum to one), pairwise marginals per
+// position pair, as in the CPU kernels. Gradients of transitions / start / end are accumulated
+// per group (in shared memory when it fits, else in a per-group slice of global memory) and
+// summed over groups afterwards in a fixed order: deterministic for a given device.
+#include <torch/library.h>
+
+#include "common.cuh"
+
+namespace crfkit {
+namespace cuda {
+namespace {
+
+enum class Output { kLogPartition, kMarginals, kBackward };
+
+// Transition tables, one array of scalars:
+//   [0, T*T)             e_col[s * T + t]   = exp(trans[s, t] - col_max[t])  (0 if col_max = -inf)
+//   [T*T, T*T + T)       col_max[t]
+//   [T*T + T, 2T*T + T)  e_row_t[t * T + s] = exp(trans[s, t] - row_max[s])  (0 if row_max = -inf)
+//   [2T*T + T, 2T*T+2T)  row_max[s]
+// Both tables are indexed [other][own] so that the lanes of a group, which own consecutive
+// tags, read consecutive addresses.
+__host__ __device__ inline int64_t table_elements(int64_t T) { return 2 * T * T + 2 * T; }
+
+template <typename scalar_t>
+__global__ void transition_tables_kernel(const scalar_t* transitions, int T, scalar_t* tables) {
+  for (int line = blockIdx.x * blockDim.x + threadIdx.x; line < 2 * T; line += gridDim.x * blockDim.x) {
+    const bool column = line < T;  // lines [0, T): columns t; [T, 2T): rows s
+    const int own = column ? line : line - T;
+    auto at = [&](int other) {
+      return column ? transitions[other * T + own] : transitions[own * T + other];
+    };
+    scalar_t line_max = neg_inf<scalar_t>();
+    for (int other = 0; other < T; ++other) line_max = max_(line_max, at(other));
+    scalar_t* scaled = column ? tables : tables + T * T + T;
+    (column ? tables + T * T : tables + 2 * T * T + T)[own] = line_max;
+    for (int other = 0; other < T; ++other) {
+      scaled[other * T + own] = line_max == neg_inf<scalar_t>() ? scalar_t(0) : exp_(at(other) - line_max);
+    }
+  }
+}
+
+template <typename scalar_t>
+struct FbParams {
+  const scalar_t* emissions;    // (B, L, T)
+  const scalar_t* transitions;  // (T, T)
+  const scalar_t* start;        // (T,)
+  const scalar_t* end;          // (T,)
+  const int64_t* lengths;       // (B,)
+  const scalar_t* grad_log_z;   // (B,), kBackward only
+  const scalar_t* tables;       // table_elements(T), global
+  scalar_t* log_z;              // (B,), kLogPartition only
+  scalar_t* rows;               // (B, L, T): alpha rows, then the (weighted) marginals
+  double* offsets;              // (slots, L), kBackward only
+  scalar_t* partials;           // (slots, T*T + 2T): per-group gradient sums, kBackward only
+  unsigned char* arena_workspace;  // (slots, arena_bytes) when the arenas are not in shared memory
+  long long* status;
+  int64_t batch, max_len;
+  int num_tags;
+  SharedPlan plan;
+  size_t arena_bytes, accumulator_bytes;  // per group, aligned
+};
+
+// logsumexp_s(alpha[s] + trans[s, t]) exactly; -inf when every term is -inf.
+template <typename scalar_t>
+__device__ scalar_t exact_column_lse(const scalar_t* alpha, const scalar_t* transitions, int T, int t) {
+  scalar_t m = neg_inf<scalar_t>();
+  for (int s = 0; s < T; ++s) m = max_(m, alpha[s] + transitions[s * T + t]);
+  if (m == neg_inf<scalar_t>()) return m;
+  scalar_t sum = 0;
+  for (int s = 0; s < T; ++s) sum += exp_(alpha[s] + transitions[s * T + t] - m);
+  return m + log_(sum);
+}
+
+// logsumexp_t(trans[s, t] + v[t]) exactly; -inf when every term is -inf.
+template <typename scalar_t>
+__device__ scalar_t exact_row_lse(const scalar_t* v, const scalar_t* transitions, int T, int s) {
+  const scalar_t* row = transitions + s * T;
+  scalar_t m = neg_inf<scalar_t>();
+  for (int t = 0; t < T; ++t) m = max_(m, v[t] + row[t]);
+  if (m == neg_inf<scalar_t>()) return m;
+  scalar_t sum = 0;
+  for (int t = 0; t < T; ++t) sum += exp_(v[t] + row[t] - m);
+  return m + log_(sum);
+}
+
+// The pairwise marginals of column t, xi[s, t] = exp(alpha_prev[s] + trans[s, t] + v[t] + shift)
+// for all s, where shift = offset[i-1] + beta_offset - log Z makes them probabilities. Factored
+// (coef * p[s] * E[s][t], coef = exp(col_max[t] + v[t] + shift)) when the shift is small enough
+// that no term that matters underflows, exactly otherwise (as the CPU kernel).
+// kAccumulate = false: returns sum_s xi[s, t]; true: acc[s * T + t] += scale * xi[s, t].
+template <typename scalar_t, bool kAccumulate>
+__device__ scalar_t pairwise_column(int t, int T, scalar_t v_t, scalar_t shift, const scalar_t* alpha_prev,
+                                    const scalar_t* p, const scalar_t* e_col, const scalar_t* col_max,
+                                    const scalar_t* transitions, scalar_t scale, scalar_t* acc) {
+  const scalar_t w = col_max[t] + v_t + shift;
+  if (w == neg_inf<scalar_t>()) return 0;
+  scalar_t sum = 0;
+  if (w <= pairwise_fast_bound<scalar_t>()) {
+    const scalar_t coef = exp_(w);
+    if (kAccumulate) {
+      const scalar_t c = scale * coef;
+      for (int s = 0; s < T; ++s) acc[s * T + t] += c * (p[s] * e_col[s * T + t]);
+    } else {
+      for (int s = 0; s < T; ++s) sum += p[s] * e_col[s * T + t];
+    }
+    return coef * sum;
+  }
+  for (int s = 0; s < T; ++s) {
+    const scalar_t xi = exp_(alpha_prev[s] + transitions[s * T + t] + v_t + shift);
+    if (kAccumulate) {
+      acc[s * T + t] += scale * xi;
+    } else {
+      sum += xi;
+    }
+  }
+  return sum;
+}
+
+template <typename scalar_t, Output kOut>
+__global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(const FbParams<scalar_t> p) {
+  constexpr bool kKeepRows = kOut != Output::kLogPartition;
+  constexpr bool kPairwise = kOut == Output::kBackward;
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  const int T = p.num_tags;
+  const int G = p.plan.lanes;
+  const int groups_per_block = p.plan.groups_per_block;
+  const int group = threadIdx.x / G;
+  const int lane = threadIdx.x % G;
+  const int64_t slot = (int64_t)blockIdx.x * groups_per_block + group;
+  const int64_t L = p.max_len;
+  const scalar_t kNegInf = neg_inf<scalar_t>();
+
+  // Shared memory in plan order: arenas, accumulators, tables.
+  unsigned char* cursor = shared_raw;
+  unsigned char* arena_bytes = group_arena(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
+  const int64_t accumulator_elements = (int64_t)T * T + 2 * T;
+  scalar_t* acc = nullptr;  // [s * T + t] transitions, then start (T), then end (T)
+  if (kPairwise) {
+    if (!p.plan.accumulator_in_shared) {
+      acc = p.partials + slot * accumulator_elements;  // zero-initialised by the host
+    } else {
+      acc = reinterpret_cast<scalar_t*>(cursor + group * p.accumulator_bytes);
+      cursor += groups_per_block * p.accumulator_bytes;
+      for (int t = lane; t < T; t += G) {
+        for (int s = 0; s < T; ++s) acc[s * T + t] = 0;
+        acc[T * T + t] = 0;
+        acc[T * T + T + t] = 0;
+      }
+    }
+  }
+  const scalar_t* tables = stage_table(cursor, p.plan.tables_in_shared, p.tables, table_elements(T));
+  __syncthreads();  // the only block-wide barrier: tables are ready
+  const scalar_t* e_col = tables;
+  const scalar_t* col_max = tables + T * T;
+  const scalar_t* e_row_t = col_max + T;
+  const scalar_t* row_max = e_row_t + T * T;
+
+  // The group's arena, (T,) vectors: the two alpha rows, p = exp(alpha) of the previous row,
+  // and for the backward beta, v = emit + beta, q = exp(v - max v), alpha of the previous row.
+  scalar_t* arena = reinterpret_cast<scalar_t*>(arena_bytes);
+  scalar_t* const alpha_a = arena;
+  scalar_t* const alpha_b = arena + T;
+  scalar_t* const pbuf = arena + 2 * T;
+  scalar_t* const beta = arena + 3 * T;
+  scalar_t* const vbuf = arena + 4 * T;
+  scalar_t* const qbuf = arena + 5 * T;
+  scalar_t* const alpha_prev = arena + 6 * T;
+
+  const int64_t grid_groups = (int64_t)gridDim.x * groups_per_block;
+  for (int64_t first = (int64_t)blockIdx.x * groups_per_block; first < p.batch; first += grid_groups) {
+    __syncwarp();  // the previous sentence is finished by every lane before the arena is reused
+    const int64_t b = first + group;
+    const bool has_sentence = b < p.batch;
+    int64_t n = has_sentence ? p.lengths[b] : 0;
+    if (n < 0 || n > L) n = 0;  // reported by validate_inputs_kernel; read nothing
+    const int64_t steps = warp_max(n);
+    const int64_t b_safe = has_sentence ? b : 0;
+    const scalar_t* emit = p.emissions + b_safe * L * T;
+    scalar_t* rows = kKeepRows ? p.rows + b_safe * L * T : nullptr;
+    double* offsets = kPairwise ? p.offsets + slot * L : nullptr;
+
+    // ---- forward: normalised alpha rows, running offset in double ----
+    bool bad = false;
+    double offset = 0;
+    scalar_t* cur = alpha_a;
+    scalar_t* next = alpha_b;
+    scalar_t local = kNegInf;
+    if (n > 0) {
+      for (int t = lane; t < T; t += G) {
+        const scalar_t e = emit[t];
+        bad |= is_nan_or_pos_inf(e);
+        const scalar_t x = p.start[t] + e;
+        cur[t] = x;
+        local = max_(local, x);
+      }
+    }
+    scalar_t m = group_max(local, G);
+    if (n > 0) {
+      offset = m == kNegInf ? -CUDART_INF : static_cast<double>(m);
+      for (int t = lane; t < T; t += G) {
+        if (m != kNegInf) cur[t] -= m;
+        if (kKeepRows) rows[t] = cur[t];
+      }
+      if (kPairwise && lane == 0) offsets[0] = offset;
+    }
+    // The emission of the lane's first tag is loaded one position ahead, so that its latency
+    // overlaps a whole step (the time loop is latency-bound); further tags (T > G) are read
+    // when used. Only positions within the sentence are ever read.
+    scalar_t emit_ahead = lane < T && n > 1 ? emit[T + lane] : scalar_t(0);
+    for (int64_t i = 1; i < steps; ++i) {
+      const bool active = i < n;
+      __syncwarp();  // cur complete; everyone done reading pbuf of the previous step
+      if (active) {
+        for (int t = lane; t < T; t += G) pbuf[t] = exp_(cur[t]);
+      }
+      __syncwarp();  // pbuf complete
+      local = kNegInf;
+      if (active) {
+        const scalar_t* emit_i = emit + i * T;
+        const scalar_t emit_first = emit_ahead;
+        if (lane < T && i + 1 < n) emit_ahead = emit_i[T + lane];
+        for (int t = lane; t < T; t += G) {
+          const scalar_t e = t == lane ? emit_first : emit_i[t];
+          bad |= is_nan_or_pos_inf(e);
+          const scalar_t c_max = col_max[t];
+          scalar_t x = kNegInf;
+          if (c_max != kNegInf) {
+            scalar_t sum = 0;
+            for (int s = 0; s < T; ++s) sum += pbuf[s] * e_col[s * T + t];
+            x = sum >= trusted_sum_min<scalar_t>() ? c_max + log_(sum)
+                                                   : exact_column_lse(cur, p.transitions, T, t);
+          }
+          x += e;
+          next[t] = x;
+          local = max_(local, x);
+        }
+      }
+      m = group_max(local, G);
+      if (active) {
+        for (int t = lane; t < T; t += G) {
+          if (m != kNegInf) next[t] -= m;
+          if (kKeepRows) rows[i * T + t] = next[t];
+        }
+        offset += static_cast<double>(m);  // -inf once every sequence is forbidden
+        if (kPairwise && lane == 0) offsets[i] = offset;
+        scalar_t* swap = cur;
+        cur = next;
+        next = swap;
+      }
+    }
+    // log Z = offset + logsumexp_t(alpha_hat[t] + end[t])
+    local = kNegInf;
+    if (n > 0) {
+      for (int t = lane; t < T; t += G) local = max_(local, cur[t] + p.end[t]);
+    }
+    m = group_max(local, G);
+    scalar_t sum = 0;
+    if (n > 0 && m != kNegInf) {
+      for (int t = lane; t < T; t += G) sum += exp_(cur[t] + p.end[t] - m);
+    }
+    sum = group_sum(sum, G);
+    double log_z = 0;  // the empty sequence of a length-0 sentence
+    if (n > 0) {
+      log_z = (offset == -CUDART_INF || m == kNegInf) ? -CUDART_INF
+                                                      : offset + static_cast<double>(m + log_(sum));
+    }
+    bad = group_max(static_cast<int>(bad), G) != 0;
+    if (bad && lane == 0) report(p.status, kBadEmissions, b);
+    if (kOut == Output::kLogPartition) {
+      if (has_sentence && lane == 0) p.log_z[b] = static_cast<scalar_t>(log_z);
+      continue;
+    }
+
+    // ---- backward: beta rows (normalised, offset in double), marginals, pairwise marginals ----
+    const scalar_t g = kPairwise ? (has_sentence ? p.grad_log_z[b_safe] : scalar_t(0)) : scalar_t(1);
+    // Every sequence forbidden, or nothing to propagate: all gradients stay 0 (no NaN).
+    const bool skip = n == 0 || bad || log_z == -CUDART_INF || g == 0;
+    if (n > 0 && skip) {  // the rows hold alpha: clear them
+      for (int64_t i = 0; i < n; ++i) {
+        for (int t = lane; t < T; t += G) rows[i * T + t] = 0;
+      }
+    }
+    double beta_offset = 0;
+    local = kNegInf;
+    if (!skip) {
+      for (int t = lane; t < T; t += G) {
+        beta[t] = p.end[t];
+        local = max_(local, beta[t]);
+      }
+    }
+    m = group_max(local, G);
+    if (!skip) {
+      if (m != kNegInf) {
+        for (int t = lane; t < T; t += G) beta[t] -= m;
+      }
+      beta_offset = static_cast<double>(m);
+    }
+    // One position ahead, for the lane's first tag (as in the forward): the emission of the
+    // next step's v and the alpha row the next step needs for the pairwise terms; and the
+    // running offset of the forward that the pairwise shift needs.
+    const bool ahead = !skip && lane < T;
+    scalar_t emit_ahead_b = ahead && n > 1 ? emit[(n - 1) * T + lane] : scalar_t(0);
+    scalar_t alpha_ahead = ahead && n > 1 ? rows[(n - 2) * T + lane] : scalar_t(0);
+    double offset_ahead = kPairwise && !skip && n > 1 ? offsets[n - 2] : 0.0;
+    for (int64_t j = 0; j < steps; ++j) {
+      const bool active = !skip && j < n;
+      const int64_t i = n - 1 - j;
+      // Marginals at position i, normalised over tags (see csrc/cpu/log_partition.cpp).
+      // Alpha of row i: from the rows for the last position, else from alpha_prev, where the
+      // previous step put it (the lane's own entries).
+      local = kNegInf;
+      if (active) {
+        for (int t = lane; t < T; t += G) {
+          const scalar_t u = (j == 0 ? rows[i * T + t] : alpha_prev[t]) + beta[t];
+          vbuf[t] = u;  // own entry, as scratch until step C below
+          local = max_(local, u);
+        }
+      }
+      const scalar_t u_max = group_max(local, G);
+      scalar_t part = 0;
+      if (active && u_max != kNegInf) {
+        for (int t = lane; t < T; t += G) {
+          const scalar_t x = exp_(vbuf[t] - u_max);
+          vbuf[t] = x;
+          part += x;
+        }
+      }
+      const scalar_t total = group_sum(part, G);
+      if (active) {
+        const scalar_t scale = g / total;
+        for (int t = lane; t < T; t += G) {
+          const scalar_t mu = u_max == kNegInf ? scalar_t(0) : vbuf[t] * scale;
+          rows[i * T + t] = mu;
+          if (kPairwise) {
+            if (i == n - 1) acc[T * T + T + t] += mu;  // end
+            if (i == 0) acc[T * T + t] += mu;          // start
+          }
+        }
+      }
+      const bool step = active && i > 0;  // positions i-1 -> i remain
+      // C: v = emit_i + beta_i
+      local = kNegInf;
+      scalar_t alpha_first = 0;
+      double offset_prev = 0;
+      if (step) {
+        const scalar_t* emit_i = emit + i * T;
+        const scalar_t emit_first = emit_ahead_b;
+        alpha_first = alpha_ahead;
+        offset_prev = offset_ahead;
+        if (lane < T && i - 1 > 0) emit_ahead_b = emit_i[-T + lane];
+        if (lane < T && i - 2 >= 0) alpha_ahead = rows[(i - 2) * T + lane];
+        if (kPairwise && i - 2 >= 0) offset_ahead = offsets[i - 2];
+        for (int t = lane; t < T; t += G) {
+          const scalar_t x = (t == lane ? emit_first : emit_i[t]) + beta[t];
+          vbuf[t] = x;
+          local = max_(local, x);
+        }
+      }
+      const scalar_t v_max = group_max(local, G);
+      // D: q = exp(v - max v); alpha of row i-1 (for the next step's marginals) and its
+      // exponential for the pairwise terms
+      if (step) {
+        for (int t = lane; t < T; t += G) {
+          qbuf[t] = v_max == kNegInf ? scalar_t(0) : exp_(vbuf[t] - v_max);
+          const scalar_t a = t == lane ? alpha_first : rows[(i - 1) * T + t];
+          alpha_prev[t] = a;
+          if (kPairwise) pbuf[t] = exp_(a);
+        }
+      }
+      __syncwarp();  // vbuf, qbuf, alpha_prev, pbuf complete
+      if (kPairwise) {
+        const scalar_t shift = step ? static_cast<scalar_t>(offset_prev + beta_offset - log_z) : scalar_t(0);
+        scalar_t pair_part = 0;
+        if (step) {
+          for (int t = lane; t < T; t += G) {
+            pair_part += pairwise_column<scalar_t, false>(t, T, vbuf[t], shift, alpha_prev, pbuf, e_col, col_max,
+                                                          p.transitions, scalar_t(0), nullptr);
+          }
+        }
+        const scalar_t pair_total = group_sum(pair_part, G);
+        if (step && pair_total > 0) {
+          const scalar_t scale = g / pair_total;
+          for (int t = lane; t < T; t += G) {
+            pairwise_column<scalar_t, true>(t, T, vbuf[t], shift, alpha_prev, pbuf, e_col, col_max, p.transitions,
+                                            scale, acc);
+          }
+        }
+      }
+      // F: beta_{i-1}[s] = logsumexp_t(trans[s, t] + v[t]), in place (beta is read by its owner only)
+      local = kNegInf;
+      if (step) {
+        for (int s = lane; s < T; s += G) {
+          const scalar_t r_max = row_max[s];
+          scalar_t x = kNegInf;
+          if (r_max != kNegInf && v_max != kNegInf) {
+            scalar_t row_sum = 0;
+            for (int t = 0; t < T; ++t) row_sum += qbuf[t] * e_row_t[t * T + s];
+            x = row_sum >= trusted_sum_min<scalar_t>() ? v_max + r_max + log_(row_sum)
+                                                       : exact_row_lse(vbuf, p.transitions, T, s);
+          }
+          beta[s] = x;
+          local = max_(local, x);
+        }
+      }
+      m = group_max(local, G);
+      if (step) {
+        if (m != kNegInf) {
+          for (int s = lane; s < T; s += G) beta[s] -= m;
+        }
+        beta_offset += static_cast<double>(m);
+      }
+      __syncwarp();  // everyone done reading vbuf, qbuf, pbuf, alpha_prev of this step
+    }
+  }
+  if (kPairwise && p.plan.accumulator_in_shared) {  // own entries to the group's slice
+    scalar_t* out = p.partials + slot * accumulator_elements;
+    for (int t = lane; t < T; t += G) {
+      for (int s = 0; s < T; ++s) out[s * T + t] = acc[s * T + t];
+      out[T * T + t] = acc[T * T + t];
+      out[T * T + T + t] = acc[T * T + T + t];
+    }
+  }
+}
+
+struct FbOutputs {
+  at::Tensor log_z;  // (B,)
+  at::Tensor rows;   // (B, L, T) marginals (weighted by grad_log_z for the backward)
+  at::Tensor grad_transitions, grad_start, grad_end;
+};
+
+template <typename scalar_t, Output kOut>
+void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbOutputs& out, Status& status) {
+  constexpr bool kPairwise = kOut == Output::kBackward;
+  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
+  const auto options = a.emissions.options();
+  const cudaStream_t stream = current_stream();
+  if (kOut == Output::kLogPartition) out.log_z = at::empty({B}, options);
+  if (kOut != Output::kLogPartition) out.rows = at::zeros_like(a.emissions);
+  if (B == 0) {
+    if (kPairwise) {
+      out.grad_transitions = at::zeros({T, T}, options);
+      out.grad_start = at::zeros({T}, options);
+      out.grad_end = at::zeros({T}, options);
+    }
+    return;
+  }
+  at::Tensor tables = at::empty({table_elements(T)}, options);
+  transition_tables_kernel<scalar_t><<<(int)std::min<int64_t>((2 * T + 127) / 128, 1024), 128, 0, stream>>>(
+      a.transitions.data_ptr<scalar_t>(), (int)T, tables.data_ptr<scalar_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const size_t arena_bytes = align_up((kOut == Output::kLogPartition ? 3 : 7) * T * sizeof(scalar_t));
+  const int64_t accumulator_elements = kPairwise ? T * T + 2 * T : 0;
+  const size_t accumulator_bytes = align_up(accumulator_elements * sizeof(scalar_t));
+  const size_t table_bytes = align_up(table_elements(T) * sizeof(scalar_t));
+  const SharedPlan plan = plan_shared(T, arena_bytes, accumulator_bytes, table_bytes);
+  auto kernel = forward_backward_kernel<scalar_t, kOut>;
+  const int64_t blocks = persistent_blocks(kernel, plan, B);
+  const int64_t slots = blocks * plan.groups_per_block;
+
+  const auto bytes = options.dtype(at::kByte);
+  at::Tensor arena_workspace = plan.arena_in_shared ? at::Tensor() : at::empty({slots * (int64_t)arena_bytes}, bytes);
+  at::Tensor offsets = kPairwise ? at::empty({slots, L}, options.dtype(at::kDouble)) : at::Tensor();
+  at::Tensor partials;
+  if (kPairwise) {  // the groups write their whole slice at the end, or accumulate into it directly
+    partials = plan.accumulator_in_shared ? at::empty({slots, accumulator_elements}, options)
+                                          : at::zeros({slots, accumulator_elements}, options);
+  }
+
+  FbParams<scalar_t> params;
+  params.emissions = a.emissions.data_ptr<scalar_t>();
+  params.transitions = a.transitions.data_ptr<scalar_t>();
+  params.start = a.start.data_ptr<scalar_t>();
+  params.end = a.end.data_ptr<scalar_t>();
+  params.lengths = a.lengths.data_ptr<int64_t>();
+  params.grad_log_z = kPairwise ? grad_log_z.data_ptr<scalar_t>() : nullptr;
+  params.tables = tables.data_ptr<scalar_t>();
+  params.log_z = kOut == Output::kLogPartition ? out.log_z.data_ptr<scalar_t>() : nullptr;
+  params.rows = kOut != Output::kLogPartition ? out.rows.data_ptr<scalar_t>() : nullptr;
+  params.offsets = kPairwise ? offsets.data_ptr<double>() : nullptr;
+  params.partials = kPairwise ? partials.data_ptr<scalar_t>() : nullptr;
+  params.arena_workspace = arena_workspace.defined() ? arena_workspace.data_ptr<uint8_t>() : nullptr;
+  params.status = status.data();
+  params.batch = B;
+  params.max_len = L;
+  params.num_tags = (int)T;
+  params.plan = plan;
+  params.arena_bytes = arena_bytes;
+  params.accumulator_bytes = accumulator_bytes;
+  kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  if (kPairwise) {  // fixed-order sum over the groups' partial sums: deterministic
+    const at::Tensor sums = partials.sum(0);
+    out.grad_transitions = sums.narrow(0, 0, T * T).reshape({T, T}).clone();
+    out.grad_start = sums.narrow(0, T * T, T).clone();
+    out.grad_end = sums.narrow(0, T * T + T, T).clone();
+  }
+}
+
+// Table indices are int: T * T must fit.
+void check_num_tags(int64_t T) {
+  TORCH_CHECK_VALUE(T * T < (int64_t{1} << 31), "crfkit: the CUDA kernels support num_tags up to 46340, got ", T);
+}
+
+template <Output kOut>
+FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& grad_log_z_in = {}) {
+  const CrfArgs a = checked_cuda_args(emissions, transitions, start, end, lengths);
+  const c10::cuda::CUDAGuard guard(a.emissions.device());
+  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
+  check_num_tags(T);
+  at::Tensor grad_log_z;
+  if (kOut == Output::kBackward) {
+    grad_log_z = grad_log_z_in.contiguous();
+    TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
+                    grad_log_z.scalar_type() == a.emissions.scalar_type() &&
+                    grad_log_z.device() == a.emissions.device(),
+                "crfkit: grad_log_z must be (batch,) with the dtype and device of emissions");
+  }
+  Status status(a.emissions);
+  launch_validate_inputs(a.lengths, L, a.transitions, a.start, a.end, status);
+  FbOutputs out;
+  AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_forward_backward_cuda", [&] {
+    launch_forward_backward<scalar_t, kOut>(a, grad_log_z, out, status);
+  });
+  status.raise_if_bad(a.lengths, L);
+  return out;
+}
+
+// log Z per sentence: (B,).
+at::Tensor log_partition_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                              const at::Tensor& end, const at::Tensor& lengths) {
+  return run<Output::kLogPartition>(emissions, transitions, start, end, lengths).log_z;
+}
+
+// P(y_i = t | x): (B, L, T), zero at padded positions.
+at::Tensor marginals_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                          const at::Tensor& end, const at::Tensor& lengths) {
+  return run<Output::kMarginals>(emissions, transitions, start, end, lengths).rows;
+}
+
+// Gradients of sum_b grad_log_z[b] * log Z[b] with respect to emissions (B, L, T),
+// transitions (T, T), start (T,) and end (T,).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cuda(
+    const at::Tensor& grad_log_z, const at::Tensor& emissions, const at::Tensor& transitions,
+    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+  FbOutputs out = run<Output::kBackward>(emissions, transitions, start, end, lengths, grad_log_z);
+  return {out.rows, out.grad_transitions, out.grad_start, out.grad_end};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("log_partition", &log_partition_cuda);
+  m.impl("marginals", &marginals_cuda);
+  m.impl("log_partition_backward", &log_partition_backward_cuda);
+}
+
+}  // namespace cuda
+}  // namespace crfkit

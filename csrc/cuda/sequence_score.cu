@@ -1,0 +1,184 @@
+// CUDA kernels: the score of given tag sequences and its gradient (a scatter of the weights).
+//
+// tags (B, N, L) int64: N candidate sequences per sentence. sequence_score: one thread per
+// sequence (b, j), accumulating left to right in the order of the Viterbi kernels and of the
+// CPU kernel, so the score of a decoded path equals the decoder's score bit for bit (additions
+// only, no FMA contraction possible). sequence_score_backward: one thread per sentence adds
+// the weights of its N sequences to its own emission gradients (no atomics, deterministic);
+// the transition / start / end gradients, shared by all sentences, use atomicAdd (the sums of
+// the weights can then differ in the last bits between runs when the weights are not
+// integers; the CPU kernel sums per sentence in a fixed order).
+#include <torch/library.h>
+
+#include "common.cuh"
+
+namespace crfkit {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int64_t kMaxBlocks = 4096;  // grid-stride loops cover the rest
+
+int64_t blocks_for(int64_t count) {
+  return std::max<int64_t>(1, std::min(kMaxBlocks, (count + kThreads - 1) / kThreads));
+}
+
+// Length of sentence b, 0 when out of range (reported by validate_inputs_kernel).
+__device__ __forceinline__ int64_t safe_length(const int64_t* lengths, int64_t b, int64_t max_len) {
+  const int64_t n = lengths[b];
+  return (n < 0 || n > max_len) ? 0 : n;
+}
+
+// First position i < n of y with a tag outside [0, T), or -1.
+__device__ __forceinline__ int64_t first_bad_tag(const int64_t* y, int64_t n, int64_t T) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (y[i] < 0 || y[i] >= T) return i;
+  }
+  return -1;
+}
+
+template <typename scalar_t>
+__global__ void sequence_score_kernel(const scalar_t* emissions, const scalar_t* transitions, const scalar_t* start,
+                                      const scalar_t* end, const int64_t* lengths, const int64_t* tags,
+                                      scalar_t* scores, int64_t batch, int64_t num_sequences, int64_t max_len,
+                                      int64_t T, long long* status) {
+  const int64_t count = batch * num_sequences;
+  for (int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; row < count;
+       row += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = row / num_sequences;
+    const int64_t n = safe_length(lengths, b, max_len);
+    const int64_t* y = tags + row * max_len;
+    if (n == 0) {
+      scores[row] = 0;
+      continue;
+    }
+    const int64_t bad = first_bad_tag(y, n, T);
+    if (bad >= 0) {  // never index with it
+      report(status, kBadTag, row * max_len + bad);
+      continue;
+    }
+    const scalar_t* e = emissions + b * max_len * T;
+    scalar_t score = start[y[0]] + e[y[0]];
+    for (int64_t i = 1; i < n; ++i) score = (score + transitions[y[i - 1] * T + y[i]]) + e[i * T + y[i]];
+    scores[row] = score + end[y[n - 1]];
+  }
+}
+
+// One thread per sentence. Rows whose first tag is -1 (k-best rows that hold no sequence)
+// contribute nothing; other rows must hold valid tags within the length.
+template <typename scalar_t>
+__global__ void sequence_score_backward_kernel(const scalar_t* grad_scores, const int64_t* lengths,
+                                               const int64_t* tags, scalar_t* grad_emissions,
+                                               scalar_t* grad_transitions, scalar_t* grad_start, scalar_t* grad_end,
+                                               int64_t batch, int64_t num_sequences, int64_t max_len, int64_t T,
+                                               long long* status) {
+  for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < batch; b += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t n = safe_length(lengths, b, max_len);
+    if (n == 0) continue;
+    scalar_t* ge = grad_emissions + b * max_len * T;
+    for (int64_t j = 0; j < num_sequences; ++j) {
+      const int64_t row = b * num_sequences + j;
+      const int64_t* y = tags + row * max_len;
+      if (y[0] == -1) continue;
+      const int64_t bad = first_bad_tag(y, n, T);
+      if (bad >= 0) {
+        report(status, kBadTag, row * max_len + bad);
+        continue;
+      }
+      const scalar_t w = grad_scores[row];
+      if (w == 0) continue;
+      atomicAdd(grad_start + y[0], w);
+      atomicAdd(grad_end + y[n - 1], w);
+      for (int64_t i = 0; i < n; ++i) ge[i * T + y[i]] += w;
+      for (int64_t i = 1; i < n; ++i) atomicAdd(grad_transitions + y[i - 1] * T + y[i], w);
+    }
+  }
+}
+
+void check_tags(const at::Tensor& tags, const at::Tensor& emissions) {
+  TORCH_CHECK_VALUE(tags.dim() == 3 && tags.size(0) == emissions.size(0) && tags.size(2) == emissions.size(1),
+                    "crfkit: tags must be (batch, num_sequences, seq_len) = (", emissions.size(0), ", N, ",
+                    emissions.size(1), "), got ", tags.sizes());
+  TORCH_CHECK_TYPE(tags.scalar_type() == at::kLong, "crfkit: tags must be int64, got ", tags.scalar_type());
+  TORCH_CHECK(tags.device() == emissions.device(), "crfkit: tags must be on the device of emissions");
+}
+
+// (B, N): score of each sequence; 0 for a length-0 sentence.
+at::Tensor sequence_score_cuda(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
+                               const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in,
+                               const at::Tensor& tags_in) {
+  const CrfArgs a = checked_cuda_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+  const at::Tensor tags = tags_in.contiguous();
+  check_tags(tags, a.emissions);
+  const c10::cuda::CUDAGuard guard(a.emissions.device());
+  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
+  const int64_t N = tags.size(1);
+  Status status(a.emissions);
+  launch_validate_inputs(a.lengths, L, a.transitions, a.start, a.end, status);
+  // The same NaN / +inf rule as every other op, although a score reads one tag per position.
+  launch_check_emissions(a.emissions, a.lengths, status);
+  at::Tensor scores = at::empty({B, N}, a.emissions.options());
+  if (B * N > 0) {
+    AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_sequence_score_cuda", [&] {
+      sequence_score_kernel<scalar_t><<<blocks_for(B * N), kThreads, 0, current_stream()>>>(
+          a.emissions.data_ptr<scalar_t>(), a.transitions.data_ptr<scalar_t>(), a.start.data_ptr<scalar_t>(),
+          a.end.data_ptr<scalar_t>(), a.lengths.data_ptr<int64_t>(), tags.data_ptr<int64_t>(),
+          scores.data_ptr<scalar_t>(), B, N, L, T, status.data());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  status.raise_if_bad(a.lengths, L, tags, T);
+  return scores;
+}
+
+// Gradients of sum_{b, j} grad_scores[b, j] * score(tags[b, j]) with respect to emissions
+// (B, L, T), transitions (T, T), start (T,) and end (T,).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backward_cuda(
+    const at::Tensor& grad_scores_in, const at::Tensor& emissions, const at::Tensor& lengths_in,
+    const at::Tensor& tags_in) {
+  // emissions only give the shape, dtype and device of the gradient; nothing of them is read.
+  const at::Tensor grad_scores = grad_scores_in.contiguous();
+  const at::Tensor lengths = lengths_in.contiguous();
+  const at::Tensor tags = tags_in.contiguous();
+  TORCH_CHECK(emissions.is_cuda() && emissions.dim() == 3, "crfkit: emissions must be a (batch, seq_len, num_tags) ",
+              "CUDA tensor here, got ", emissions.sizes(), " on ", emissions.device());
+  TORCH_CHECK_TYPE(emissions.scalar_type() == at::kFloat || emissions.scalar_type() == at::kDouble,
+                   "crfkit: the compiled ops take float32 or float64 emissions, got ", emissions.scalar_type());
+  check_tags(tags, emissions);
+  const c10::cuda::CUDAGuard guard(emissions.device());
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  const int64_t N = tags.size(1);
+  TORCH_CHECK(grad_scores.dim() == 2 && grad_scores.size(0) == B && grad_scores.size(1) == N &&
+                  grad_scores.scalar_type() == emissions.scalar_type() && grad_scores.device() == emissions.device(),
+              "crfkit: grad_scores must be (batch, num_sequences) with the dtype and device of emissions");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong &&
+                  lengths.device() == emissions.device(),
+              "crfkit: lengths must be (batch,) int64 on the device of emissions");
+  Status status(emissions);
+  launch_validate_inputs(lengths, L, at::Tensor(), at::Tensor(), at::Tensor(), status);
+  auto grad_emissions = at::zeros(emissions.sizes(), emissions.options().memory_format(at::MemoryFormat::Contiguous));
+  auto grad_transitions = at::zeros({T, T}, emissions.options());
+  auto grad_start = at::zeros({T}, emissions.options());
+  auto grad_end = at::zeros({T}, emissions.options());
+  if (B > 0 && N > 0) {
+    AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score_backward_cuda", [&] {
+      sequence_score_backward_kernel<scalar_t><<<blocks_for(B), kThreads, 0, current_stream()>>>(
+          grad_scores.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.data_ptr<int64_t>(),
+          grad_emissions.data_ptr<scalar_t>(), grad_transitions.data_ptr<scalar_t>(),
+          grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>(), B, N, L, T, status.data());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  status.raise_if_bad(lengths, L, tags, T);
+  return {grad_emissions, grad_transitions, grad_start, grad_end};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("sequence_score", &sequence_score_cuda);
+  m.impl("sequence_score_backward", &sequence_score_backward_cuda);
+}
+
+}  // namespace cuda
+}  // namespace crfkit

@@ -1,0 +1,378 @@
+"""The CUDA kernels against the CPU kernels of the same compiled extension.
+
+Skipped unless a GPU is visible and crfkit._C was built with its CUDA kernels
+(crfkit.backend_info()['cuda_kernels']). On the GPU machine:
+
+    python -m pytest -q tests/test_cuda.py
+    compute-sanitizer --tool memcheck python -m pytest -q tests/test_cuda.py -k "not compile"
+
+Values AND gradients of every op against the CPU kernels on random inputs with ragged lengths
+(0 and L included), T in {1, 2, 5, 9, 37, 100}, float32 and float64, forbidden (-inf) scores,
+all-forbidden sentences, integer scores with many exact ties (decoded paths and scores must be
+IDENTICAL to the CPU's: same tie rule, same summation order), k up to more than the number of
+sequences, B = 0 and L = 0; shapes that put the kernels' buffers in global instead of shared
+memory and batches larger than the persistent grid; opcheck of each op; torch.compile; bad
+input raises.
+
+CRFKIT_CUDA_TESTS_EMULATED=1 runs the same tests on a machine without a GPU against the CPU
+emulator of the kernels (tools/cuda_compile_check/emulator: the kernels' own source compiled
+for the CPU, lanes as threads; built on first use, a few minutes): it executes the kernel code
+and checks the tests themselves, but says nothing about the GPU's own behaviour.
+"""
+import contextlib
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import crfkit
+from conftest import random_crf
+
+EMULATED = os.environ.get("CRFKIT_CUDA_TESTS_EMULATED", "") == "1"
+COMPILED = "compiled" in crfkit.backends.available()
+HAVE_CUDA = COMPILED and torch.cuda.is_available() and crfkit.backend_info()["cuda_kernels"]
+DEVICE = "cpu" if EMULATED else "cuda"
+
+if not COMPILED:
+    pytestmark = pytest.mark.skip(reason="the compiled extension crfkit._C is not built")
+elif EMULATED:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "cuda_compile_check" / "emulator"))
+    import emulated  # noqa: E402
+
+    emulated.load()
+elif not HAVE_CUDA:
+    pytestmark = pytest.mark.skip(
+        reason="no CUDA device, or crfkit._C was built without its CUDA kernels (CRFKIT_FORCE_CUDA=1 "
+               f"builds them); torch.cuda.is_available() = {torch.cuda.is_available()}")
+
+TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=2e-4, atol=2e-4)}
+SMALL = EMULATED  # the emulator runs a lane per OS thread: keep the largest batches smaller
+
+
+def device_ops():
+    """The raw ops that run the CUDA kernels (their emulation on CPU tensors when EMULATED)."""
+    return torch.ops.crfkit_emu if EMULATED else torch.ops.crfkit
+
+
+@contextlib.contextmanager
+def on_device():
+    """crfkit's functional API runs the CUDA kernels within the block (CUDA tensors do that by
+    themselves; the emulator needs the compiled backend pointed at it)."""
+    if EMULATED:
+        with emulated.emulated_kernels():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _compiled_backend():
+    if COMPILED:
+        with crfkit.use_backend("compiled"):
+            yield
+    else:
+        yield
+
+
+def to(device, tensors):
+    return [x.to(device) for x in tensors]
+
+
+def forbid(inputs, seed, share=0.3):
+    """-inf in some transitions, and (when B > 2 and sentence 2 is not empty) at every tag of
+    one position of sentence 2, so that all of its sequences are forbidden."""
+    em, tr, ln, s, e = [x.clone() for x in inputs]
+    g = torch.Generator().manual_seed(seed)
+    T = tr.shape[0]
+    if T > 1:
+        tr[torch.rand(T, T, generator=g) < share] = -math.inf
+    if em.shape[0] > 2 and int(ln[2]) > 0:
+        em[2, int(ln[2]) // 2, :] = -math.inf
+    return em, tr, ln, s, e
+
+
+def every_output(inputs, on_gpu, k):
+    """Values and gradients of every op, by the CUDA kernels (on_gpu) or the CPU kernels,
+    returned on the CPU. Gradients: of a weighted sum of the finite log Z (through
+    log_partition_backward), of the scores of random gold tags, of the finite Viterbi and
+    k-best scores (through sequence_score_backward)."""
+    device = DEVICE if on_gpu else "cpu"
+    em, tr, ln, s, e = to(device, inputs)
+    B, L, T = em.shape
+    with on_device() if on_gpu else contextlib.nullcontext():
+        params = [x.detach().clone().requires_grad_() for x in (em, tr, s, e)]
+        pe, pt, ps, pn = params
+        log_z = crfkit.log_partition(pe, pt, ln, ps, pn)
+        marginals = crfkit.marginals(em, tr, ln, s, e)
+        paths, scores = crfkit.viterbi(pe, pt, ln, ps, pn)
+        best = crfkit.kbest_viterbi(pe, pt, k, ln, ps, pn)
+        gold = torch.randint(0, T, (B, L), generator=torch.Generator().manual_seed(5)).to(device)
+        gold_scores = crfkit.sequence_score(pe, pt, gold, ln, ps, pn)
+        weights = torch.linspace(0.5, 1.5, B, dtype=em.dtype, device=device)
+        finite_z = torch.isfinite(log_z)
+        objective = (log_z[finite_z] * weights[finite_z]).sum() + gold_scores.sum() \
+            + best.scores[torch.isfinite(best.scores)].sum() + scores[torch.isfinite(scores)].sum()
+        grads = torch.autograd.grad(objective, params, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+    out = dict(log_z=log_z, marginals=marginals, viterbi_paths=paths, viterbi_scores=scores,
+               kbest_paths=best.paths, kbest_scores=best.scores, kbest_log_probs=best.log_probs,
+               gold_scores=gold_scores,
+               **{f"grad_{n}": g for n, g in zip(("emissions", "transitions", "start", "end"), grads)})
+    return {name: value.detach().cpu() for name, value in out.items()}
+
+
+# Additions only, in the same order as the CPU kernels: equal bit for bit.
+EXACT = ("viterbi_paths", "viterbi_scores", "kbest_paths", "kbest_scores", "gold_scores")
+
+
+def assert_matches_cpu(inputs, k, dtype):
+    got = every_output(inputs, True, k)
+    want = every_output(inputs, False, k)
+    for name in want:
+        if name in EXACT:
+            assert torch.equal(got[name], want[name]), name
+        else:
+            torch.testing.assert_close(got[name], want[name], **TOL[dtype], msg=name)
+    return got
+
+
+# (B, L, T, k): every T of the grid, lengths 0 and L included (random_crf), k from 1 to more
+# than the number of sequences of the short sentences.
+SHAPES = [(1, 1, 1, 1), (3, 4, 1, 3), (5, 6, 2, 2), (6, 3, 2, 20), (7, 9, 5, 5), (8, 33, 9, 15),
+          (4, 40, 37, 5), (3, 20, 100, 15), (70, 12, 9, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T,k", SHAPES)
+def test_every_op_matches_cpu(dtype, B, L, T, k):
+    assert_matches_cpu(random_crf(B, L, T, dtype=dtype, scale=2.0), k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T,k", [(6, 7, 5, 7), (9, 20, 9, 15), (4, 30, 37, 5), (3, 12, 100, 4)])
+def test_forbidden_scores_and_all_forbidden_sentences(dtype, B, L, T, k):
+    inputs = forbid(random_crf(B, L, T, dtype=dtype, scale=2.0), seed=B * L + T)
+    got = assert_matches_cpu(inputs, k, dtype)
+    if B > 2 and int(inputs[2][2]) > 0:  # the dead sentence: log Z = -inf, no path, zero marginals
+        assert got["log_z"][2] == -math.inf and (got["viterbi_paths"][2] == -1).all()
+        assert (got["marginals"][2] == 0).all() and (got["kbest_scores"][2] == -math.inf).all()
+    for name in ("marginals", "grad_emissions", "grad_transitions", "grad_start", "grad_end"):
+        assert not torch.isnan(got[name]).any(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T,k", [(9, 12, 5, 1), (9, 12, 5, 25), (16, 30, 9, 15), (5, 8, 2, 300), (4, 25, 37, 15)])
+def test_integer_scores_with_ties_decode_identically(dtype, B, L, T, k):
+    # Scores in {-1, 0, 1}: many sequences of exactly equal score; the tie rule decides the rows.
+    got = assert_matches_cpu(random_crf(B, L, T, dtype=dtype, integer=True), k, dtype)
+    assert torch.equal(got["kbest_paths"][:, 0], got["viterbi_paths"])
+
+
+@pytest.mark.parametrize("B,L,T", [(0, 5, 3), (4, 0, 3), (0, 0, 1)])
+def test_empty_batch_and_empty_sentences(B, L, T):
+    got = assert_matches_cpu(random_crf(B, L, T), 3, torch.float64)
+    if B > 0 and L == 0:
+        assert (got["log_z"] == 0).all() and (got["kbest_scores"][:, 0] == 0).all()
+        assert (got["kbest_scores"][:, 1:] == -math.inf).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_batches_larger_than_the_persistent_grid(dtype):
+    # More sentences than groups resident on the device: each group walks several.
+    assert_matches_cpu(random_crf(300 if SMALL else 20000, 6, 3, dtype=dtype, scale=2.0), 4, dtype)
+
+
+@pytest.mark.parametrize("B,L,T,k", [(3, 3, 100, 100), (2, 3, 2000, 2)])
+def test_buffers_in_global_memory(B, L, T, k):
+    # T = 100 with k = 100: k-best lists too large for shared memory; T = 2000: even the
+    # per-sentence vectors and the transition tables live in global memory.
+    assert_matches_cpu(random_crf(B, L, T, dtype=torch.float32), k, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_large_scores_take_the_exact_fallback(dtype):
+    # Scores of magnitude 1e3: the factored sums underflow and the exact log-space path runs.
+    assert_matches_cpu(random_crf(5, 20, 9, dtype=dtype, scale=300.0), 5, dtype)
+
+
+def test_results_are_deterministic():
+    em, tr, ln, s, e = to(DEVICE, random_crf(64, 40, 9, dtype=torch.float32, scale=2.0))
+    ops = device_ops()
+    runs = [ops.log_partition_backward(torch.ones(64, device=DEVICE), em, tr, s, e, ln) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_and_expanded_inputs():
+    em, tr, ln, s, e = to(DEVICE, random_crf(4, 6, 5))
+    em_t = em.transpose(0, 1).contiguous().transpose(0, 1)
+    tr_t = tr.t().contiguous().t()
+    assert not em_t.is_contiguous() and not tr_t.is_contiguous()
+    ops = device_ops()
+    torch.testing.assert_close(ops.log_partition(em_t, tr_t, s, e, ln), ops.log_partition(em, tr, s, e, ln))
+    assert torch.equal(ops.viterbi(em_t, tr_t, s, e, ln)[1], ops.viterbi(em, tr, s, e, ln)[1])
+    expanded = em[:1].expand(5, 6, 5)
+    out = ops.log_partition(expanded, tr, s, e, torch.full((5,), 6, device=DEVICE))
+    assert torch.equal(out, out[:1].expand(5))
+
+
+def test_half_precision_inputs():
+    em, tr, ln, s, e = random_crf(4, 10, 5, dtype=torch.float32)
+    for half in (torch.float16, torch.bfloat16):
+        with on_device():
+            got = crfkit.log_partition(em.to(DEVICE, half), tr.to(DEVICE), ln.to(DEVICE), s.to(DEVICE), e.to(DEVICE))
+        want = crfkit.log_partition(em.to(half), tr, ln, s, e)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.cpu(), want, **TOL[torch.float32])
+
+
+def test_opcheck_every_op():
+    em, tr, ln, s, e = to(DEVICE, random_crf(3, 6, 4))
+    tags = torch.randint(0, 4, (3, 2, 6)).to(DEVICE)
+    req = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+    ops = device_ops()
+    cases = [
+        (ops.log_partition, (req[0], req[1], req[2], req[3], ln)),
+        (ops.marginals, (em, tr, s, e, ln)),
+        (ops.viterbi, (req[0], req[1], req[2], req[3], ln)),
+        (ops.kbest_viterbi, (req[0], req[1], req[2], req[3], ln, 5)),
+        (ops.sequence_score, (req[0], req[1], req[2], req[3], ln, tags)),
+        (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64, device=DEVICE), em, tr, s, e, ln)),
+        (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64, device=DEVICE), em, ln, tags)),
+    ]
+    with on_device():  # the autograd formulas call the backward ops of the same kernels
+        for op, args in cases:
+            torch.library.opcheck(op, args)
+
+
+def test_torch_compile_fullgraph():
+    em, tr, ln, s, e = to(DEVICE, random_crf(4, 12, 5, dtype=torch.float32))
+
+    def loss_and_decode(em, tr, s, e):
+        log_z = crfkit.log_partition(em, tr, ln, s, e)
+        best = crfkit.kbest_viterbi(em, tr, 3, ln, s, e)
+        return log_z.sum() - best.scores[:, 0].sum(), best.paths
+
+    torch._dynamo.reset()  # no graph traced for other kernels (the CPU ones) is reused
+    with on_device():
+        compiled = torch.compile(loss_and_decode, fullgraph=True, backend="aot_eager")
+        params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+        loss, paths = compiled(*params)
+        loss.backward()
+        eager_params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+        eager_loss, eager_paths = loss_and_decode(*eager_params)
+        eager_loss.backward()
+    torch._dynamo.reset()
+    torch.testing.assert_close(loss, eager_loss)
+    assert torch.equal(paths, eager_paths)
+    for a, b in zip(params, eager_params):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+def _put(x, index, value):
+    x = x.clone()
+    x[index] = value
+    return x
+
+
+FUNCTIONAL = {
+    "log_partition": lambda em, tr, ln, s, e: crfkit.log_partition(em, tr, ln, s, e),
+    "marginals": lambda em, tr, ln, s, e: crfkit.marginals(em, tr, ln, s, e),
+    "viterbi": lambda em, tr, ln, s, e: crfkit.viterbi(em, tr, ln, s, e),
+    "kbest_viterbi": lambda em, tr, ln, s, e: crfkit.kbest_viterbi(em, tr, 3, ln, s, e),
+    "sequence_score": lambda em, tr, ln, s, e: crfkit.sequence_score(
+        em, tr, torch.zeros(em.shape[:2], dtype=torch.long, device=em.device), ln, s, e),
+}
+RAW = {
+    "log_partition": lambda em, tr, ln, s, e: device_ops().log_partition(em, tr, s, e, ln),
+    "marginals": lambda em, tr, ln, s, e: device_ops().marginals(em, tr, s, e, ln),
+    "log_partition_backward": lambda em, tr, ln, s, e: device_ops().log_partition_backward(
+        torch.ones(em.shape[0], dtype=em.dtype, device=em.device), em, tr, s, e, ln),
+    "viterbi": lambda em, tr, ln, s, e: device_ops().viterbi(em, tr, s, e, ln),
+    "kbest_viterbi": lambda em, tr, ln, s, e: device_ops().kbest_viterbi(em, tr, s, e, ln, 3),
+    "sequence_score": lambda em, tr, ln, s, e: device_ops().sequence_score(
+        em, tr, s, e, ln, torch.zeros(em.shape[0], 1, em.shape[1], dtype=torch.long, device=em.device)),
+}
+BAD_VALUES = [
+    # (description, mutate(em, tr, ln, s, e), message pattern)
+    ("NaN emission", lambda em, tr, ln, s, e: (_put(em, (1, 0, 2), math.nan), tr, ln, s, e), r"emissions\[1\].*NaN or \+inf"),
+    ("+inf emission", lambda em, tr, ln, s, e: (_put(em, (0, 3, 0), math.inf), tr, ln, s, e), r"emissions\[0\].*NaN or \+inf"),
+    ("NaN transition", lambda em, tr, ln, s, e: (em, _put(tr, (0, 1), math.nan), ln, s, e), r"transitions contains NaN or \+inf"),
+    ("+inf start", lambda em, tr, ln, s, e: (em, tr, ln, _put(s, 1, math.inf), e), r"start contains NaN or \+inf"),
+    ("NaN end", lambda em, tr, ln, s, e: (em, tr, ln, s, _put(e, 2, math.nan)), r"end contains NaN or \+inf"),
+]
+
+
+def _good():
+    """Valid float32 inputs: 2 sentences of lengths 4 and 2, 4 positions, 3 tags."""
+    em, tr, _, s, e = random_crf(2, 4, 3, dtype=torch.float32)
+    return to(DEVICE, (em, tr, torch.tensor([4, 2]), s, e))
+
+
+@pytest.mark.parametrize("op", RAW)
+@pytest.mark.parametrize("case", BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
+def test_bad_values_raise(op, case):
+    _, mutate, pattern = case
+    with pytest.raises(ValueError, match=pattern):
+        RAW[op](*mutate(*_good()))
+    if op in FUNCTIONAL:
+        with on_device(), pytest.raises(ValueError, match=pattern):
+            FUNCTIONAL[op](*mutate(*_good()))
+
+
+@pytest.mark.parametrize("op", RAW)
+def test_garbage_beyond_the_lengths_is_ignored(op):
+    em, tr, ln, s, e = _good()
+    clean = RAW[op](em, tr, ln, s, e)
+    dirty = RAW[op](_put(em, (1, 3, 0), math.nan), tr, ln, s, e)  # sentence 1 has length 2
+    for a, b in zip(clean if isinstance(clean, tuple) else (clean,), dirty if isinstance(dirty, tuple) else (dirty,)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", RAW)
+@pytest.mark.parametrize("lengths", [[4, -1], [5, 1]])
+def test_lengths_out_of_range_raise(op, lengths):
+    em, tr, _, s, e = _good()
+    bad = torch.tensor(lengths, device=DEVICE)
+    with pytest.raises(ValueError, match=r"lengths\[[01]\] = (-1|5) is outside \[0, seq_len = 4\]"):
+        RAW[op](em, tr, bad, s, e)
+    if op in FUNCTIONAL:
+        with on_device(), pytest.raises(ValueError, match=r"lengths must lie in \[0, seq_len = 4\]"):
+            FUNCTIONAL[op](em, tr, bad, s, e)
+
+
+def test_bad_tags_raise():
+    em, tr, ln, s, e = _good()
+    ops = device_ops()
+    tags = torch.zeros(2, 1, 4, dtype=torch.long, device=DEVICE)
+    tags[1, 0, 1] = 7  # within sentence 1 (length 2)
+    with pytest.raises(ValueError, match=r"tags\[1, 0, 1\] = 7 is not a tag index in \[0, 3\)"):
+        ops.sequence_score(em, tr, s, e, ln, tags)
+    with pytest.raises(ValueError, match="is not a tag index"):
+        ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, ln, tags)
+    tags[1, 0, 1] = 0
+    tags[1, 0, 3] = -100  # padding: ignored
+    ops.sequence_score(em, tr, s, e, ln, tags)
+    ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, ln, tags)
+
+
+@pytest.mark.skipif(EMULATED, reason="needs a CUDA device beside the CPU")
+def test_mixed_devices_raise():
+    em, tr, ln, s, e = _good()
+    ops = device_ops()
+    with pytest.raises(ValueError, match="transitions is on cpu"):
+        crfkit.log_partition(em, tr.cpu(), ln, s, e)
+    with pytest.raises(ValueError, match="lengths is on cpu"):
+        crfkit.viterbi(em, tr, ln.cpu(), s, e)
+    for make in (lambda: ops.log_partition(em, tr.cpu(), s, e, ln),
+                 lambda: ops.viterbi(em, tr, s, e, ln.cpu()),
+                 lambda: ops.kbest_viterbi(em.cpu(), tr, s.cpu(), e.cpu(), ln.cpu(), 2),
+                 lambda: ops.sequence_score(em, tr, s, e, ln, torch.zeros(2, 1, 4, dtype=torch.long)),
+                 lambda: ops.log_partition_backward(torch.ones(2), em, tr, s, e, ln),
+                 lambda: ops.sequence_score_backward(torch.ones(2, 1), em, ln, torch.zeros(2, 1, 4, dtype=torch.long))):
+        with pytest.raises(RuntimeError, match="device"):
+            make()

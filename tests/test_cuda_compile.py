@@ -1,0 +1,36 @@
+"""The CUDA kernels (csrc/cuda/*.cu) compile with nvcc against the installed torch's headers.
+
+Compile only, for real architectures (sm_80, sm_90), so that device code is instantiated and
+checked on machines without a GPU: the kernels cannot rot unseen. The flags and the stand-in
+header a CPU-only torch needs are in tools/cuda_compile_check/check.py. Each .cu file is one
+nvcc process; the files compile in parallel (one job per CPU). Skipped when nvcc is missing.
+"""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("crfkit_cuda_compile_check", ROOT / "tools" / "cuda_compile_check" / "check.py")
+cuda_compile_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cuda_compile_check)
+
+NVCC = cuda_compile_check.find_nvcc()
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (nor under CUDA_HOME or /usr/local/cuda): "
+                                         "the CUDA compile check needs the CUDA toolkit")
+def test_every_cuda_source_compiles(capsys, record_property):
+    ok, wall, results = cuda_compile_check.check(verbose=False)
+    lines = [f"{source.name}: {'ok' if code == 0 else f'FAILED (exit {code})'} in {seconds:.1f} s"
+             for source, code, seconds, _ in results]
+    summary = f"nvcc compile check of {len(results)} CUDA file(s): {wall:.1f} s wall ({'; '.join(lines)})"
+    record_property("cuda_compile_seconds", round(wall, 1))
+    with capsys.disabled():  # the time is part of the report, not only with -s
+        print(f"\n{summary}")
+    failures = "\n\n".join(f"{source}:\n{output}" for source, code, _, output in results if code != 0)
+    assert ok, f"{summary}\n\n{failures}"
+    # Warnings in crfkit's own CUDA sources (not torch's headers) fail the check too.
+    ours = [line for _, _, _, output in results for line in output.splitlines()
+            if "csrc/cuda/" in line and "warning" in line]
+    assert not ours, "nvcc warnings in csrc/cuda:\n" + "\n".join(ours)

@@ -1,0 +1,82 @@
+"""The emulated CUDA kernels (build.py) behind crfkit's compiled backend, for tests on a CPU.
+
+    from emulated import load, emulated_kernels
+    load()                       # builds if needed, registers torch.ops.crfkit_emu.*
+    with emulated_kernels():     # crfkit's compiled backend now calls crfkit_emu (CPU tensors)
+        crfkit.log_partition(...)
+
+The fake (meta) and autograd registrations are crfkit.backends.compiled's own, applied to the
+crfkit_emu ops: the backward formulas call `compiled.ops`, which emulated_kernels() swaps.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build as _build  # noqa: E402
+
+_LOADED: Optional[str] = None
+
+
+def _register_python_side() -> None:
+    from crfkit.backends import compiled as c
+
+    def fake(name, fn):
+        torch.library.register_fake(f"crfkit_emu::{name}")(fn)
+
+    # The same shapes as compiled.py's fake implementations.
+    fake("log_partition", lambda em, tr, s, e, ln: em.new_empty(em.shape[0]))
+    fake("marginals", lambda em, tr, s, e, ln: torch.empty_like(em))
+    fake("log_partition_backward", lambda g, em, tr, s, e, ln: (torch.empty_like(em), torch.empty_like(tr),
+                                                               torch.empty_like(s), torch.empty_like(e)))
+    fake("viterbi", lambda em, tr, s, e, ln: (em.new_empty(em.shape[0]),
+                                              em.new_empty(em.shape[:2], dtype=torch.long)))
+    fake("kbest_viterbi", lambda em, tr, s, e, ln, k: (em.new_empty((em.shape[0], k)),
+                                                       em.new_empty((em.shape[0], k, em.shape[1]), dtype=torch.long)))
+    fake("sequence_score", lambda em, tr, s, e, ln, tags: em.new_empty(tags.shape[:2]))
+    fake("sequence_score_backward", lambda g, em, ln, tags: (torch.empty_like(em), em.new_empty((em.shape[2], em.shape[2])),
+                                                             em.new_empty(em.shape[2]), em.new_empty(em.shape[2])))
+    reg = torch.library.register_autograd
+    reg("crfkit_emu::log_partition", c._log_partition_backward, setup_context=c._save_crf_inputs)
+    reg("crfkit_emu::marginals", c._marginals_backward, setup_context=c._save_crf_inputs)
+    reg("crfkit_emu::viterbi", c._viterbi_backward, setup_context=c._save_for_decode)
+    reg("crfkit_emu::kbest_viterbi", c._kbest_backward, setup_context=c._save_for_decode)
+    reg("crfkit_emu::sequence_score", c._sequence_score_backward, setup_context=c._save_for_sequence_score)
+
+
+def load(sanitize: Optional[str] = None) -> str:
+    """Build (incrementally) and load the emulated kernels once per process. sanitize:
+    "thread" or "address" (default: $CRFKIT_EMU_SANITIZE); the process must then run with the
+    sanitizer's runtime preloaded, e.g. LD_PRELOAD=$(gcc -print-file-name=libtsan.so)."""
+    global _LOADED
+    sanitize = sanitize or os.environ.get("CRFKIT_EMU_SANITIZE") or None
+    if _LOADED is None:
+        _LOADED = _build.build(sanitize=sanitize)
+        _register_python_side()
+    return _LOADED
+
+
+@contextlib.contextmanager
+def emulated_kernels():
+    """Within the block, crfkit's compiled backend runs the emulated CUDA kernels."""
+    from crfkit.backends import compiled
+
+    saved_ops, saved_kernels = compiled.ops, dict(compiled._KERNELS)
+    compiled.ops = torch.ops.crfkit_emu
+    # The emulated tensors are CPU tensors: on "CPU", only the ops that have CUDA kernels exist
+    # (the others take compiled.py's fallbacks, as they would on a GPU).
+    for name, key in saved_kernels:
+        if key == "CPU":
+            compiled._KERNELS[(name, key)] = torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit_emu::{name}", "CPU")
+    try:
+        yield torch.ops.crfkit_emu
+    finally:
+        compiled.ops = saved_ops
+        compiled._KERNELS.clear()
+        compiled._KERNELS.update(saved_kernels)

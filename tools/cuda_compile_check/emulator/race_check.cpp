@@ -1,0 +1,98 @@
+// Runs every emulated CUDA op (crfkit_emu::*, see cuda_emulator.h) on a set of shapes, built
+// with -fsanitize=thread by `build.py --race-check`: ThreadSanitizer then reports any two
+// accesses of different lanes to the same memory that no barrier (__syncwarp / __syncthreads /
+// shuffle) orders, i.e. a missing synchronisation in a kernel, whatever the timing of the run.
+// A standalone program because the sanitizer's runtime cannot be preloaded into Python here.
+// Exit status 0 when every op ran (the sanitizer's own exit code reports races).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstdio>
+#include <limits>
+#include <string>
+
+namespace {
+
+using Tensor = at::Tensor;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+struct Inputs {
+  Tensor emissions, transitions, start, end, lengths;
+};
+
+// Ragged lengths with 0 and L; -inf transitions when `forbid`.
+Inputs make(int64_t B, int64_t L, int64_t T, at::ScalarType dtype, bool forbid) {
+  Inputs x;
+  x.emissions = at::randn({B, L, T}, at::TensorOptions().dtype(dtype)) * 2;
+  x.transitions = at::randn({T, T}, at::TensorOptions().dtype(dtype));
+  x.start = at::randn({T}, at::TensorOptions().dtype(dtype));
+  x.end = at::randn({T}, at::TensorOptions().dtype(dtype));
+  x.lengths = at::randint(0, L + 1, {B}, at::TensorOptions().dtype(at::kLong));
+  if (B > 0) x.lengths[0] = L;
+  if (B > 2) x.lengths[1] = 0;
+  if (forbid && T > 1) {
+    x.transitions.masked_fill_(at::rand({T, T}) < 0.3, -std::numeric_limits<double>::infinity());
+  }
+  return x;
+}
+
+void run_all(const Inputs& x, int64_t k) {
+  using Crf = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+  using Decode = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+  using KDecode = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                             int64_t);
+  using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+  using Backward = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+  using Score = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+  using ScoreBackward = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+  const int64_t B = x.emissions.size(0);
+  op<Crf>("crfkit_emu::log_partition").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
+  op<Crf>("crfkit_emu::marginals").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
+  op<Backward>("crfkit_emu::log_partition_backward")
+      .call(at::ones({B}, x.emissions.options()), x.emissions, x.transitions, x.start, x.end, x.lengths);
+  op<Decode>("crfkit_emu::viterbi").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
+  auto [scores, paths] =
+      op<KDecode>("crfkit_emu::kbest_viterbi").call(x.emissions, x.transitions, x.start, x.end, x.lengths, k);
+  op<Score>("crfkit_emu::sequence_score").call(x.emissions, x.transitions, x.start, x.end, x.lengths, paths.clamp_min(0));
+  op<ScoreBackward>("crfkit_emu::sequence_score_backward").call(at::ones_like(scores), x.emissions, x.lengths, paths);
+}
+
+}  // namespace
+
+int main() {
+  at::manual_seed(0);
+  at::set_num_threads(1);  // torch's own thread pool is not what is checked here
+  struct Shape {
+    int64_t B, L, T, k;
+    bool forbid;
+  };
+  const Shape shapes[] = {
+      {5, 7, 3, 4, false},    {9, 12, 9, 15, true},  {3, 6, 37, 5, false}, {70, 4, 2, 3, true},
+      {3, 3, 100, 100, false}, {2, 3, 300, 2, false}, {4, 5, 1, 3, false},  {6, 0, 4, 2, false},
+  };
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const Shape& s : shapes) {
+      std::printf("B=%ld L=%ld T=%ld k=%ld %s %s\n", (long)s.B, (long)s.L, (long)s.T, (long)s.k,
+                  s.forbid ? "forbid" : "", dtype == at::kFloat ? "float" : "double");
+      std::fflush(stdout);
+      run_all(make(s.B, s.L, s.T, dtype, s.forbid), s.k);
+    }
+  }
+  // The error paths: NaN emissions (reported by the kernels themselves).
+  Inputs bad = make(3, 4, 3, at::kFloat, false);
+  bad.emissions[0][1][2] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    run_all(bad, 3);
+    std::printf("NaN emissions were not reported\n");
+    return 1;
+  } catch (const c10::Error& error) {
+    std::printf("bad input raised: %s\n", std::string(error.what_without_backtrace()).substr(0, 80).c_str());
+  }
+  std::printf("all ops ran\n");
+  return 0;
+}
