@@ -162,7 +162,7 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
     // Exact path: normalised log space.
     const bool own_rows = !(saving || from_state);
     std::vector<double> prob_a(own_rows ? rows * T : 0), prob_w(own_rows && keep_rows ? rows * T : 0);
-    std::vector<double> prob_work(3 * T);
+    std::vector<double> prob_work(3 * T + (pairwise ? T * T : 0));
     std::vector<scalar_t> alpha_hat(rows * T), work(4 * T + (pairwise ? T * T : 0));
     std::vector<double> offset(rows);
     for (int64_t b = b_begin; b < b_end; ++b) {
@@ -211,7 +211,7 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
       if (fast && prob_backward<scalar_t, pairwise>(tables, n, a_rows, w_rows, g,
                                                     grad_emit_b, grad_trans_b, grad_start_b,
                                                     grad_end_b, prob_work.data(),
-                                                    prob_work.data() + T)) {
+                                                    prob_work.data() + T, prob_work.data() + 3 * T)) {
         continue;
       }
       if (fast) {  // the backward left its range: discard its partial sums, redo exactly

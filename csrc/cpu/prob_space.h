@@ -145,14 +145,18 @@ bool prob_forward(const scalar_t* emit, const scalar_t* start, const ProbTables&
 // Scaled backward pass of one sentence after prob_forward(keep_rows) with finite log Z:
 // marginals scaled by g into grad_emit (n, T); with kPairwise the transition (T, T, added),
 // start and end gradients too. Returns false if the sentence needs the exact path (the caller
-// then discards everything written here).
+// then discards everything written here). pair_acc: T * T doubles of scratch (kPairwise).
 template <typename scalar_t, bool kPairwise>
 bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const double* w_rows,
                    scalar_t g, scalar_t* grad_emit, scalar_t* grad_trans, scalar_t* grad_start,
-                   scalar_t* grad_end, double* b, double* work) {
+                   scalar_t* grad_end, double* b, double* work, double* pair_acc) {
   const int64_t T = tab.T;
   double* gw = work;       // w_i * b_i, scaled
   double* b_prev = work + T;
+  // The pairwise marginals xi_i[s, t] = u_i[s] E[s, t] gw_i[t] share the factor E[s, t] at every
+  // position: accumulate sum_i u_i[s] gw_i[t] (a rank-one update, pure multiply-adds in double)
+  // and multiply by E once at the end.
+  if (kPairwise) std::fill(pair_acc, pair_acc + T * T, 0.0);
   std::copy(tab.end_w.begin(), tab.end_w.end(), b);  // beta_{n-1} = exp(end - max)
   for (int64_t i = n - 1; i >= 0; --i) {
     const double* a = a_rows + i * T;
@@ -164,7 +168,17 @@ bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const
     for (int64_t t = 0; t < T; ++t) mu[t] = static_cast<scalar_t>(a[t] * b[t] * scale);
     if (kPairwise && i == n - 1) std::copy(mu, mu + T, grad_end);
     if (kPairwise && i == 0) std::copy(mu, mu + T, grad_start);
-    if (i == 0) break;
+    if (i == 0) {
+      if (kPairwise) {
+        for (int64_t s = 0; s < T; ++s) {
+          const double* row = &tab.by_row[s * T];
+          const double* acc = pair_acc + s * T;
+          scalar_t* out = grad_trans + s * T;
+          for (int64_t t = 0; t < T; ++t) out[t] += static_cast<scalar_t>(row[t] * acc[t]);
+        }
+      }
+      break;
+    }
 
     const double* w = w_rows + i * T;
     for (int64_t t = 0; t < T; ++t) gw[t] = w[t] * b[t];
@@ -183,9 +197,8 @@ bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const
       for (int64_t s = 0; s < T; ++s) {
         const double left = a_prev[s] * pair_scale;
         if (left == 0) continue;
-        const double* row = &tab.by_row[s * T];
-        scalar_t* out = grad_trans + s * T;
-        for (int64_t t = 0; t < T; ++t) out[t] += static_cast<scalar_t>(left * row[t] * gw[t]);
+        double* __restrict__ acc = pair_acc + s * T;
+        for (int64_t t = 0; t < T; ++t) acc[t] += left * gw[t];
       }
     }
     const double b_max = max_of_doubles(b_prev, T);
