@@ -1,12 +1,13 @@
 # One command per job; each sets everything up first (idempotent, fast when already done).
 #   make test    install, build the C++ extension, run the test suite
 #   make bench   install, build, run the quick benchmark (compiled kernels vs the reference)
+#   make example install, build, run examples/conll_teacher_labels.py (a real teacher through crfkit.distill)
 # TORCH_SPEC is what pip installs when torch is missing; the default is the CPU build that
 # this project's machines carry locally. With torch already installed nothing is downloaded.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup test bench clean
+.PHONY: setup test bench example clean
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -23,6 +24,9 @@ test: setup
 
 bench: setup
 	$(PYTHON) benchmarks/run.py --quick
+
+example: setup
+	$(PYTHON) examples/conll_teacher_labels.py
 
 clean:
 	rm -rf build *.egg-info crfkit/_C*.so .pytest_cache .benchmarks
