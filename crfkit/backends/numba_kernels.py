@@ -133,92 +133,65 @@ def _normalise(x):
 
 
 @numba.njit(**_JIT)
-def _forward_step(prev, transitions, col_max, col_scaled, emissions, b, i, out, p):
-    """out[t] = logsumexp_s(prev[s] + trans[s, t]) + emissions[b, i, t].
+def _lse_matvec(x, mat, mat_max, mat_scaled, out, p):
+    """out[j] = logsumexp_k(x[k] + mat[k, j]), with mat_max[j] = max_k mat[k, j] and
+    mat_scaled[k, j] = exp(mat[k, j] - mat_max[j]) precomputed (_scaled_transitions).
 
-    In probability space: out[t] = a_max + col_max[t] + log(sum_s p[s] col_scaled[s, t]) with
-    p[s] = exp(prev[s] - a_max), every factor <= 1; the sums are accumulated across t (lanes)
-    for s = 0, 1, ... A sum below TRUSTED_SUM_MIN (underflow) is redone exactly in log space."""
-    T = prev.shape[0]
-    a_max = NEG_INF
-    for s in range(T):
-        if prev[s] > a_max:
-            a_max = prev[s]
-    if a_max == NEG_INF:
-        for t in range(T):
-            out[t] = NEG_INF
+    In probability space: out[j] = x_max + mat_max[j] + log(sum_k p[k] mat_scaled[k, j]) with
+    p[k] = exp(x[k] - x_max), every factor <= 1; the sums are accumulated across j (lanes)
+    for k = 0, 1, ... A sum below TRUSTED_SUM_MIN (underflow) is redone exactly in log space.
+    The forward step uses mat = transitions, the backward step mat = transitions.T."""
+    T = x.shape[0]
+    x_max = NEG_INF
+    for k in range(T):
+        if x[k] > x_max:
+            x_max = x[k]
+    if x_max == NEG_INF:
+        for j in range(T):
+            out[j] = NEG_INF
         return
-    for s in range(T):
-        p[s] = math.exp(prev[s] - a_max)
-    for t in range(T):
-        out[t] = 0.0
-    for s in range(T):
-        ps = p[s]
-        for t in range(T):
-            out[t] += ps * col_scaled[s, t]
-    for t in range(T):
-        c_max = col_max[t]
-        total = out[t]
-        if c_max == NEG_INF:
-            lse = NEG_INF
+    for k in range(T):
+        p[k] = math.exp(x[k] - x_max)
+    for j in range(T):
+        out[j] = 0.0
+    for k in range(T):
+        pk = p[k]
+        for j in range(T):
+            out[j] += pk * mat_scaled[k, j]
+    for j in range(T):
+        m_j = mat_max[j]
+        total = out[j]
+        if m_j == NEG_INF:
+            out[j] = NEG_INF
         elif total >= TRUSTED_SUM_MIN:
-            lse = a_max + c_max + math.log(total)
+            out[j] = x_max + m_j + math.log(total)
         else:  # underflow: exactly, in log space
             m = NEG_INF
-            for s in range(T):
-                v = prev[s] + transitions[s, t]
+            for k in range(T):
+                v = x[k] + mat[k, j]
                 if v > m:
                     m = v
             if m == NEG_INF:
-                lse = NEG_INF
+                out[j] = NEG_INF
             else:
                 acc = 0.0
-                for s in range(T):
-                    acc += math.exp(prev[s] + transitions[s, t] - m)
-                lse = m + math.log(acc)
-        out[t] = lse + emissions[b, i, t]
+                for k in range(T):
+                    acc += math.exp(x[k] + mat[k, j] - m)
+                out[j] = m + math.log(acc)
+
+
+@numba.njit(**_JIT)
+def _forward_step(prev, transitions, col_max, col_scaled, emissions, b, i, out, p):
+    """out[t] = logsumexp_s(prev[s] + trans[s, t]) + emissions[b, i, t]."""
+    _lse_matvec(prev, transitions, col_max, col_scaled, out, p)
+    for t in range(prev.shape[0]):
+        out[t] += emissions[b, i, t]
 
 
 @numba.njit(**_JIT)
 def _backward_step(v, transitions, row_max, row_scaled_t, out, q):
-    """out[s] = logsumexp_t(trans[s, t] + v[t]), like _forward_step with the roles swapped."""
-    T = v.shape[0]
-    v_max = NEG_INF
-    for t in range(T):
-        if v[t] > v_max:
-            v_max = v[t]
-    if v_max == NEG_INF:
-        for s in range(T):
-            out[s] = NEG_INF
-        return
-    for t in range(T):
-        q[t] = math.exp(v[t] - v_max)
-    for s in range(T):
-        out[s] = 0.0
-    for t in range(T):
-        qt = q[t]
-        for s in range(T):
-            out[s] += qt * row_scaled_t[t, s]
-    for s in range(T):
-        r_max = row_max[s]
-        total = out[s]
-        if r_max == NEG_INF:
-            out[s] = NEG_INF
-        elif total >= TRUSTED_SUM_MIN:
-            out[s] = v_max + r_max + math.log(total)
-        else:
-            m = NEG_INF
-            for t in range(T):
-                w = transitions[s, t] + v[t]
-                if w > m:
-                    m = w
-            if m == NEG_INF:
-                out[s] = NEG_INF
-            else:
-                acc = 0.0
-                for t in range(T):
-                    acc += math.exp(transitions[s, t] + v[t] - m)
-                out[s] = m + math.log(acc)
+    """out[s] = logsumexp_t(trans[s, t] + v[t])."""
+    _lse_matvec(v, transitions.T, row_max, row_scaled_t, out, q)
 
 
 @numba.njit(**_JIT)
