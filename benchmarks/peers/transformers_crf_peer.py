@@ -29,7 +29,8 @@ import os
 import sys
 import warnings
 
-from .base import ModulePeer, PeerUnavailable, mask_paths, rescore, reshape_instead_of_view
+from .base import PeerUnavailable
+from .pytorchcrf_peer import PytorchCrfNbest
 
 warnings.filterwarnings("ignore", message="where received a uint8 condition tensor")
 
@@ -61,43 +62,19 @@ def _load_crf_module():
     return module
 
 
-class TransformersCrf(ModulePeer):
+class TransformersCrf(PytorchCrfNbest):
+    """pytorchcrf's API (same decoder, same private log Z) plus native marginals."""
+
     name = "transformers-crf"
     module = "transformers_crf (crf.py only)"
     dist = "transformers-crf"
     native = frozenset({"log_partition", "marginals", "viterbi", "kbest"})
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.cls = reshape_instead_of_view(self.lib.CRF, "_viterbi_decode_nbest")
-
     def _load(self):
         return _load_crf_module()
-
-    def _make(self, num_tags):
-        return self.cls(num_tags, batch_first=True)
-
-    def _log_z(self, state, emissions):
-        return state["crf"]._compute_normalizer(emissions.transpose(0, 1), state["mask_tf"])
 
     def _marginals(self, state):
         return state["crf"].compute_posterior(state["x"].emissions, state["mask"])
 
     def _marginals_convert(self, state, out):
         return out.exp()
-
-    def _viterbi(self, state):
-        return state["crf"].decode(state["x"].emissions, state["mask"])
-
-    def _viterbi_convert(self, state, out):
-        x = state["x"]
-        paths = mask_paths(out[0], x.lengths)
-        return paths, rescore(x, paths)
-
-    def _kbest(self, state, k):
-        return state["crf"].decode(state["x"].emissions, state["mask"], nbest=k)
-
-    def _kbest_convert(self, state, out, k):
-        x = state["x"]
-        paths = mask_paths(out.permute(1, 0, 2), x.lengths)
-        return paths, rescore(x, paths)
