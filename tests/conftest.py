@@ -58,3 +58,25 @@ def random_crf(B, L, T, dtype=torch.float64, scale=1.0, ragged=True, seed=None, 
     else:
         lengths = torch.full((B,), L, dtype=torch.long)
     return emissions, transitions, lengths, start, end
+
+
+def check_compile_matches_eager(em, tr, ln, s, e, context):
+    """torch.compile(fullgraph=True) of log Z and k-best (forward and backward) gives what eager
+    mode gives, with both run inside `context` (a backend or device context manager)."""
+    def loss_and_decode(em, tr, s, e):
+        log_z = crfkit.log_partition(em, tr, ln, s, e)
+        best = crfkit.kbest_viterbi(em, tr, 3, ln, s, e)
+        return log_z.sum() - best.scores[:, 0].sum(), best.paths
+
+    with context:
+        compiled = torch.compile(loss_and_decode, fullgraph=True, backend="aot_eager")
+        params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+        loss, paths = compiled(*params)
+        loss.backward()
+        eager_params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+        eager_loss, eager_paths = loss_and_decode(*eager_params)
+        eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss)
+    assert torch.equal(paths, eager_paths)
+    for a, b in zip(params, eager_params):
+        torch.testing.assert_close(a.grad, b.grad)

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import crfkit
-from conftest import random_crf
+from conftest import check_compile_matches_eager, random_crf
 
 EMULATED = os.environ.get("CRFKIT_CUDA_TESTS_EMULATED", "") == "1"
 COMPILED = "compiled" in crfkit.backends.available()
@@ -250,26 +250,11 @@ def test_opcheck_every_op():
 
 def test_torch_compile_fullgraph():
     em, tr, ln, s, e = to(DEVICE, random_crf(4, 12, 5, dtype=torch.float32))
-
-    def loss_and_decode(em, tr, s, e):
-        log_z = crfkit.log_partition(em, tr, ln, s, e)
-        best = crfkit.kbest_viterbi(em, tr, 3, ln, s, e)
-        return log_z.sum() - best.scores[:, 0].sum(), best.paths
-
     torch._dynamo.reset()  # no graph traced for other kernels (the CPU ones) is reused
-    with on_device():
-        compiled = torch.compile(loss_and_decode, fullgraph=True, backend="aot_eager")
-        params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
-        loss, paths = compiled(*params)
-        loss.backward()
-        eager_params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
-        eager_loss, eager_paths = loss_and_decode(*eager_params)
-        eager_loss.backward()
-    torch._dynamo.reset()
-    torch.testing.assert_close(loss, eager_loss)
-    assert torch.equal(paths, eager_paths)
-    for a, b in zip(params, eager_params):
-        torch.testing.assert_close(a.grad, b.grad)
+    try:
+        check_compile_matches_eager(em, tr, ln, s, e, on_device())
+    finally:
+        torch._dynamo.reset()
 
 
 # ---- bad input ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import crfkit
-from conftest import random_crf
+from conftest import check_compile_matches_eager, random_crf
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 SHAPES = [(1, 1, 1), (5, 1, 3), (6, 7, 5), (8, 33, 9), (4, 64, 37), (3, 20, 100)]  # (B, L, T)
@@ -133,24 +133,7 @@ def test_backward_from_saved_state_equals_the_plain_backward(scale):
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 def test_torch_compile_fullgraph():
     em, tr, ln, s, e = random_crf(4, 12, 5, dtype=torch.float32)
-
-    def loss_and_decode(em, tr, s, e):
-        log_z = crfkit.log_partition(em, tr, ln, s, e)
-        best = crfkit.kbest_viterbi(em, tr, 3, ln, s, e)
-        return log_z.sum() - best.scores[:, 0].sum(), best.paths
-
-    with crfkit.use_backend("compiled"):
-        compiled = torch.compile(loss_and_decode, fullgraph=True, backend="aot_eager")
-        params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
-        loss, paths = compiled(*params)
-        loss.backward()
-        eager_params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
-        eager_loss, eager_paths = loss_and_decode(*eager_params)
-        eager_loss.backward()
-    torch.testing.assert_close(loss, eager_loss)
-    assert torch.equal(paths, eager_paths)
-    for a, b in zip(params, eager_params):
-        torch.testing.assert_close(a.grad, b.grad)
+    check_compile_matches_eager(em, tr, ln, s, e, crfkit.use_backend("compiled"))
 
 
 @settings(max_examples=60, deadline=None)
