@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import backends
 from .. import functional as F
 from ..reference import safe_logsumexp  # -inf with gradient 0 (not NaN) when every term is -inf
 from ..distribution import LinearChainCRF
@@ -129,8 +130,11 @@ def _candidate_log_probs(student_emissions, student_transitions, kb, lengths, st
                              "k-best computed with the same lengths?")
     # Missing rows are -1 everywhere; score a stand-in path (all 0) and select the row away.
     safe_paths = torch.where(present.unsqueeze(2), paths, torch.zeros_like(paths))
-    student_scores = F.sequence_score(emissions, transitions, safe_paths, lengths, start, end)  # (B, K)
-    student_log_z = F.log_partition(emissions, transitions, lengths, start, end)  # (B,): ONE per sentence
+    # The arguments are checked above (and the paths against them): call the backend directly
+    # rather than the public ops, which would check everything again.
+    backend = backends.current()
+    student_scores = backend.sequence_score(emissions, transitions, safe_paths.contiguous(), lengths, start, end)  # (B, K)
+    student_log_z = backend.log_partition(emissions, transitions, lengths, start, end)  # (B,): ONE per sentence
     log_p_student = torch.where(present, student_scores - student_log_z.unsqueeze(1),
                                 torch.full_like(student_scores, NEG_INF))
     teacher = (paths.shape[1], log_p_teacher.dtype)  # K and the precision of the teacher's log-probs
