@@ -14,6 +14,7 @@ OPS = {
     "viterbi": lambda em, tr, **kw: crfkit.viterbi(em, tr, **kw),
     "kbest_viterbi": lambda em, tr, **kw: crfkit.kbest_viterbi(em, tr, 3, **kw),
     "sequence_score": lambda em, tr, **kw: crfkit.sequence_score(em, tr, torch.zeros(2, 4, dtype=torch.long), **kw),
+    "expected_transition_counts": lambda em, tr, **kw: crfkit.expected_transition_counts(em, tr, **kw),
 }
 
 
