@@ -62,10 +62,15 @@ def _(grad_log_z, emissions, transitions, start, end, lengths):
     return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
 
 
+# The saved forward state pads the tag axis to whole SIMD vectors (kLanes, csrc/cpu/prob_space.h).
+_STATE_LANES = 8
+
+
 @torch.library.register_fake("crfkit::log_partition_saving")
 def _(emissions, transitions, start, end, lengths):
     B, L, T = emissions.shape
-    return (emissions.new_empty(B), emissions.new_empty((B, 2, L, T), dtype=torch.float64),
+    stride = -(-T // _STATE_LANES) * _STATE_LANES
+    return (emissions.new_empty(B), emissions.new_empty((B, 2, L, stride), dtype=torch.float64),
             emissions.new_empty(B, dtype=torch.uint8))
 
 
@@ -119,9 +124,14 @@ torch.library.register_autograd("crfkit::log_partition", _log_partition_backward
 
 def _save_crf_inputs_and_state(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:5], *output[1:])  # output = (log_z, state, status)
+    # The state and status are never differentiated: without this, autograd would fill a zero
+    # gradient of the state's size (16 * B * L * T bytes) on every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _log_partition_saving_backward(ctx, grad_log_z, _grad_state, _grad_status):
+    if grad_log_z is None:
+        return None, None, None, None, None
     emissions, transitions, start, end, lengths, state, status = ctx.saved_tensors
     grads = ops.log_partition_backward_saved(grad_log_z.contiguous(), emissions, transitions, start, end,
                                              lengths, state, status)

@@ -118,17 +118,18 @@ enum class Output { kLogPartition, kLogPartitionSaving, kMarginals, kBackward, k
 // What the saved state holds for sentence b (the `status` tensor).
 enum SavedStatus : uint8_t {
   kRecompute = 0,   // the fast path left its range: the backward recomputes exactly
-  kFastState = 1,   // state[b] holds the scaled forward rows a (n, T) and w (n, T)
+  kFastState = 1,   // state[b] holds the scaled forward rows a (n, stride) and w (n, stride)
   kNoGradient = 2,  // length 0, or log Z = -inf: every gradient is 0
 };
 
-// Per-sentence forward state of the probability-space path: (B, 2, L, T) double.
+// Per-sentence forward state of the probability-space path: (B, 2, L, stride) double, where
+// stride = T rounded up to a whole number of lanes (padded_tags; the padding holds zeros).
 struct ForwardState {
   double* rows = nullptr;     // nullptr when the op keeps no state
   uint8_t* status = nullptr;  // (B,) SavedStatus
-  int64_t L = 0, T = 0;
-  double* a_rows(int64_t b) const { return rows + b * 2 * L * T; }
-  double* w_rows(int64_t b) const { return rows + (b * 2 + 1) * L * T; }
+  int64_t L = 0, stride = 0;
+  double* a_rows(int64_t b) const { return rows + b * 2 * L * stride; }
+  double* w_rows(int64_t b) const { return rows + (b * 2 + 1) * L * stride; }
 };
 
 // One driver for the ops: they share the scans, the per-thread buffers, the checks.
@@ -161,13 +162,20 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
     // Fast path: scaled probabilities in double (in the saved state when there is one).
     // Exact path: normalised log space.
     const bool own_rows = !(saving || from_state);
-    std::vector<double> prob_a(own_rows ? rows * T : 0), prob_w(own_rows && keep_rows ? rows * T : 0);
-    std::vector<double> prob_work(3 * T + (pairwise ? T * T : 0));
+    const int64_t stride = tables.stride;
+    std::vector<double> prob_a(own_rows ? rows * stride : 0);
+    std::vector<double> prob_w(own_rows && keep_rows ? rows * stride : 0);
+    std::vector<double> prob_work(3 * stride + (pairwise ? T * stride : 0));
     std::vector<scalar_t> alpha_hat(rows * T), work(4 * T + (pairwise ? T * T : 0));
     std::vector<double> offset(rows);
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t n = len[b];
       const scalar_t* emit_b = emit + b * L * T;
+      // The per-position outputs are allocated uninitialised: each sentence clears its share
+      // here, in the thread that then writes it, so fresh pages are touched once, in parallel,
+      // instead of by a separate serial zero fill first.
+      if (emit_out != nullptr) std::fill(emit_out + b * L * T, emit_out + (b + 1) * L * T, scalar_t(0));
+      if (saving) std::fill(state.a_rows(b), state.a_rows(b) + 2 * L * state.stride, 0.0);
       if (has_nan_or_posinf(emit_b, n * T)) {
         bad[b] = 1;
         continue;
@@ -210,8 +218,7 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
       scalar_t* grad_end_b = pairwise ? end_out + b * T : nullptr;
       if (fast && prob_backward<scalar_t, pairwise>(tables, n, a_rows, w_rows, g,
                                                     grad_emit_b, grad_trans_b, grad_start_b,
-                                                    grad_end_b, prob_work.data(),
-                                                    prob_work.data() + T, prob_work.data() + 3 * T)) {
+                                                    grad_end_b, prob_work.data())) {
         continue;
       }
       if (fast) {  // the backward left its range: discard its partial sums, redo exactly
@@ -247,7 +254,7 @@ at::Tensor marginals_cpu(const at::Tensor& emissions_in, const at::Tensor& trans
                          const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in) {
   const auto [emissions, transitions, start, end, lengths] =
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
-  auto marginals = at::zeros_like(emissions);
+  auto marginals = at::empty_like(emissions);  // zeroed per sentence by the kernel
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals", [&] {
     run_sentences<scalar_t, Output::kMarginals>(emissions, transitions, start, end, lengths,
                                                 nullptr, nullptr, marginals.data_ptr<scalar_t>(),
@@ -268,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
                   grad_log_z.scalar_type() == emissions.scalar_type(),
               "crfkit: grad_log_z must be (batch,) with the dtype of emissions");
-  auto grad_emissions = at::zeros_like(emissions);
+  auto grad_emissions = at::empty_like(emissions);  // zeroed per sentence by the kernel
   // Per-sentence partial sums, reduced in a fixed order afterwards: deterministic.
   auto grad_trans = at::zeros({B, T, T}, emissions.options());
   auto grad_start = at::zeros({B, T}, emissions.options());
@@ -282,9 +289,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
 }
 
-// log Z (B,) plus the state its backward needs: the scaled forward rows (B, 2, L, T) double and
-// a status per sentence (B,) uint8 (SavedStatus). Used when log Z will be differentiated, so
-// that the backward does not run the forward recursion again; costs 16 * B * L * T bytes.
+// log Z (B,) plus the state its backward needs: the scaled forward rows (B, 2, L, stride) double
+// (stride: T rounded up to a multiple of 8) and a status per sentence (B,) uint8 (SavedStatus).
+// Used when log Z will be differentiated, so that the backward does not run the forward recursion again; costs 16 * B * L * stride bytes.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_saving_cpu(
     const at::Tensor& emissions_in, const at::Tensor& transitions_in, const at::Tensor& start_in,
     const at::Tensor& end_in, const at::Tensor& lengths_in) {
@@ -292,11 +299,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_saving_cpu(
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   auto log_z = at::empty({B}, emissions.options());
-  // Zeroed, not empty: rows past a sentence's length are never written, and an op's outputs
-  // must not depend on leftover memory (torch.compile and opcheck compare runs).
-  auto rows = at::zeros({B, 2, L, T}, emissions.options().dtype(at::kDouble));
+  // Zeroed per sentence by the kernel: rows past a sentence's length are never written, and an
+  // op's outputs must not depend on leftover memory (torch.compile and opcheck compare runs).
+  const int64_t stride = padded_tags(T);
+  auto rows = at::empty({B, 2, L, stride}, emissions.options().dtype(at::kDouble));
   auto status = at::empty({B}, emissions.options().dtype(at::kByte));
-  const ForwardState state{rows.data_ptr<double>(), status.data_ptr<uint8_t>(), L, T};
+  const ForwardState state{rows.data_ptr<double>(), status.data_ptr<uint8_t>(), L, stride};
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_saving", [&] {
     run_sentences<scalar_t, Output::kLogPartitionSaving>(emissions, transitions, start, end, lengths,
                                                          nullptr, log_z.data_ptr<scalar_t>(), nullptr,
@@ -318,18 +326,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
                   grad_log_z.scalar_type() == emissions.scalar_type(),
               "crfkit: grad_log_z must be (batch,) with the dtype of emissions");
   TORCH_CHECK(rows_in.scalar_type() == at::kDouble && rows_in.dim() == 4 && rows_in.size(0) == B &&
-                  rows_in.size(1) == 2 && rows_in.size(2) == L && rows_in.size(3) == T,
-              "crfkit: saved forward rows must be (batch, 2, seq_len, num_tags) float64");
+                  rows_in.size(1) == 2 && rows_in.size(2) == L && rows_in.size(3) == padded_tags(T),
+              "crfkit: saved forward rows must be (batch, 2, seq_len, num_tags rounded up to 8) "
+              "float64");
   TORCH_CHECK(status_in.scalar_type() == at::kByte && status_in.dim() == 1 && status_in.size(0) == B,
               "crfkit: saved forward status must be (batch,) uint8");
   const at::Tensor rows = rows_in.contiguous(), status = status_in.contiguous();
-  auto grad_emissions = at::zeros_like(emissions);
+  auto grad_emissions = at::empty_like(emissions);  // zeroed per sentence by the kernel
   auto grad_trans = at::zeros({B, T, T}, emissions.options());
   auto grad_start = at::zeros({B, T}, emissions.options());
   auto grad_end = at::zeros({B, T}, emissions.options());
   // The kernel only reads the state; ForwardState has mutable pointers for the saving op.
   const ForwardState state{const_cast<double*>(rows.data_ptr<double>()),
-                           const_cast<uint8_t*>(status.data_ptr<uint8_t>()), L, T};
+                           const_cast<uint8_t*>(status.data_ptr<uint8_t>()), L,
+                           padded_tags(T)};
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward_saved", [&] {
     run_sentences<scalar_t, Output::kBackwardFromState>(
         emissions, transitions, start, end, lengths, grad_log_z.data_ptr<scalar_t>(), nullptr,
@@ -348,7 +358,7 @@ at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions_in, const 
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
   auto ones = at::ones({B}, emissions.options());
-  auto grad_emissions = at::zeros_like(emissions);
+  auto grad_emissions = at::empty_like(emissions);  // zeroed per sentence by the kernel
   auto counts = at::zeros({B, T, T}, emissions.options());
   auto grad_start = at::zeros({B, T}, emissions.options());
   auto grad_end = at::zeros({B, T}, emissions.options());
