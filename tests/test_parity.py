@@ -181,3 +181,20 @@ def test_kbest_with_k1_matches_the_reference(backend):
     assert torch.equal(outs[backend][0], outs["reference"][0])
     for got, want in zip(outs[backend][1:], outs["reference"][1:]):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T", [1, 8, 9, 16, 17, 64, 65, 130])  # around whole SIMD vectors of tags
+def test_viterbi_with_ties_equals_the_reference_exactly(backend, dtype, T):
+    # Integer scores make many exact ties; the kernels' in-register max-plus step (T up to 8
+    # vectors) and its generic fallback must pick the same paths, scores bit for bit.
+    gen = torch.Generator().manual_seed(T)
+    em = torch.randint(-3, 4, (5, 20, T), generator=gen).to(dtype)
+    tr = torch.randint(-3, 4, (T, T), generator=gen).to(dtype)
+    tr[0, T // 2] = -math.inf
+    ln = torch.tensor([20, 1, 7, 0, 13])
+    paths, scores = crfkit.viterbi(em, tr, ln)
+    with crfkit.use_backend("reference"):
+        want_paths, want_scores = crfkit.viterbi(em, tr, ln)
+    assert torch.equal(paths, want_paths)
+    assert torch.equal(scores, want_scores)

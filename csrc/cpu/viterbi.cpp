@@ -15,6 +15,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "../checks.h"
 #include "log_space.h"
@@ -36,35 +39,122 @@ void dispatch_backpointer_type(int64_t num_codes, F&& f) {
   }
 }
 
+// The transitions with each row padded to whole lane vectors (-inf in the padding, so padded
+// lanes never win a max), for the in-register max-plus step below.
+template <typename scalar_t>
+struct LaneTypes {
+  static constexpr int kBytes = 64;  // one AVX-512 register (two AVX2 ones)
+  static constexpr int64_t kLanes = kBytes / sizeof(scalar_t);
+  typedef scalar_t Vector __attribute__((vector_size(kBytes)));
+  using Index = std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t>;
+  typedef Index Mask __attribute__((vector_size(kBytes)));  // also the lanes' argmax
+};
+
+template <typename scalar_t>
+struct PaddedTransitions {
+  int64_t T, stride;
+  std::vector<scalar_t> rows;  // [s][t], T x stride
+  PaddedTransitions(const scalar_t* trans, int64_t num_tags)
+      : T(num_tags),
+        stride((num_tags + LaneTypes<scalar_t>::kLanes - 1) / LaneTypes<scalar_t>::kLanes *
+               LaneTypes<scalar_t>::kLanes),
+        rows(num_tags * stride, neg_inf<scalar_t>()) {
+    for (int64_t s = 0; s < T; ++s) std::copy(trans + s * T, trans + (s + 1) * T, &rows[s * stride]);
+  }
+};
+
+// One Viterbi step, position i-1 -> i, for T <= kVectors lanes-vectors of tags:
+//     delta_next[t] = max_s (delta[s] + trans[s, t]) + emit[t],  bp[t] = its argmax s.
+// Predecessors s outside, tags t inside, the running maxima and argmaxes kept in registers for
+// the whole loop over s (a loop over memory would store and reload them for every s). The
+// comparison is strict, so the smaller predecessor wins a tie, as in the generic step.
+template <typename scalar_t, typename bp_t, int kVectors>
+void max_plus_step_in_registers(const scalar_t* delta, const PaddedTransitions<scalar_t>& trans,
+                                const scalar_t* emit, scalar_t* delta_next, bp_t* bp) {
+  using Lanes = LaneTypes<scalar_t>;
+  using Vector = typename Lanes::Vector;
+  using Mask = typename Lanes::Mask;
+  constexpr int64_t n = Lanes::kLanes;
+  auto load = [](const scalar_t* p) {
+    Vector v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  };
+  Vector best[kVectors];
+  Mask arg[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    best[v] = delta[0] + load(&trans.rows[v * n]);
+    arg[v] = Mask{};
+  }
+  for (int64_t s = 1; s < trans.T; ++s) {
+    const scalar_t d = delta[s];
+    const scalar_t* row = &trans.rows[s * trans.stride];
+    const Mask s_lanes = Mask{} + static_cast<typename Lanes::Index>(s);
+    for (int v = 0; v < kVectors; ++v) {
+      const Vector cand = d + load(row + v * n);
+      const Mask better = cand > best[v];
+      best[v] = better ? cand : best[v];
+      arg[v] = better ? s_lanes : arg[v];
+    }
+  }
+  scalar_t best_out[kVectors * n];
+  typename Lanes::Index arg_out[kVectors * n];
+  std::memcpy(best_out, best, sizeof best);
+  std::memcpy(arg_out, arg, sizeof arg);
+  for (int64_t t = 0; t < trans.T; ++t) {
+    delta_next[t] = best_out[t] + emit[t];
+    bp[t] = static_cast<bp_t>(arg_out[t]);
+  }
+}
+
+// The same step for any T, the maxima in memory.
+template <typename scalar_t, typename bp_t>
+void max_plus_step(const scalar_t* delta, const PaddedTransitions<scalar_t>& trans,
+                   const scalar_t* emit, scalar_t* __restrict__ delta_next,
+                   int32_t* __restrict__ arg, bp_t* bp) {
+  const int64_t T = trans.T;
+  switch (trans.stride / LaneTypes<scalar_t>::kLanes) {
+    case 1: return max_plus_step_in_registers<scalar_t, bp_t, 1>(delta, trans, emit, delta_next, bp);
+    case 2: return max_plus_step_in_registers<scalar_t, bp_t, 2>(delta, trans, emit, delta_next, bp);
+    case 3: return max_plus_step_in_registers<scalar_t, bp_t, 3>(delta, trans, emit, delta_next, bp);
+    case 4: return max_plus_step_in_registers<scalar_t, bp_t, 4>(delta, trans, emit, delta_next, bp);
+    case 5: return max_plus_step_in_registers<scalar_t, bp_t, 5>(delta, trans, emit, delta_next, bp);
+    case 6: return max_plus_step_in_registers<scalar_t, bp_t, 6>(delta, trans, emit, delta_next, bp);
+    case 7: return max_plus_step_in_registers<scalar_t, bp_t, 7>(delta, trans, emit, delta_next, bp);
+    case 8: return max_plus_step_in_registers<scalar_t, bp_t, 8>(delta, trans, emit, delta_next, bp);
+    default: break;
+  }
+  // Over predecessors s outside, tags t inside: the T running maxima are independent lanes
+  // that vectorise (a max over s inside would be one serial chain per t).
+  for (int64_t t = 0; t < T; ++t) {
+    delta_next[t] = delta[0] + trans.rows[t];
+    arg[t] = 0;
+  }
+  for (int32_t s = 1; s < T; ++s) {
+    const scalar_t d = delta[s];
+    const scalar_t* row = &trans.rows[s * trans.stride];
+    for (int64_t t = 0; t < T; ++t) {
+      const scalar_t cand = d + row[t];
+      const int32_t better = cand > delta_next[t];  // strict: the smaller predecessor wins a tie
+      delta_next[t] = cand > delta_next[t] ? cand : delta_next[t];
+      arg[t] += better * (s - arg[t]);
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    delta_next[t] += emit[t];
+    bp[t] = static_cast<bp_t>(arg[t]);
+  }
+}
+
 // Viterbi for one sentence of length n >= 1. Writes path[0 .. n) and returns the best score.
 template <typename scalar_t, typename bp_t>
-scalar_t viterbi_sentence(const scalar_t* emit, const scalar_t* trans, const scalar_t* start,
-                          const scalar_t* end, int64_t n, int64_t T, scalar_t* __restrict__ delta,
-                          scalar_t* __restrict__ delta_next, int32_t* __restrict__ arg,
-                          bp_t* backpointers, int64_t* path) {
+scalar_t viterbi_sentence(const scalar_t* emit, const PaddedTransitions<scalar_t>& trans,
+                          const scalar_t* start, const scalar_t* end, int64_t n, int64_t T,
+                          scalar_t* __restrict__ delta, scalar_t* __restrict__ delta_next,
+                          int32_t* __restrict__ arg, bp_t* backpointers, int64_t* path) {
   for (int64_t t = 0; t < T; ++t) delta[t] = start[t] + emit[t];
   for (int64_t i = 1; i < n; ++i) {
-    bp_t* bp = backpointers + i * T;
-    // Over predecessors s outside, tags t inside: the T running maxima are independent lanes
-    // that vectorise (a max over s inside would be one serial chain per t).
-    for (int64_t t = 0; t < T; ++t) {
-      delta_next[t] = delta[0] + trans[t];
-      arg[t] = 0;
-    }
-    for (int32_t s = 1; s < T; ++s) {
-      const scalar_t d = delta[s];
-      const scalar_t* row = trans + s * T;
-      for (int64_t t = 0; t < T; ++t) {
-        const scalar_t cand = d + row[t];
-        const int32_t better = cand > delta_next[t];  // strict: the smaller predecessor wins a tie
-        delta_next[t] = cand > delta_next[t] ? cand : delta_next[t];
-        arg[t] += better * (s - arg[t]);
-      }
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      delta_next[t] += emit[i * T + t];
-      bp[t] = static_cast<bp_t>(arg[t]);
-    }
+    max_plus_step(delta, trans, emit + i * T, delta_next, arg, backpointers + i * T);
     std::swap(delta, delta_next);
   }
   scalar_t best = delta[0] + end[0];
@@ -229,6 +319,7 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
     scalar_t* score = scores.data_ptr<scalar_t>();
     dispatch_backpointer_type(T, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
+      const PaddedTransitions<scalar_t> padded_trans(trans, T);
       at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
         std::vector<scalar_t> delta(2 * T);
         std::vector<int32_t> arg(T);
@@ -241,7 +332,7 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
             continue;
           }
           score[b] = n == 0 ? scalar_t(0)  // the empty sequence
-                            : viterbi_sentence(emit_b, trans, st, en, n, T, delta.data(),
+                            : viterbi_sentence(emit_b, padded_trans, st, en, n, T, delta.data(),
                                                delta.data() + T, arg.data(), backpointers.data(),
                                                path + b * L);
         }
