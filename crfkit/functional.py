@@ -78,7 +78,7 @@ def _prepare(emissions, transitions, lengths, start, end):
 
     def parameter(name, x, shape):
         if x is None:
-            return emissions.new_zeros(shape, dtype=compute_dtype)
+            return _zeros(shape, compute_dtype, device)
         _check_tensor(name, x, len(shape), "(" + ", ".join(map(str, shape)) + ")")
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} for num_tags = {T}, got {tuple(x.shape)}")
@@ -89,7 +89,7 @@ def _prepare(emissions, transitions, lengths, start, end):
             )
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but emissions is on {device}; put them on one device")
-        return x.to(compute_dtype).contiguous()
+        return _as_compute(x, compute_dtype)
 
     if transitions is None:
         raise TypeError("transitions is required: a (num_tags, num_tags) tensor")
@@ -97,7 +97,30 @@ def _prepare(emissions, transitions, lengths, start, end):
     start = parameter("start", start, (T,))
     end = parameter("end", end, (T,))
     lengths = _prepare_lengths(lengths, B, L, device)
-    return emissions.to(compute_dtype).contiguous(), transitions, lengths, start, end
+    return _as_compute(emissions, compute_dtype), transitions, lengths, start, end
+
+
+# The checks above run on every call; at small sizes (B = 1, short sentences) they cost more
+# than the kernels, so the no-op conversions are skipped and the default start / end zeros are
+# made once per (num_tags, dtype, device). They are never written to or returned.
+_ZEROS: dict = {}
+
+
+def _zeros(shape, dtype, device) -> Tensor:
+    if _is_compiling():
+        return torch.zeros(shape, dtype=dtype, device=device)
+    key = (shape, dtype, device)
+    if key not in _ZEROS:
+        if len(_ZEROS) > 64:
+            _ZEROS.clear()
+        _ZEROS[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return _ZEROS[key]
+
+
+def _as_compute(x: Tensor, dtype) -> Tensor:
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _prepare_lengths(lengths, B: int, L: int, device) -> Tensor:
@@ -111,10 +134,11 @@ def _prepare_lengths(lengths, B: int, L: int, device) -> Tensor:
     if lengths.device != device:
         raise ValueError(f"lengths is on {lengths.device} but emissions is on {device}; put them on one device")
     if not _is_compiling() and B > 0:  # data-dependent: the kernels check again while compiled
-        low, high = int(lengths.min()), int(lengths.max())
+        low, high = torch.aminmax(lengths)
+        low, high = int(low), int(high)
         if low < 0 or high > L:
             raise ValueError(f"lengths must lie in [0, seq_len = {L}], got values in [{low}, {high}]")
-    return lengths.to(torch.long).contiguous()
+    return _as_compute(lengths, torch.long)
 
 
 def log_partition(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
