@@ -185,9 +185,9 @@ def test_kbest_with_k1_matches_the_reference(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("T", [1, 8, 9, 16, 17, 64, 65, 130])  # around whole SIMD vectors of tags
-def test_viterbi_with_ties_equals_the_reference_exactly(backend, dtype, T):
-    # Integer scores make many exact ties; the kernels' in-register max-plus step (T up to 8
-    # vectors) and its generic fallback must pick the same paths, scores bit for bit.
+def test_decoders_with_ties_equal_the_reference_exactly(backend, dtype, T):
+    # Integer scores make many exact ties; the kernels' in-register argmax over predecessors
+    # (T up to 8 vectors) and its generic fallback must pick the same paths, scores bit for bit.
     gen = torch.Generator().manual_seed(T)
     em = torch.randint(-3, 4, (5, 20, T), generator=gen).to(dtype)
     tr = torch.randint(-3, 4, (T, T), generator=gen).to(dtype)
@@ -198,3 +198,8 @@ def test_viterbi_with_ties_equals_the_reference_exactly(backend, dtype, T):
         want_paths, want_scores = crfkit.viterbi(em, tr, ln)
     assert torch.equal(paths, want_paths)
     assert torch.equal(scores, want_scores)
+    best = crfkit.kbest_viterbi(em[:, :6], tr, 5, ln.clamp(max=6))
+    with crfkit.use_backend("reference"):
+        want = crfkit.kbest_viterbi(em[:, :6], tr, 5, ln.clamp(max=6))
+    assert torch.equal(best.paths, want.paths)
+    assert torch.equal(best.scores, want.scores)

@@ -63,14 +63,16 @@ struct PaddedTransitions {
   }
 };
 
-// One Viterbi step, position i-1 -> i, for T <= kVectors lanes-vectors of tags:
-//     delta_next[t] = max_s (delta[s] + trans[s, t]) + emit[t],  bp[t] = its argmax s.
-// Predecessors s outside, tags t inside, the running maxima and argmaxes kept in registers for
-// the whole loop over s (a loop over memory would store and reload them for every s). The
-// comparison is strict, so the smaller predecessor wins a tie, as in the generic step.
-template <typename scalar_t, typename bp_t, int kVectors>
-void max_plus_step_in_registers(const scalar_t* delta, const PaddedTransitions<scalar_t>& trans,
-                                const scalar_t* emit, scalar_t* delta_next, bp_t* bp) {
+// The max over predecessors that Viterbi and k-best both do, for all tags at once:
+//     best[t] = max_s (offsets[s] + rows[s * stride + t])   (no offsets: max_s rows[s * stride + t])
+//     arg[t]  = the first s that reaches it (strict comparison: the smaller predecessor wins a tie)
+// for t < stride; rows are padded with -inf. Predecessors s outside, tags t inside (independent
+// lanes). For T up to 8 lane vectors the running maxima and argmaxes stay in registers for the
+// whole loop over s (a loop over memory stores and reloads them for every s).
+template <typename scalar_t, bool kOffsets, int kVectors>
+void column_argmax_in_registers(const scalar_t* offsets, const scalar_t* rows, int64_t stride,
+                                int64_t T, scalar_t* best_out,
+                                typename LaneTypes<scalar_t>::Index* arg_out) {
   using Lanes = LaneTypes<scalar_t>;
   using Vector = typename Lanes::Vector;
   using Mask = typename Lanes::Mask;
@@ -83,66 +85,51 @@ void max_plus_step_in_registers(const scalar_t* delta, const PaddedTransitions<s
   Vector best[kVectors];
   Mask arg[kVectors];
   for (int v = 0; v < kVectors; ++v) {
-    best[v] = delta[0] + load(&trans.rows[v * n]);
+    best[v] = load(rows + v * n);
+    if constexpr (kOffsets) best[v] = offsets[0] + best[v];
     arg[v] = Mask{};
   }
-  for (int64_t s = 1; s < trans.T; ++s) {
-    const scalar_t d = delta[s];
-    const scalar_t* row = &trans.rows[s * trans.stride];
+  for (int64_t s = 1; s < T; ++s) {
+    const scalar_t* row = rows + s * stride;
     const Mask s_lanes = Mask{} + static_cast<typename Lanes::Index>(s);
     for (int v = 0; v < kVectors; ++v) {
-      const Vector cand = d + load(row + v * n);
+      Vector cand = load(row + v * n);
+      if constexpr (kOffsets) cand = offsets[s] + cand;
       const Mask better = cand > best[v];
       best[v] = better ? cand : best[v];
       arg[v] = better ? s_lanes : arg[v];
     }
   }
-  scalar_t best_out[kVectors * n];
-  typename Lanes::Index arg_out[kVectors * n];
   std::memcpy(best_out, best, sizeof best);
   std::memcpy(arg_out, arg, sizeof arg);
-  for (int64_t t = 0; t < trans.T; ++t) {
-    delta_next[t] = best_out[t] + emit[t];
-    bp[t] = static_cast<bp_t>(arg_out[t]);
-  }
 }
 
-// The same step for any T, the maxima in memory.
-template <typename scalar_t, typename bp_t>
-void max_plus_step(const scalar_t* delta, const PaddedTransitions<scalar_t>& trans,
-                   const scalar_t* emit, scalar_t* __restrict__ delta_next,
-                   int32_t* __restrict__ arg, bp_t* bp) {
-  const int64_t T = trans.T;
-  switch (trans.stride / LaneTypes<scalar_t>::kLanes) {
-    case 1: return max_plus_step_in_registers<scalar_t, bp_t, 1>(delta, trans, emit, delta_next, bp);
-    case 2: return max_plus_step_in_registers<scalar_t, bp_t, 2>(delta, trans, emit, delta_next, bp);
-    case 3: return max_plus_step_in_registers<scalar_t, bp_t, 3>(delta, trans, emit, delta_next, bp);
-    case 4: return max_plus_step_in_registers<scalar_t, bp_t, 4>(delta, trans, emit, delta_next, bp);
-    case 5: return max_plus_step_in_registers<scalar_t, bp_t, 5>(delta, trans, emit, delta_next, bp);
-    case 6: return max_plus_step_in_registers<scalar_t, bp_t, 6>(delta, trans, emit, delta_next, bp);
-    case 7: return max_plus_step_in_registers<scalar_t, bp_t, 7>(delta, trans, emit, delta_next, bp);
-    case 8: return max_plus_step_in_registers<scalar_t, bp_t, 8>(delta, trans, emit, delta_next, bp);
-    default: break;
+template <typename scalar_t, bool kOffsets>
+void column_argmax(const scalar_t* offsets, const scalar_t* rows, int64_t stride, int64_t T,
+                   scalar_t* __restrict__ best, typename LaneTypes<scalar_t>::Index* __restrict__ arg) {
+  switch (stride / LaneTypes<scalar_t>::kLanes) {
+#define CRFKIT_COLUMN_ARGMAX_CASE(V) \
+  case V: return column_argmax_in_registers<scalar_t, kOffsets, V>(offsets, rows, stride, T, best, arg);
+    CRFKIT_COLUMN_ARGMAX_CASE(1) CRFKIT_COLUMN_ARGMAX_CASE(2) CRFKIT_COLUMN_ARGMAX_CASE(3)
+    CRFKIT_COLUMN_ARGMAX_CASE(4) CRFKIT_COLUMN_ARGMAX_CASE(5) CRFKIT_COLUMN_ARGMAX_CASE(6)
+    CRFKIT_COLUMN_ARGMAX_CASE(7) CRFKIT_COLUMN_ARGMAX_CASE(8)
+#undef CRFKIT_COLUMN_ARGMAX_CASE
+    default: break;  // more tags than registers: the same loop over memory
   }
-  // Over predecessors s outside, tags t inside: the T running maxima are independent lanes
-  // that vectorise (a max over s inside would be one serial chain per t).
-  for (int64_t t = 0; t < T; ++t) {
-    delta_next[t] = delta[0] + trans.rows[t];
+  for (int64_t t = 0; t < stride; ++t) {
+    best[t] = rows[t];
+    if constexpr (kOffsets) best[t] = offsets[0] + best[t];
     arg[t] = 0;
   }
-  for (int32_t s = 1; s < T; ++s) {
-    const scalar_t d = delta[s];
-    const scalar_t* row = &trans.rows[s * trans.stride];
-    for (int64_t t = 0; t < T; ++t) {
-      const scalar_t cand = d + row[t];
-      const int32_t better = cand > delta_next[t];  // strict: the smaller predecessor wins a tie
-      delta_next[t] = cand > delta_next[t] ? cand : delta_next[t];
-      arg[t] += better * (s - arg[t]);
+  for (int64_t s = 1; s < T; ++s) {
+    const scalar_t* row = rows + s * stride;
+    for (int64_t t = 0; t < stride; ++t) {
+      scalar_t cand = row[t];
+      if constexpr (kOffsets) cand = offsets[s] + cand;
+      const bool better = cand > best[t];
+      best[t] = better ? cand : best[t];
+      arg[t] = better ? s : arg[t];
     }
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    delta_next[t] += emit[t];
-    bp[t] = static_cast<bp_t>(arg[t]);
   }
 }
 
@@ -150,12 +137,18 @@ void max_plus_step(const scalar_t* delta, const PaddedTransitions<scalar_t>& tra
 template <typename scalar_t, typename bp_t>
 scalar_t viterbi_sentence(const scalar_t* emit, const PaddedTransitions<scalar_t>& trans,
                           const scalar_t* start, const scalar_t* end, int64_t n, int64_t T,
-                          scalar_t* __restrict__ delta, scalar_t* __restrict__ delta_next,
-                          int32_t* __restrict__ arg, bp_t* backpointers, int64_t* path) {
+                          scalar_t* __restrict__ delta, scalar_t* __restrict__ step_max,
+                          typename LaneTypes<scalar_t>::Index* __restrict__ arg,
+                          bp_t* backpointers, int64_t* path) {
   for (int64_t t = 0; t < T; ++t) delta[t] = start[t] + emit[t];
   for (int64_t i = 1; i < n; ++i) {
-    max_plus_step(delta, trans, emit + i * T, delta_next, arg, backpointers + i * T);
-    std::swap(delta, delta_next);
+    // delta_i[t] = max_s (delta_{i-1}[s] + trans[s, t]) + emit_i[t]
+    column_argmax<scalar_t, true>(delta, trans.rows.data(), trans.stride, T, step_max, arg);
+    bp_t* bp = backpointers + i * T;
+    for (int64_t t = 0; t < T; ++t) {
+      delta[t] = step_max[t] + emit[i * T + t];
+      bp[t] = static_cast<bp_t>(arg[t]);
+    }
   }
   scalar_t best = delta[0] + end[0];
   int64_t tag = 0;
@@ -207,45 +200,34 @@ void merge_top_k(const scalar_t* lists, const scalar_t* offsets, int64_t offset_
 
 // One k-best step, position i-1 -> i: for every tag t, the K best of lists[s][r] + trans[s, t]
 // over all predecessors s and ranks r, plus emit[t]. These are T merges of the same T sorted
-// lists, run side by side: the inner loops go across t (independent lanes the compiler
-// vectorises) instead of along one serial argmax chain per t.
-// Scratch: head_values [s][t] (next candidate of list s for tag t), heads [s][t], best, best_s (T).
+// lists, run side by side: a round is one column_argmax over the lists' current heads (all
+// tags at once, in lanes) instead of one serial argmax chain per t.
+// Scratch: head_values [s][t] (next candidate of list s for tag t; T x stride, its padding
+// -inf), heads [s][t] (T x T), best and best_s (stride).
 template <typename scalar_t, typename bp_t>
-void kbest_step(const scalar_t* __restrict__ lists, const scalar_t* __restrict__ trans,
-                const scalar_t* __restrict__ emit, int64_t T, int64_t K,
-                scalar_t* __restrict__ next, bp_t* __restrict__ backpointers,
-                scalar_t* __restrict__ head_values, int32_t* __restrict__ heads,
-                scalar_t* __restrict__ best, int32_t* __restrict__ best_s) {
+void kbest_step(const scalar_t* __restrict__ lists, const PaddedTransitions<scalar_t>& trans,
+                const scalar_t* __restrict__ emit, int64_t K, scalar_t* __restrict__ next,
+                bp_t* __restrict__ backpointers, scalar_t* __restrict__ head_values,
+                int32_t* __restrict__ heads, scalar_t* __restrict__ best,
+                typename LaneTypes<scalar_t>::Index* __restrict__ best_s) {
+  const int64_t T = trans.T, stride = trans.stride;
   for (int64_t s = 0; s < T; ++s) {
+    const scalar_t* trans_row = &trans.rows[s * stride];
     for (int64_t t = 0; t < T; ++t) {
-      head_values[s * T + t] = lists[s * K] + trans[s * T + t];
+      head_values[s * stride + t] = lists[s * K] + trans_row[t];
       heads[s * T + t] = 0;
     }
   }
   for (int64_t r = 0; r < K; ++r) {
-    for (int64_t t = 0; t < T; ++t) {
-      best[t] = head_values[t];
-      best_s[t] = 0;
-    }
-    for (int32_t s = 1; s < T; ++s) {
-      const scalar_t* __restrict__ row = head_values + s * T;
-      for (int64_t t = 0; t < T; ++t) {
-        // Branch-free select (strict >: the smaller predecessor wins a tie), written as
-        // arithmetic on a 0/1 mask so that the compiler vectorises it.
-        const scalar_t b = best[t], v = row[t];
-        const int32_t better = v > b;
-        best[t] = v > b ? v : b;
-        best_s[t] += better * (s - best_s[t]);
-      }
-    }
+    column_argmax<scalar_t, false>(nullptr, head_values, stride, T, best, best_s);
     for (int64_t t = 0; t < T; ++t) {
       next[t * K + r] = best[t] + emit[t];
       if (best[t] == neg_inf<scalar_t>()) continue;  // no sequence left for this slot
       const int64_t s = best_s[t];
       const int64_t rank = heads[s * T + t]++;
       backpointers[t * K + r] = static_cast<bp_t>(s * K + rank);
-      head_values[s * T + t] =
-          rank + 1 < K ? lists[s * K + rank + 1] + trans[s * T + t] : neg_inf<scalar_t>();
+      head_values[s * stride + t] =
+          rank + 1 < K ? lists[s * K + rank + 1] + trans.rows[s * stride + t] : neg_inf<scalar_t>();
     }
   }
 }
@@ -256,17 +238,18 @@ void kbest_step(const scalar_t* __restrict__ lists, const scalar_t* __restrict__
 template <typename scalar_t, typename bp_t>
 struct KBestWork {
   std::vector<scalar_t> lists, lists_next, head_values, best, final_values;
-  std::vector<int32_t> heads, best_s;
+  std::vector<int32_t> heads;
+  std::vector<typename LaneTypes<scalar_t>::Index> best_s;
   std::vector<int64_t> final_heads;
   std::vector<bp_t> backpointers, final_codes;
-  KBestWork(int64_t L, int64_t T, int64_t K)
-      : lists(T * K), lists_next(T * K), head_values(T * T), best(T), final_values(K),
-        heads(T * T), best_s(T), final_heads(T), backpointers(std::max<int64_t>(L, 1) * T * K),
-        final_codes(K) {}
+  KBestWork(int64_t L, int64_t T, int64_t stride, int64_t K)
+      : lists(T * K), lists_next(T * K), head_values(T * stride, neg_inf<scalar_t>()),
+        best(stride), final_values(K), heads(T * T), best_s(stride), final_heads(T),
+        backpointers(std::max<int64_t>(L, 1) * T * K), final_codes(K) {}
 };
 
 template <typename scalar_t, typename bp_t>
-void kbest_sentence(const scalar_t* emit, const scalar_t* trans, const scalar_t* start,
+void kbest_sentence(const scalar_t* emit, const PaddedTransitions<scalar_t>& trans, const scalar_t* start,
                     const scalar_t* end, int64_t n, int64_t T, int64_t K, int64_t L,
                     KBestWork<scalar_t, bp_t>& w, int64_t* paths, scalar_t* scores) {
   scalar_t* lists = w.lists.data();
@@ -277,7 +260,7 @@ void kbest_sentence(const scalar_t* emit, const scalar_t* trans, const scalar_t*
     std::fill(lists + t * K + 1, lists + (t + 1) * K, neg_inf<scalar_t>());
   }
   for (int64_t i = 1; i < n; ++i) {
-    kbest_step(lists, trans, emit + i * T, T, K, lists_next, w.backpointers.data() + i * T * K,
+    kbest_step(lists, trans, emit + i * T, K, lists_next, w.backpointers.data() + i * T * K,
                w.head_values.data(), w.heads.data(), w.best.data(), w.best_s.data());
     std::swap(lists, lists_next);
   }
@@ -321,8 +304,8 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
       using bp_t = decltype(bp_tag);
       const PaddedTransitions<scalar_t> padded_trans(trans, T);
       at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
-        std::vector<scalar_t> delta(2 * T);
-        std::vector<int32_t> arg(T);
+        std::vector<scalar_t> delta(T), step_max(padded_trans.stride);
+        std::vector<typename LaneTypes<scalar_t>::Index> arg(padded_trans.stride);
         std::vector<bp_t> backpointers(std::max<int64_t>(L, 1) * T);
         for (int64_t b = b_begin; b < b_end; ++b) {
           const int64_t n = len[b];
@@ -333,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
           }
           score[b] = n == 0 ? scalar_t(0)  // the empty sequence
                             : viterbi_sentence(emit_b, padded_trans, st, en, n, T, delta.data(),
-                                               delta.data() + T, arg.data(), backpointers.data(),
+                                               step_max.data(), arg.data(), backpointers.data(),
                                                path + b * L);
         }
       });
@@ -379,8 +362,9 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
     scalar_t* score = scores.data_ptr<scalar_t>();
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
+      const PaddedTransitions<scalar_t> padded_trans(trans, T);
       at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
-        KBestWork<scalar_t, bp_t> work(L, T, K);
+        KBestWork<scalar_t, bp_t> work(L, T, padded_trans.stride, K);
         for (int64_t b = b_begin; b < b_end; ++b) {
           const int64_t n = len[b];
           const scalar_t* emit_b = emit + b * L * T;
@@ -392,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
             score[b * k] = 0;
             continue;
           }
-          kbest_sentence(emit_b, trans, st, en, n, T, K, L, work, path + b * k * L, score + b * k);
+          kbest_sentence(emit_b, padded_trans, st, en, n, T, K, L, work, path + b * k * L, score + b * k);
         }
       });
     });
