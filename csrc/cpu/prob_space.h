@@ -129,6 +129,17 @@ inline double dot_padded(const double* x, const double* y, int64_t stride) {
   return horizontal_sum(s);
 }
 
+// out = x * y elementwise over padded nonnegative vectors; returns max(out) (0 if all are 0).
+inline double multiply_padded(const double* x, const double* y, int64_t stride, double* out) {
+  LaneVector m = {};
+  for (int64_t j = 0; j < stride; j += kLanes) {
+    const LaneVector p = load_lanes(x + j) * load_lanes(y + j);
+    store_lanes(out + j, p);
+    m = lane_max(m, p);
+  }
+  return horizontal_max(m);
+}
+
 // Scores x (T values, any dtype) as doubles padded with -inf, so that their exponentials are
 // zero in the padding.
 template <typename scalar_t>
@@ -240,13 +251,7 @@ bool prob_forward(const scalar_t* emit, const scalar_t* start, const ProbTables&
     }
     if (!exp_padded(scores, emit_max, stride, w)) return false;
     matvec(tab.by_row.data(), stride, a_prev, T, d);  // d[t] = sum_s a_prev[s] E[s, t]
-    LaneVector m_lanes = zero;
-    for (int64_t j = 0; j < stride; j += kLanes) {
-      const LaneVector a_j = load_lanes(d + j) * load_lanes(w + j);
-      store_lanes(a + j, a_j);
-      m_lanes = lane_max(m_lanes, a_j);
-    }
-    const double m = horizontal_max(m_lanes);
+    const double m = multiply_padded(d, w, stride, a);
     if (m == 0) {  // no state reachable (underflow is excluded by the checks): log Z = -inf
       *log_z = neg_inf;
       return true;
@@ -310,13 +315,7 @@ bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const
     }
 
     const double* w = w_rows + i * stride;
-    LaneVector gw_lanes_max = zero;
-    for (int64_t j = 0; j < stride; j += kLanes) {
-      const LaneVector gw_j = load_lanes(w + j) * load_lanes(b + j);
-      store_lanes(gw + j, gw_j);
-      gw_lanes_max = lane_max(gw_lanes_max, gw_j);
-    }
-    const double gw_max = horizontal_max(gw_lanes_max);
+    const double gw_max = multiply_padded(w, b, stride, gw);
     if (!(gw_max > 0)) return false;
     for (int64_t j = 0; j < stride; j += kLanes) store_lanes(gw + j, load_lanes(gw + j) / gw_max);
     matvec(tab.by_col.data(), stride, gw, T, b_prev);  // b_prev[s] = sum_t E[s, t] gw[t]
