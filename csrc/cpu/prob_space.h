@@ -21,11 +21,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "fast_exp.h"
+#include "lanes.h"
 
 namespace crfkit {
 namespace cpu {
@@ -53,8 +53,8 @@ inline double exp_shifted(const scalar_t* x, int64_t n, double* __restrict__ out
 
 // Tag vectors in the fast path are handled kLanes doubles at a time (one 512-bit vector, or two
 // 256-bit ones where AVX-512 is missing); tables are padded to a multiple of it with zeros.
-constexpr int64_t kLanes = 8;
-inline int64_t padded_tags(int64_t T) { return (T + kLanes - 1) / kLanes * kLanes; }
+constexpr int64_t kLanes = Lanes<double>::kCount;
+inline int64_t padded_tags(int64_t T) { return padded_to_lanes<double>(T); }
 
 // Per call: transitions and end scores exponentiated once.
 struct ProbTables {
@@ -87,18 +87,10 @@ struct ProbTables {
 // ---- Tag vectors in lanes ------------------------------------------------------------------
 // Every per-position vector of the fast path (alpha, beta, exponentiated emissions, their
 // products) is stored padded to `stride` doubles, with zeros in the padding, so that the loops
-// below run over whole LaneVectors and need no tail. GCC / Clang vector extensions: one
-// AVX-512 register per LaneVector where the CPU has it, two AVX2 (or four SSE / NEON) ones
-// otherwise.
-using LaneVector = double __attribute__((vector_size(kLanes * sizeof(double))));
-using LaneMask = int64_t __attribute__((vector_size(kLanes * sizeof(int64_t))));
+// below run over whole LaneVectors and need no tail (lanes.h).
+using LaneVector = Lanes<double>::Vector;
+using LaneMask = Lanes<double>::Mask;
 
-inline LaneVector load_lanes(const double* p) {
-  LaneVector v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store_lanes(double* p, LaneVector v) { std::memcpy(p, &v, sizeof v); }
 inline LaneVector lane_max(LaneVector a, LaneVector b) { return a > b ? a : b; }
 inline bool any_lane(LaneMask m) {
   int64_t r = 0;

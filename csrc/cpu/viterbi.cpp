@@ -15,49 +15,25 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
+#include "../backpointers.h"
 #include "../checks.h"
+#include "lanes.h"
 #include "log_space.h"
 
 namespace crfkit {
 namespace cpu {
 namespace {
 
-// Backpointers are stored in the smallest unsigned type that holds every code
-// (code = predecessor tag * K + predecessor rank < T * K).
-template <typename F>
-void dispatch_backpointer_type(int64_t num_codes, F&& f) {
-  if (num_codes <= 256) {
-    f(uint8_t{});
-  } else if (num_codes <= 65536) {
-    f(uint16_t{});
-  } else {
-    f(uint32_t{});
-  }
-}
-
 // The transitions with each row padded to whole lane vectors (-inf in the padding, so padded
-// lanes never win a max), for the in-register max-plus step below.
-template <typename scalar_t>
-struct LaneTypes {
-  static constexpr int kBytes = 64;  // one AVX-512 register (two AVX2 ones)
-  static constexpr int64_t kLanes = kBytes / sizeof(scalar_t);
-  typedef scalar_t Vector __attribute__((vector_size(kBytes)));
-  using Index = std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t>;
-  typedef Index Mask __attribute__((vector_size(kBytes)));  // also the lanes' argmax
-};
-
+// lanes never win a max), for the in-register column argmax below.
 template <typename scalar_t>
 struct PaddedTransitions {
   int64_t T, stride;
   std::vector<scalar_t> rows;  // [s][t], T x stride
   PaddedTransitions(const scalar_t* trans, int64_t num_tags)
-      : T(num_tags),
-        stride((num_tags + LaneTypes<scalar_t>::kLanes - 1) / LaneTypes<scalar_t>::kLanes *
-               LaneTypes<scalar_t>::kLanes),
+      : T(num_tags), stride(padded_to_lanes<scalar_t>(num_tags)),
         rows(num_tags * stride, neg_inf<scalar_t>()) {
     for (int64_t s = 0; s < T; ++s) std::copy(trans + s * T, trans + (s + 1) * T, &rows[s * stride]);
   }
@@ -72,28 +48,22 @@ struct PaddedTransitions {
 template <typename scalar_t, bool kOffsets, int kVectors>
 void column_argmax_in_registers(const scalar_t* offsets, const scalar_t* rows, int64_t stride,
                                 int64_t T, scalar_t* best_out,
-                                typename LaneTypes<scalar_t>::Index* arg_out) {
-  using Lanes = LaneTypes<scalar_t>;
-  using Vector = typename Lanes::Vector;
-  using Mask = typename Lanes::Mask;
-  constexpr int64_t n = Lanes::kLanes;
-  auto load = [](const scalar_t* p) {
-    Vector v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  };
+                                typename Lanes<scalar_t>::Index* arg_out) {
+  using Vector = typename Lanes<scalar_t>::Vector;
+  using Mask = typename Lanes<scalar_t>::Mask;
+  constexpr int64_t n = Lanes<scalar_t>::kCount;
   Vector best[kVectors];
   Mask arg[kVectors];
   for (int v = 0; v < kVectors; ++v) {
-    best[v] = load(rows + v * n);
+    best[v] = load_lanes(rows + v * n);
     if constexpr (kOffsets) best[v] = offsets[0] + best[v];
     arg[v] = Mask{};
   }
   for (int64_t s = 1; s < T; ++s) {
     const scalar_t* row = rows + s * stride;
-    const Mask s_lanes = Mask{} + static_cast<typename Lanes::Index>(s);
+    const Mask s_lanes = Mask{} + static_cast<typename Lanes<scalar_t>::Index>(s);
     for (int v = 0; v < kVectors; ++v) {
-      Vector cand = load(row + v * n);
+      Vector cand = load_lanes(row + v * n);
       if constexpr (kOffsets) cand = offsets[s] + cand;
       const Mask better = cand > best[v];
       best[v] = better ? cand : best[v];
@@ -106,8 +76,8 @@ void column_argmax_in_registers(const scalar_t* offsets, const scalar_t* rows, i
 
 template <typename scalar_t, bool kOffsets>
 void column_argmax(const scalar_t* offsets, const scalar_t* rows, int64_t stride, int64_t T,
-                   scalar_t* __restrict__ best, typename LaneTypes<scalar_t>::Index* __restrict__ arg) {
-  switch (stride / LaneTypes<scalar_t>::kLanes) {
+                   scalar_t* __restrict__ best, typename Lanes<scalar_t>::Index* __restrict__ arg) {
+  switch (stride / Lanes<scalar_t>::kCount) {
 #define CRFKIT_COLUMN_ARGMAX_CASE(V) \
   case V: return column_argmax_in_registers<scalar_t, kOffsets, V>(offsets, rows, stride, T, best, arg);
     CRFKIT_COLUMN_ARGMAX_CASE(1) CRFKIT_COLUMN_ARGMAX_CASE(2) CRFKIT_COLUMN_ARGMAX_CASE(3)
@@ -138,7 +108,7 @@ template <typename scalar_t, typename bp_t>
 scalar_t viterbi_sentence(const scalar_t* emit, const PaddedTransitions<scalar_t>& trans,
                           const scalar_t* start, const scalar_t* end, int64_t n, int64_t T,
                           scalar_t* __restrict__ delta, scalar_t* __restrict__ step_max,
-                          typename LaneTypes<scalar_t>::Index* __restrict__ arg,
+                          typename Lanes<scalar_t>::Index* __restrict__ arg,
                           bp_t* backpointers, int64_t* path) {
   for (int64_t t = 0; t < T; ++t) delta[t] = start[t] + emit[t];
   for (int64_t i = 1; i < n; ++i) {
@@ -209,7 +179,7 @@ void kbest_step(const scalar_t* __restrict__ lists, const PaddedTransitions<scal
                 const scalar_t* __restrict__ emit, int64_t K, scalar_t* __restrict__ next,
                 bp_t* __restrict__ backpointers, scalar_t* __restrict__ head_values,
                 int32_t* __restrict__ heads, scalar_t* __restrict__ best,
-                typename LaneTypes<scalar_t>::Index* __restrict__ best_s) {
+                typename Lanes<scalar_t>::Index* __restrict__ best_s) {
   const int64_t T = trans.T, stride = trans.stride;
   for (int64_t s = 0; s < T; ++s) {
     const scalar_t* trans_row = &trans.rows[s * stride];
@@ -239,7 +209,7 @@ template <typename scalar_t, typename bp_t>
 struct KBestWork {
   std::vector<scalar_t> lists, lists_next, head_values, best, final_values;
   std::vector<int32_t> heads;
-  std::vector<typename LaneTypes<scalar_t>::Index> best_s;
+  std::vector<typename Lanes<scalar_t>::Index> best_s;
   std::vector<int64_t> final_heads;
   std::vector<bp_t> backpointers, final_codes;
   KBestWork(int64_t L, int64_t T, int64_t stride, int64_t K)
@@ -305,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
       const PaddedTransitions<scalar_t> padded_trans(trans, T);
       at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
         std::vector<scalar_t> delta(T), step_max(padded_trans.stride);
-        std::vector<typename LaneTypes<scalar_t>::Index> arg(padded_trans.stride);
+        std::vector<typename Lanes<scalar_t>::Index> arg(padded_trans.stride);
         std::vector<bp_t> backpointers(std::max<int64_t>(L, 1) * T);
         for (int64_t b = b_begin; b < b_end; ++b) {
           const int64_t n = len[b];

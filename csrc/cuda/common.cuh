@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../backpointers.h"
 #include "../checks.h"
 
 namespace crfkit {
@@ -262,19 +263,6 @@ int64_t persistent_blocks(Kernel kernel, const SharedPlan& plan, int64_t num_sen
   const int64_t resident = std::max<int64_t>(1, (int64_t)per_multiprocessor * multiprocessors);
   const int64_t needed = (num_sentences + plan.groups_per_block - 1) / plan.groups_per_block;
   return std::max<int64_t>(1, std::min({needed, resident, max_blocks}));
-}
-
-// Backpointers in the smallest unsigned type that holds every code (code < num_codes), as in
-// the CPU kernels.
-template <typename F>
-void dispatch_backpointer_type(int64_t num_codes, F&& f) {
-  if (num_codes <= 256) {
-    f(uint8_t{});
-  } else if (num_codes <= 65536) {
-    f(uint16_t{});
-  } else {
-    f(uint32_t{});
-  }
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }

@@ -63,7 +63,8 @@ def prepare(build_dir: Path) -> list:
     """Write the rewritten sources; returns the .cpp files to compile."""
     src = build_dir / "src"
     (src / "csrc" / "cuda").mkdir(parents=True, exist_ok=True)
-    _write_if_changed(src / "csrc" / "checks.h", (ROOT / "csrc" / "checks.h").read_text())
+    for shared in ("checks.h", "backpointers.h"):  # the csrc/ headers the CUDA sources include
+        _write_if_changed(src / "csrc" / shared, (ROOT / "csrc" / shared).read_text())
     sources, written = [], set()
     for path in sorted((ROOT / "csrc" / "cuda").iterdir()):
         if path.suffix not in (".cu", ".cuh"):

@@ -1,0 +1,44 @@
+// Fixed-width SIMD vectors for the CPU kernels, as GCC / Clang vector extensions: 64 bytes, one
+// AVX-512 register where the CPU has it, two AVX2 (or four SSE / NEON) ones otherwise, so the
+// code needs no intrinsics and still builds for any -march. Per-tag arrays that the kernels
+// walk a vector at a time are padded to a whole number of vectors (padded_to_lanes), so the
+// loops have no scalar tail.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace crfkit {
+namespace cpu {
+
+template <typename scalar_t>
+struct Lanes {
+  static constexpr int kBytes = 64;
+  static constexpr int64_t kCount = kBytes / sizeof(scalar_t);  // 16 floats or 8 doubles
+  typedef scalar_t Vector __attribute__((vector_size(kBytes)));
+  using Index = std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t>;
+  typedef Index Mask __attribute__((vector_size(kBytes)));  // comparison results, lane indices
+};
+
+// n rounded up to a whole number of vectors of scalar_t
+template <typename scalar_t>
+inline int64_t padded_to_lanes(int64_t n) {
+  constexpr int64_t k = Lanes<scalar_t>::kCount;
+  return (n + k - 1) / k * k;
+}
+
+template <typename scalar_t>
+inline typename Lanes<scalar_t>::Vector load_lanes(const scalar_t* p) {
+  typename Lanes<scalar_t>::Vector v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename scalar_t>
+inline void store_lanes(scalar_t* p, typename Lanes<scalar_t>::Vector v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+}  // namespace cpu
+}  // namespace crfkit
