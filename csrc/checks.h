@@ -5,6 +5,9 @@
 // registered ops directly (torch.ops.crfkit.*), so a wrong call raises instead of crashing.
 #pragma once
 
+#include <cstring>
+#include <type_traits>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -58,14 +61,21 @@ inline void check_lengths_cpu(const at::Tensor& lengths, int64_t max_len) {
 
 // Scores may be -inf (forbidden) but never NaN or +inf: +inf makes log Z infinite and
 // every probability NaN, and NaN would silently poison the whole sentence.
+// Tested on the bits (integer compares vectorise; floating-point compares with a NaN operand
+// may trap, so the compiler keeps them scalar): with the sign cleared, NaN is above the bits of
+// +inf; +inf itself is the one positive pattern equal to them.
 template <typename scalar_t>
 inline bool has_nan_or_posinf(const scalar_t* x, int64_t n) {
-  bool bad = false;
+  using bits_t = std::conditional_t<sizeof(scalar_t) == 4, uint32_t, uint64_t>;
+  constexpr bits_t kInf = sizeof(scalar_t) == 4 ? bits_t(0x7f800000u) : bits_t(0x7ff0000000000000ull);
+  constexpr bits_t kMagnitude = ~bits_t(0) >> 1;
+  bits_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const scalar_t v = x[i];
-    bad |= (v != v) || (v == std::numeric_limits<scalar_t>::infinity());
+    bits_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    bad |= static_cast<bits_t>(((u & kMagnitude) > kInf) | (u == kInf));
   }
-  return bad;
+  return bad != 0;
 }
 
 inline void check_parameters_finite_cpu(const at::Tensor& transitions, const at::Tensor& start,

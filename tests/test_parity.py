@@ -112,15 +112,32 @@ def test_opcheck_every_op():
         torch.library.opcheck(op, args)
 
 
+# Saved-state status codes (csrc/cpu/log_partition.cpp, SavedStatus)
+RECOMPUTE, FAST_STATE, NO_GRADIENT, LANE_STATE = 0, 1, 2, 3
+
+
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 @pytest.mark.parametrize("scale", [1.0, 1e4])  # 1e4: the exact log-space path (status "recompute")
-def test_backward_from_saved_state_equals_the_plain_backward(scale):
-    em, tr, ln, s, e = random_crf(6, 9, 5, scale=scale)
+@pytest.mark.parametrize("B", [6, 21])  # 6: one sentence at a time; 21: lane groups of 8 (prob_lanes.h)
+def test_backward_from_saved_state_equals_the_plain_backward(scale, B):
+    em, tr, ln, s, e = random_crf(B, 9, 5, scale=scale)
     tr[1, 2] = -math.inf
     em[2, :3] = -math.inf  # sentence 2: nothing allowed (status "no gradient")
+    if B > 6:
+        em[7] *= 1e4  # a lane that leaves the fast path's range while the others of its group stay
     ops = torch.ops.crfkit
-    grad = torch.randn(6, dtype=torch.float64)
+    grad = torch.randn(B, dtype=torch.float64)
+    grad[4] = 0
     log_z, state, status = ops.log_partition_saving(em, tr, s, e, ln)
+    assert state.shape == (-(-B // 8) * 8, 2, 9, 8)
+    assert status[2] == NO_GRADIENT and status[1] == NO_GRADIENT  # sentence 1 has length 0
+    fast = LANE_STATE if B >= 8 else FAST_STATE
+    if scale == 1.0:
+        expected = ln > 0
+        expected[[2, 7] if B > 6 else [2]] = False
+        assert torch.equal(status == fast, expected)
+    if B > 6:
+        assert status[7] == RECOMPUTE
     assert torch.equal(log_z, ops.log_partition(em, tr, s, e, ln))
     saved = ops.log_partition_backward_saved(grad, em, tr, s, e, ln, state, status)
     plain = ops.log_partition_backward(grad, em, tr, s, e, ln)
@@ -128,6 +145,37 @@ def test_backward_from_saved_state_equals_the_plain_backward(scale):
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="saved forward"):
         ops.log_partition_backward_saved(grad, em, tr, s, e, ln, state.float(), status)
+
+
+@pytest.mark.parametrize("T", [1, 3, 9, 16, 37, 64])
+def test_lane_groups_match_the_reference(backend, T):
+    # B = 21: two full lane groups of 8 and a partial one in the C++ backend, sorted by length,
+    # with lanes that leave the fast path (scores of 1e4), a sentence where every tag is
+    # forbidden at one position (log Z = -inf), lengths 0, 1 and L, a forbidden transition,
+    # and a zero upstream gradient. Every lane must give the reference's values.
+    B, L = 21, 12
+    em, tr, ln, s, e = random_crf(B, L, T, scale=2.0)
+    ln[2], ln[3], ln[5], ln[6] = 1, L, L - 1, L
+    em[5] *= 1e4
+    em[6, 4] = -math.inf
+    tr[0, T - 1] = -math.inf if T > 1 else tr[0, 0]
+    weights = torch.linspace(0.5, 1.5, B, dtype=torch.float64)
+    weights[9] = 0
+
+    def outputs():
+        params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+        log_z = crfkit.log_partition(*params[:2], ln, *params[2:])
+        finite = torch.isfinite(log_z)
+        grads = torch.autograd.grad((log_z[finite] * weights[finite]).sum(), params)
+        return (log_z, crfkit.marginals(em, tr, ln, s, e),
+                crfkit.expected_transition_counts(em, tr, ln, s, e), *grads)
+
+    got = outputs()
+    with crfkit.use_backend("reference"):
+        want = outputs()
+    assert torch.isinf(want[0][6])
+    for name, a, b in zip(("log_z", "marginals", "counts", "d_emissions", "d_transitions", "d_start", "d_end"), got, want):
+        torch.testing.assert_close(a, b, **TOL[torch.float64], msg=name)
 
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")

@@ -62,7 +62,8 @@ def _(grad_log_z, emissions, transitions, start, end, lengths):
     return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
 
 
-# The saved forward state pads the tag axis to whole SIMD vectors (kLanes, csrc/cpu/prob_space.h).
+# The saved forward state pads the tag axis to whole SIMD vectors (kLanes, csrc/cpu/prob_space.h)
+# and the batch axis to whole lane groups (kGroup, csrc/cpu/prob_lanes.h).
 _STATE_LANES = 8
 
 
@@ -70,7 +71,8 @@ _STATE_LANES = 8
 def _(emissions, transitions, start, end, lengths):
     B, L, T = emissions.shape
     stride = -(-T // _STATE_LANES) * _STATE_LANES
-    return (emissions.new_empty(B), emissions.new_empty((B, 2, L, stride), dtype=torch.float64),
+    slots = -(-B // _STATE_LANES) * _STATE_LANES
+    return (emissions.new_empty(B), emissions.new_empty((slots, 2, L, stride), dtype=torch.float64),
             emissions.new_empty(B, dtype=torch.uint8))
 
 

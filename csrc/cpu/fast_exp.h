@@ -14,18 +14,21 @@
 namespace crfkit {
 namespace cpu {
 
-inline double exp_nonpositive(double x) {
+// Real is double (Int = int64_t) or a vector of doubles (Int = the matching int64 vector, for the
+// batch-lane kernels of prob_lanes.h): one body, so that both compute the same bits.
+template <typename Real, typename Int>
+inline Real exp_nonpositive_generic(Real x) {
   constexpr double kLog2e = 1.4426950408889634;
   constexpr double kLn2Hi = 0.6931471803691238;      // ln 2 = kLn2Hi + kLn2Lo, kLn2Hi exact
   constexpr double kLn2Lo = 1.9082149292705877e-10;  // in few bits so that k * kLn2Hi is exact
   constexpr double kShifter = 0x1.8p52;               // adding it rounds to an integer
-  constexpr double kMinArg = -708.0;
-  const double xc = x < kMinArg ? kMinArg : x;
-  const double shifted = xc * kLog2e + kShifter;
-  const double kf = shifted - kShifter;  // round(x / ln 2)
-  const int64_t k = std::bit_cast<int64_t>(shifted) - std::bit_cast<int64_t>(kShifter);
-  const double r = (xc - kf * kLn2Hi) - kf * kLn2Lo;
-  double p = 1.0 / 6227020800.0;  // 1/13!
+  const Real min_arg = Real{} + (-708.0);
+  const Real xc = x < min_arg ? min_arg : x;
+  const Real shifted = xc * kLog2e + kShifter;
+  const Real kf = shifted - kShifter;  // round(x / ln 2)
+  const Int k = std::bit_cast<Int>(shifted) - std::bit_cast<int64_t>(kShifter);
+  const Real r = (xc - kf * kLn2Hi) - kf * kLn2Lo;
+  Real p = Real{} + 1.0 / 6227020800.0;  // 1/13!
   p = p * r + 1.0 / 479001600.0;
   p = p * r + 1.0 / 39916800.0;
   p = p * r + 1.0 / 3628800.0;
@@ -39,9 +42,11 @@ inline double exp_nonpositive(double x) {
   p = p * r + 0.5;
   p = p * r + 1.0;
   p = p * r + 1.0;
-  const double scale = std::bit_cast<double>((k + 1023) << 52);
-  return x < kMinArg ? 0.0 : p * scale;
+  const Real scale = std::bit_cast<Real>((k + 1023) << 52);
+  return x < min_arg ? Real{} : p * scale;
 }
+
+inline double exp_nonpositive(double x) { return exp_nonpositive_generic<double, int64_t>(x); }
 
 }  // namespace cpu
 }  // namespace crfkit

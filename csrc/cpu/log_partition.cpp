@@ -11,6 +11,7 @@
 
 #include "../checks.h"
 #include "log_space.h"
+#include "prob_lanes.h"
 #include "prob_space.h"
 
 namespace crfkit {
@@ -120,17 +121,25 @@ enum SavedStatus : uint8_t {
   kRecompute = 0,   // the fast path left its range: the backward recomputes exactly
   kFastState = 1,   // state[b] holds the scaled forward rows a (n, stride) and w (n, stride)
   kNoGradient = 2,  // length 0, or log Z = -inf: every gradient is 0
+  kLaneState = 3,   // the rows are in its lane group's share of the state (prob_lanes.h)
 };
 
-// Per-sentence forward state of the probability-space path: (B, 2, L, stride) double, where
-// stride = T rounded up to a whole number of lanes (padded_tags; the padding holds zeros).
+// Forward state of the probability-space path: (B rounded up to kGroup, 2, L, stride) double,
+// where stride = T rounded up to a whole number of lanes (padded_tags). Per-sentence scans use
+// slot b: a rows (L, stride) then w rows (L, stride), zero padded. Lane groups (prob_lanes.h)
+// use the kGroup slots of group g together: a rows (L, T, kGroup) then w rows (L, T, kGroup),
+// which fit since stride >= T.
 struct ForwardState {
   double* rows = nullptr;     // nullptr when the op keeps no state
   uint8_t* status = nullptr;  // (B,) SavedStatus
   int64_t L = 0, stride = 0;
   double* a_rows(int64_t b) const { return rows + b * 2 * L * stride; }
   double* w_rows(int64_t b) const { return rows + (b * 2 + 1) * L * stride; }
+  double* group_a_rows(int64_t g) const { return rows + g * kGroup * 2 * L * stride; }
+  double* group_w_rows(int64_t g, int64_t T) const { return group_a_rows(g) + L * T * kGroup; }
 };
+
+inline int64_t state_slots(int64_t B) { return (B + kGroup - 1) / kGroup * kGroup; }
 
 // One driver for the ops: they share the scans, the per-thread buffers, the checks.
 // Each sentence runs the probability-space fast path (prob_space.h) and falls back to the exact
@@ -158,10 +167,76 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   const int64_t rows = keep_rows ? std::max<int64_t>(L, 1) : 2;
   std::vector<char> bad(B, 0);
 
+  // Batch lanes first (prob_lanes.h), where the shape suits them; the sentences they do not
+  // finish (failed lanes, length 0, NaN) go on to the per-sentence loop below. The choice
+  // depends only on (B, T, transitions), so the backward from a saved state makes it again.
+  const bool lanes = tables.usable && use_lanes(B, T);
+  std::vector<char> done(B, 0);
+  if (lanes) {
+    const std::vector<int64_t> order = lane_order(len, B);
+    const int64_t groups = static_cast<int64_t>(order.size()) / kGroup;
+    at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
+      LaneWork work(T, pairwise);
+      const bool own_rows = keep_rows && !(saving || from_state);
+      std::vector<double> own_a(own_rows ? L * T * kGroup : 0), own_w(own_a.size());
+      for (int64_t grp = g_begin; grp < g_end; ++grp) {
+        LaneGroup group(order.data() + grp * kGroup, len);
+        for (int64_t j = 0; j < kGroup; ++j) {
+          const int64_t b = group.sentence[j];
+          if (b < 0) continue;
+          if (emit_out != nullptr) std::fill(emit_out + b * L * T, emit_out + (b + 1) * L * T, scalar_t(0));
+          // NaN / +inf: left to the per-sentence loop, which reports it
+          if (has_nan_or_posinf(emit + b * L * T, len[b] * T)) group.length[j] = 0;
+        }
+        if (saving) std::fill(state.group_a_rows(grp), state.group_a_rows(grp + 1), 0.0);
+        if (group.n_max == 0) continue;  // only empty sentences: the per-sentence loop
+        double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_a.data();
+        double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_w.data();
+        const LaneVector zero = {};
+        LaneMask finished = {};  // forward done (or, from a saved state, valid)
+        if (from_state) {
+          for (int64_t j = 0; j < kGroup; ++j) {
+            const int64_t b = group.sentence[j];
+            finished[j] = b >= 0 && group.length[j] > 0 && state.status[b] == kLaneState;
+          }
+        } else {
+          LaneVector log_z = zero;
+          finished = ~lanes_forward(emit, L, st, tables, group, work, keep_rows ? rows_a : nullptr,
+                                    rows_w, log_z) &
+                     (zero < group.length);
+          for (int64_t j = 0; j < kGroup; ++j) {
+            if (!finished[j]) continue;
+            const int64_t b = group.sentence[j];
+            if (writes_log_z) {
+              log_z_out[b] = static_cast<scalar_t>(log_z[j]);
+              done[b] = 1;
+            }
+            if (saving) state.status[b] = kLaneState;
+          }
+        }
+        if constexpr (!writes_log_z) {
+          LaneVector g = zero;
+          for (int64_t j = 0; j < kGroup; ++j) {
+            if (finished[j]) g[j] = kOut == Output::kMarginals ? 1.0 : static_cast<double>(grad_log_z[group.sentence[j]]);
+          }
+          const LaneMask failed = lanes_backward<scalar_t, pairwise>(
+              tables, group, work, rows_a, rows_w, g, ~finished, L, emit_out, trans_out,
+              start_out, end_out);
+          for (int64_t j = 0; j < kGroup; ++j) {
+            if (finished[j] && !failed[j]) done[group.sentence[j]] = 1;
+          }
+        }
+      }
+    });
+  } else if (saving) {  // the slots past B (B rounded up to kGroup) are not a sentence's
+    std::fill(state.a_rows(B), state.a_rows(state_slots(B)), 0.0);
+  }
+
   at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
     // Fast path: scaled probabilities in double (in the saved state when there is one).
-    // Exact path: normalised log space.
-    const bool own_rows = !(saving || from_state);
+    // Exact path: normalised log space. After the lanes, a sentence keeps nothing in the
+    // state (its slot belongs to its group): saving marks it for an exact recompute.
+    const bool own_rows = !(saving || from_state) || lanes;
     const int64_t stride = tables.stride;
     std::vector<double> prob_a(own_rows ? rows * stride : 0);
     std::vector<double> prob_w(own_rows && keep_rows ? rows * stride : 0);
@@ -169,13 +244,14 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
     std::vector<scalar_t> alpha_hat(rows * T), work(4 * T + (pairwise ? T * T : 0));
     std::vector<double> offset(rows);
     for (int64_t b = b_begin; b < b_end; ++b) {
+      if (done[b]) continue;
       const int64_t n = len[b];
       const scalar_t* emit_b = emit + b * L * T;
       // The per-position outputs are allocated uninitialised: each sentence clears its share
       // here, in the thread that then writes it, so fresh pages are touched once, in parallel,
       // instead of by a separate serial zero fill first.
       if (emit_out != nullptr) std::fill(emit_out + b * L * T, emit_out + (b + 1) * L * T, scalar_t(0));
-      if (saving) std::fill(state.a_rows(b), state.a_rows(b) + 2 * L * state.stride, 0.0);
+      if (saving && !lanes) std::fill(state.a_rows(b), state.a_rows(b + 1), 0.0);
       if (has_nan_or_posinf(emit_b, n * T)) {
         bad[b] = 1;
         continue;
@@ -194,9 +270,10 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
       double log_z = 0;
       bool fast = false;
       if (from_state) {  // the forward already ran: its state says what is left to do
-        TORCH_CHECK(state.status[b] <= kNoGradient, "crfkit: invalid saved forward state");
+        TORCH_CHECK(state.status[b] <= (lanes ? kLaneState : kNoGradient),
+                    "crfkit: invalid saved forward state");
         if (state.status[b] == kNoGradient) continue;
-        fast = state.status[b] == kFastState;
+        fast = state.status[b] == kFastState && !lanes;  // kLaneState here: the lanes failed
         if (!fast) log_z = exact_forward();
       } else {
         fast = tables.usable && prob_forward(emit_b, st, tables, n, keep_rows, a_rows, w_rows,
@@ -205,7 +282,9 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
       }
       if (writes_log_z) {
         log_z_out[b] = static_cast<scalar_t>(log_z);
-        if (saving) state.status[b] = log_z == kNegInfD ? kNoGradient : fast ? kFastState : kRecompute;
+        if (saving) {
+          state.status[b] = log_z == kNegInfD ? kNoGradient : fast && !lanes ? kFastState : kRecompute;
+        }
         continue;
       }
       // Every sequence forbidden: log Z = -inf and all gradients / marginals stay 0.
@@ -289,9 +368,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
 }
 
-// log Z (B,) plus the state its backward needs: the scaled forward rows (B, 2, L, stride) double
-// (stride: T rounded up to a multiple of 8) and a status per sentence (B,) uint8 (SavedStatus).
-// Used when log Z will be differentiated, so that the backward does not run the forward recursion again; costs 16 * B * L * stride bytes.
+// log Z (B,) plus the state its backward needs: the scaled forward rows (slots, 2, L, stride)
+// double (slots: B rounded up to 8, stride: T rounded up to 8; see ForwardState) and a status per
+// sentence (B,) uint8 (SavedStatus). Used when log Z will be differentiated, so that the backward
+// does not run the forward recursion again; costs 16 * slots * L * stride bytes.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_saving_cpu(
     const at::Tensor& emissions_in, const at::Tensor& transitions_in, const at::Tensor& start_in,
     const at::Tensor& end_in, const at::Tensor& lengths_in) {
@@ -302,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_saving_cpu(
   // Zeroed per sentence by the kernel: rows past a sentence's length are never written, and an
   // op's outputs must not depend on leftover memory (torch.compile and opcheck compare runs).
   const int64_t stride = padded_tags(T);
-  auto rows = at::empty({B, 2, L, stride}, emissions.options().dtype(at::kDouble));
+  auto rows = at::empty({state_slots(B), 2, L, stride}, emissions.options().dtype(at::kDouble));
   auto status = at::empty({B}, emissions.options().dtype(at::kByte));
   const ForwardState state{rows.data_ptr<double>(), status.data_ptr<uint8_t>(), L, stride};
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_saving", [&] {
@@ -325,10 +405,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
                   grad_log_z.scalar_type() == emissions.scalar_type(),
               "crfkit: grad_log_z must be (batch,) with the dtype of emissions");
-  TORCH_CHECK(rows_in.scalar_type() == at::kDouble && rows_in.dim() == 4 && rows_in.size(0) == B &&
+  TORCH_CHECK(rows_in.scalar_type() == at::kDouble && rows_in.dim() == 4 &&
+                  rows_in.size(0) == state_slots(B) &&
                   rows_in.size(1) == 2 && rows_in.size(2) == L && rows_in.size(3) == padded_tags(T),
-              "crfkit: saved forward rows must be (batch, 2, seq_len, num_tags rounded up to 8) "
-              "float64");
+              "crfkit: saved forward rows must be (batch rounded up to 8, 2, seq_len, num_tags "
+              "rounded up to 8) float64");
   TORCH_CHECK(status_in.scalar_type() == at::kByte && status_in.dim() == 1 && status_in.size(0) == B,
               "crfkit: saved forward status must be (batch,) uint8");
   const at::Tensor rows = rows_in.contiguous(), status = status_in.contiguous();

@@ -1,0 +1,359 @@
+// Probability-space forward-backward on BATCH LANES: one SIMD vector holds kGroup sentences
+// (lane j = sentence j of a group), every tag a vector of its own.
+//
+// Why: one sentence's scan is a chain of dependent steps (a T x T product, a max, a scale) on
+// vectors that are mostly padding at small T (9 tags in 16 doubles), so a core spends most of a
+// position waiting. With sentences in lanes a position is T^2 independent multiply-adds and
+// T vector exponentials with no padding and no horizontal operation: the scan runs at the
+// machine's arithmetic rate. Same maths as prob_space.h (read that first), two differences:
+//   - the scale per position is a power of two (exact, and no logarithm per position): a's
+//     maximum lies in [1, 2) instead of being 1;
+//   - a sentence that leaves the fast path's range, or has log Z = -inf, is not finished here:
+//     its lane is marked failed and the caller runs it through the per-sentence code.
+// Lanes are independent (no operation mixes them), so a sentence's result does not depend on
+// the other sentences of its group.
+//
+// Layouts. Groups are formed from the sentences sorted by length, longest first (so a group
+// wastes few positions); lane vectors of a group's rows are [position][tag] of kGroup doubles:
+// rows_a (n_max, T, kGroup) and rows_w (n_max, T, kGroup).
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "fast_exp.h"
+#include "prob_space.h"
+
+namespace crfkit {
+namespace cpu {
+
+constexpr int64_t kGroup = kLanes;  // sentences per lane vector (8 doubles)
+constexpr int64_t kMaxLaneTags = 64;  // above this the per-sentence kernel is as fast
+
+// Whether the log-partition ops run on batch lanes for this shape: a group costs about what
+// two or three single-sentence scans cost (measured at T = 9 and 37), so lanes pay from one
+// full group on.
+inline bool use_lanes(int64_t B, int64_t T) { return T <= kMaxLaneTags && B >= kGroup; }
+
+// Sentence indices sorted by length, longest first (stable), padded with -1 to a whole number of
+// groups: group g is order[g * kGroup .. (g + 1) * kGroup).
+inline std::vector<int64_t> lane_order(const int64_t* lengths, int64_t B) {
+  std::vector<int64_t> order(B);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+  order.resize((B + kGroup - 1) / kGroup * kGroup, -1);
+  return order;
+}
+
+// Power-of-two scaling: for m > 0 normal, returns 2^-e with m * 2^-e in [1, 2), and adds e to
+// `exponents`. Exact: it changes no mantissa bit.
+inline LaneVector inverse_power_of_two(LaneVector m, LaneVector& exponents) {
+  const LaneMask biased = (std::bit_cast<LaneMask>(m) >> 52) & 0x7ff;
+  exponents += __builtin_convertvector(biased - 1023, LaneVector);
+  return std::bit_cast<LaneVector>((2046 - biased) << 52);
+}
+
+// out[t] = sum_s x[s] * m[s * stride + t] for t < T: lanes are sentences, m is shared (its
+// entries broadcast). Outputs in blocks of up to 8 accumulators kept in registers.
+template <int kBlock>
+inline void lanes_matvec_block(const double* __restrict__ m, int64_t stride,
+                               const LaneVector* __restrict__ x, int64_t T, int64_t t0,
+                               LaneVector* __restrict__ out) {
+  LaneVector acc[kBlock] = {};
+  for (int64_t s = 0; s < T; ++s) {
+    const LaneVector xs = x[s];
+    const double* row = m + s * stride + t0;
+    for (int r = 0; r < kBlock; ++r) acc[r] += xs * row[r];
+  }
+  for (int r = 0; r < kBlock; ++r) out[t0 + r] = acc[r];
+}
+
+inline void lanes_matvec(const double* m, int64_t stride, const LaneVector* x, int64_t T,
+                         LaneVector* out) {
+  int64_t t0 = 0;
+  for (; t0 + 8 <= T; t0 += 8) lanes_matvec_block<8>(m, stride, x, T, t0, out);
+  switch (T - t0) {
+    case 1: return lanes_matvec_block<1>(m, stride, x, T, t0, out);
+    case 2: return lanes_matvec_block<2>(m, stride, x, T, t0, out);
+    case 3: return lanes_matvec_block<3>(m, stride, x, T, t0, out);
+    case 4: return lanes_matvec_block<4>(m, stride, x, T, t0, out);
+    case 5: return lanes_matvec_block<5>(m, stride, x, T, t0, out);
+    case 6: return lanes_matvec_block<6>(m, stride, x, T, t0, out);
+    case 7: return lanes_matvec_block<7>(m, stride, x, T, t0, out);
+    default: return;
+  }
+}
+
+// acc[s * T + t] += sum_p left[p * T + s] * right[p * T + t] over p < count (count rank-one
+// updates at once: each accumulator is loaded and stored once per batch of positions, and the
+// kBlock accumulators of a row block stay in registers meanwhile).
+template <int kBlock>
+inline void lanes_rank_update_block(const LaneVector* __restrict__ left,
+                                    const LaneVector* __restrict__ right, int64_t count, int64_t T,
+                                    int64_t s, int64_t t0, LaneVector* __restrict__ acc) {
+  LaneVector sum[kBlock];
+  for (int r = 0; r < kBlock; ++r) sum[r] = acc[s * T + t0 + r];
+  for (int64_t p = 0; p < count; ++p) {
+    const LaneVector l = left[p * T + s];
+    const LaneVector* row = right + p * T + t0;
+    for (int r = 0; r < kBlock; ++r) sum[r] += l * row[r];
+  }
+  for (int r = 0; r < kBlock; ++r) acc[s * T + t0 + r] = sum[r];
+}
+
+inline void lanes_rank_update(const LaneVector* left, const LaneVector* right, int64_t count,
+                              int64_t T, LaneVector* acc) {
+  for (int64_t s = 0; s < T; ++s) {
+    int64_t t0 = 0;
+    for (; t0 + 8 <= T; t0 += 8) lanes_rank_update_block<8>(left, right, count, T, s, t0, acc);
+    switch (T - t0) {
+      case 1: lanes_rank_update_block<1>(left, right, count, T, s, t0, acc); break;
+      case 2: lanes_rank_update_block<2>(left, right, count, T, s, t0, acc); break;
+      case 3: lanes_rank_update_block<3>(left, right, count, T, s, t0, acc); break;
+      case 4: lanes_rank_update_block<4>(left, right, count, T, s, t0, acc); break;
+      case 5: lanes_rank_update_block<5>(left, right, count, T, s, t0, acc); break;
+      case 6: lanes_rank_update_block<6>(left, right, count, T, s, t0, acc); break;
+      case 7: lanes_rank_update_block<7>(left, right, count, T, s, t0, acc); break;
+      default: break;
+    }
+  }
+}
+
+// One group of sentences. `sentence[j]` is the batch index of lane j (-1: empty lane),
+// `length` its length (0 for empty lanes).
+struct LaneGroup {
+  int64_t sentence[kGroup];
+  LaneVector length;  // as doubles, for comparisons with the position
+  int64_t n_max = 0;
+
+  LaneGroup(const int64_t* order, const int64_t* lengths) {
+    for (int64_t j = 0; j < kGroup; ++j) {
+      sentence[j] = order[j];
+      length[j] = order[j] < 0 ? 0.0 : static_cast<double>(lengths[order[j]]);
+      n_max = std::max<int64_t>(n_max, static_cast<int64_t>(length[j]));
+    }
+  }
+};
+
+// Per-thread work space of the lane scans (T lane vectors each).
+constexpr int64_t kPairBatch = 8;  // positions per batch of rank-one updates (pair_acc)
+
+struct LaneWork {
+  std::vector<LaneVector> x, a, d, b, gw, pair_acc;
+  std::vector<LaneVector> pair_left, pair_right;  // (kPairBatch, T): the pending rank-one terms
+  std::vector<double> transposed;  // kGroup x T scores of one position, before the transpose
+  LaneWork(int64_t T, bool pairwise)
+      : x(T), a(T), d(T), b(T), gw(T), pair_acc(pairwise ? T * T : 0),
+        pair_left(pairwise ? kPairBatch * T : 0), pair_right(pairwise ? kPairBatch * T : 0),
+        transposed(T * kGroup) {}
+};
+
+// Forward scan of a group. Lanes with length 0 are inactive. With rows_a / rows_w (not null)
+// the scaled a and w rows of every position are kept, (n_max, T, kGroup) each. Returns the lanes
+// that failed (left the range, or log Z = -inf); writes log Z of the others.
+template <typename scalar_t>
+LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
+                       const ProbTables& tab, const LaneGroup& group, LaneWork& work,
+                       double* rows_a, double* rows_w, LaneVector& log_z) {
+  const int64_t T = tab.T, stride = tab.stride;
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  const LaneVector zero = {}, min_scaled = zero + kMinScaled, v_neg_inf = zero + neg_inf;
+  LaneVector* x = work.x.data();
+  LaneVector* a = work.a.data();
+  LaneVector* d = work.d.data();
+  // x[t] = scores of position i, transposed from the sentences' rows; 0 past a lane's length.
+  auto load_position = [&](int64_t i) {
+    double* tr = work.transposed.data();
+    for (int64_t j = 0; j < kGroup; ++j) {
+      if (i < group.length[j]) {
+        const scalar_t* row = emit + (group.sentence[j] * L + i) * T;
+        for (int64_t t = 0; t < T; ++t) tr[t * kGroup + j] = static_cast<double>(row[t]);
+      } else {
+        for (int64_t t = 0; t < T; ++t) tr[t * kGroup + j] = 0.0;
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) x[t] = load_lanes(tr + t * kGroup);
+  };
+  auto max_over_tags = [&](const LaneVector* v) {
+    LaneVector m = v[0];
+    for (int64_t t = 1; t < T; ++t) m = lane_max(m, v[t]);
+    return m;
+  };
+
+  LaneMask failed = {}, lost = {};
+  LaneMask is_active = zero < group.length;
+  load_position(0);
+  for (int64_t t = 0; t < T; ++t) x[t] += static_cast<double>(start[t]);
+  LaneVector log_scale = max_over_tags(x);
+  failed |= is_active & (log_scale == v_neg_inf);
+  const LaneVector shift0 = is_active & (log_scale != v_neg_inf) ? log_scale : zero;
+  for (int64_t t = 0; t < T; ++t) {
+    a[t] = exp_nonpositive_generic<LaneVector, LaneMask>(x[t] - shift0);
+    lost |= (a[t] < min_scaled) & (x[t] != v_neg_inf);
+  }
+  if (rows_a != nullptr) {
+    for (int64_t t = 0; t < T; ++t) {
+      store_lanes(rows_a + t * kGroup, a[t]);
+      store_lanes(rows_w + t * kGroup, zero + 1.0);  // unused at position 0
+    }
+  }
+  LaneVector exponents = zero;
+  for (int64_t i = 1; i < group.n_max; ++i) {
+    is_active = (zero + static_cast<double>(i)) < group.length;
+    load_position(i);
+    const LaneVector emit_max = max_over_tags(x);
+    failed |= is_active & (emit_max == v_neg_inf);  // every tag forbidden here
+    const LaneVector shift = is_active & (emit_max != v_neg_inf) ? emit_max : zero;
+    LaneVector* w = x;  // exponentiated in place
+    for (int64_t t = 0; t < T; ++t) {
+      const LaneVector score = x[t];
+      w[t] = exp_nonpositive_generic<LaneVector, LaneMask>(score - shift);
+      lost |= (w[t] < min_scaled) & (score != v_neg_inf);
+    }
+    lanes_matvec(tab.by_row.data(), stride, a, T, d);  // d[t] = sum_s a[s] E[s, t]
+    LaneVector m = zero;
+    for (int64_t t = 0; t < T; ++t) m = lane_max(m, d[t] * w[t]);
+    // m = 0: no state reachable (log Z = -inf, for the per-sentence code to report). Checks
+    // keep every reachable value far above the subnormal range, so a valid m is normal.
+    const LaneMask m_ok = m >= zero + 0x1p-1000;
+    failed |= is_active & ~m_ok;
+    const LaneMask step = is_active & m_ok;
+    const LaneVector scale = inverse_power_of_two(step ? m : zero + 1.0, exponents);
+    for (int64_t t = 0; t < T; ++t) {
+      const LaneVector next = d[t] * w[t] * scale;
+      // A reachable state (d > 0, allowed emission) must keep a representable probability.
+      lost |= step & (d[t] > zero) & (w[t] > zero) & (next < min_scaled);
+      a[t] = step ? next : a[t];  // ended lanes keep their last row for the end scores
+    }
+    log_scale += step ? emit_max + tab.trans_max : zero;
+    if (rows_a != nullptr) {
+      for (int64_t t = 0; t < T; ++t) {
+        store_lanes(rows_a + (i * T + t) * kGroup, a[t]);
+        store_lanes(rows_w + (i * T + t) * kGroup, w[t]);
+      }
+    }
+  }
+  // exponents: the powers of two taken out at the positions each lane was active.
+  LaneVector z = zero;
+  for (int64_t t = 0; t < T; ++t) z += a[t] * tab.end_w[t];
+  is_active = zero < group.length;
+  failed |= is_active & ~(z > zero);
+  for (int64_t j = 0; j < kGroup; ++j) {
+    log_z[j] = log_scale[j] + exponents[j] * 0.6931471805599453 + tab.end_max + std::log(z[j]);
+  }
+  return (failed | lost) & is_active;
+}
+
+// Backward scan of a group after lanes_forward(rows): the marginals times g (per lane; 0 for
+// lanes to skip) into grad_emit (B, L, T); with kPairwise also the per-sentence transition
+// (B, T, T, added), start and end (B, T) gradients. Lanes in `skip` (and g = 0) are left alone.
+// Returns the lanes that failed: their outputs are partial and must be redone by the caller
+// (the transition gradient of a failed lane is never written).
+template <typename scalar_t, bool kPairwise>
+LaneMask lanes_backward(const ProbTables& tab, const LaneGroup& group, LaneWork& work,
+                        const double* rows_a, const double* rows_w, LaneVector g, LaneMask skip,
+                        int64_t L, scalar_t* grad_emit, scalar_t* grad_trans,
+                        scalar_t* grad_start, scalar_t* grad_end) {
+  const int64_t T = tab.T, stride = tab.stride;
+  const LaneVector zero = {}, min_scaled = zero + kMinScaled;
+  LaneVector* b = work.b.data();
+  LaneVector* gw = work.gw.data();
+  LaneVector* b_prev = work.d.data();
+  LaneVector* pair_acc = work.pair_acc.data();  // [s][t]: sum_i left_i[s] gw_i[t]
+  int64_t pending = 0;  // rank-one terms in work.pair_left / pair_right not yet in pair_acc
+  if (kPairwise) std::fill(work.pair_acc.begin(), work.pair_acc.end(), zero);
+  // Lanes wait with beta = 0 until their last position (no NaN from an earlier group's values).
+  std::fill(work.b.begin(), work.b.end(), zero);
+  const LaneMask used = (zero < group.length) & ~skip & (g != zero);
+  LaneMask failed = {};
+  double* tr = work.transposed.data();
+  // Writes v[t] (t < T) of the lanes in `mask` to out + sentence * sentence_stride + offset.
+  auto scatter = [&](const LaneVector* v, LaneMask mask, scalar_t* out, int64_t sentence_stride,
+                     int64_t offset) {
+    for (int64_t t = 0; t < T; ++t) store_lanes(tr + t * kGroup, v[t]);
+    for (int64_t j = 0; j < kGroup; ++j) {
+      if (!mask[j]) continue;
+      scalar_t* dst = out + group.sentence[j] * sentence_stride + offset;
+      for (int64_t t = 0; t < T; ++t) dst[t] = static_cast<scalar_t>(tr[t * kGroup + j]);
+    }
+  };
+  LaneVector* mu = work.x.data();
+  for (int64_t i = group.n_max - 1; i >= 0; --i) {
+    const LaneVector position = zero + static_cast<double>(i);
+    const LaneMask active = used & (position < group.length);
+    const LaneMask last = active & (position == group.length - 1.0);
+    for (int64_t t = 0; t < T; ++t) b[t] = last ? zero + tab.end_w[t] : b[t];  // beta_{n-1}
+    const double* a = rows_a + i * T * kGroup;
+    LaneVector total = zero;
+    for (int64_t t = 0; t < T; ++t) total += load_lanes(a + t * kGroup) * b[t];
+    failed |= active & ~(total > zero);
+    const LaneVector scale = active & (total > zero) ? g / total : zero;
+    for (int64_t t = 0; t < T; ++t) mu[t] = load_lanes(a + t * kGroup) * b[t] * scale;
+    scatter(mu, active, grad_emit, L * T, i * T);
+    if (kPairwise) {
+      scatter(mu, last, grad_end, T, 0);
+      if (i == 0) scatter(mu, active, grad_start, T, 0);
+    }
+    if (i == 0) break;
+
+    const double* w = rows_w + i * T * kGroup;
+    LaneVector gw_max = zero;
+    for (int64_t t = 0; t < T; ++t) {
+      gw[t] = load_lanes(w + t * kGroup) * b[t];
+      gw_max = lane_max(gw_max, gw[t]);
+    }
+    const LaneMask gw_ok = gw_max >= zero + 0x1p-1000;
+    failed |= active & ~gw_ok;
+    LaneVector unused_exponents = zero;
+    const LaneVector gw_scale = inverse_power_of_two(gw_ok ? gw_max : zero + 1.0, unused_exponents);
+    for (int64_t t = 0; t < T; ++t) gw[t] *= gw_scale;
+    lanes_matvec(tab.by_col.data(), stride, gw, T, b_prev);  // b_prev[s] = sum_t E[s, t] gw[t]
+    const double* a_prev = rows_a + (i - 1) * T * kGroup;
+    if (kPairwise) {
+      // xi[s, t] = a_{i-1}[s] E[s, t] gw[t] / sum_s a_{i-1}[s] b_prev[s]; E is applied once at
+      // the end (it is the same at every position).
+      LaneVector pair_total = zero;
+      for (int64_t s = 0; s < T; ++s) pair_total += load_lanes(a_prev + s * kGroup) * b_prev[s];
+      failed |= active & ~(pair_total > zero);
+      const LaneVector pair_scale = active & (pair_total > zero) ? g / pair_total : zero;
+      LaneVector* left = work.pair_left.data() + pending * T;
+      for (int64_t s = 0; s < T; ++s) left[s] = load_lanes(a_prev + s * kGroup) * pair_scale;
+      std::copy(gw, gw + T, work.pair_right.data() + pending * T);
+      if (++pending == kPairBatch || i == 1) {
+        lanes_rank_update(work.pair_left.data(), work.pair_right.data(), pending, T, pair_acc);
+        pending = 0;
+      }
+    }
+    LaneVector b_max = zero;
+    for (int64_t s = 0; s < T; ++s) b_max = lane_max(b_max, b_prev[s]);
+    const LaneMask b_ok = b_max >= zero + 0x1p-1000;
+    failed |= active & ~b_ok;
+    const LaneVector b_scale = inverse_power_of_two(b_ok ? b_max : zero + 1.0, unused_exponents);
+    for (int64_t s = 0; s < T; ++s) {
+      const LaneVector next = b_prev[s] * b_scale;
+      // A state on some path (reachable: a > 0) must keep a representable beta.
+      failed |= active & (load_lanes(a_prev + s * kGroup) > zero) & (next > zero) & (next < min_scaled);
+      b[s] = next;
+    }
+  }
+  failed &= used;
+  if (kPairwise) {
+    for (int64_t j = 0; j < kGroup; ++j) {
+      if (!used[j] || failed[j]) continue;
+      scalar_t* out = grad_trans + group.sentence[j] * T * T;
+      for (int64_t s = 0; s < T; ++s) {
+        for (int64_t t = 0; t < T; ++t) {
+          out[s * T + t] += static_cast<scalar_t>(tab.by_row[s * stride + t] * pair_acc[s * T + t][j]);
+        }
+      }
+    }
+  }
+  return failed;
+}
+
+}  // namespace cpu
+}  // namespace crfkit
