@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <memory>
+
 #include "../checks.h"
 #include "log_space.h"
 #include "prob_lanes.h"
@@ -178,7 +180,9 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
     at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
       LaneWork work(T, pairwise);
       const bool own_rows = keep_rows && !(saving || from_state);
-      std::vector<double> own_a(own_rows ? L * T * kGroup : 0), own_w(own_a.size());
+      // Uninitialised (every row a group reads it has written first): no fill per call.
+      std::unique_ptr<double[]> own_a(own_rows ? new double[L * T * kGroup] : nullptr);
+      std::unique_ptr<double[]> own_w(own_rows ? new double[L * T * kGroup] : nullptr);
       for (int64_t grp = g_begin; grp < g_end; ++grp) {
         LaneGroup group(order.data() + grp * kGroup, len);
         for (int64_t j = 0; j < kGroup; ++j) {
@@ -190,8 +194,8 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
         }
         if (saving) std::fill(state.group_a_rows(grp), state.group_a_rows(grp + 1), 0.0);
         if (group.n_max == 0) continue;  // only empty sentences: the per-sentence loop
-        double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_a.data();
-        double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_w.data();
+        double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_a.get();
+        double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_w.get();
         const LaneVector zero = {};
         LaneMask finished = {};  // forward done (or, from a saved state, valid)
         if (from_state) {
@@ -232,7 +236,13 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
     std::fill(state.a_rows(B), state.a_rows(state_slots(B)), 0.0);
   }
 
-  at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+  // The sentences left for one-at-a-time scans (all of them without lanes).
+  std::vector<int64_t> left;
+  left.reserve(lanes ? 0 : B);
+  for (int64_t b = 0; b < B; ++b) {
+    if (!done[b]) left.push_back(b);
+  }
+  at::parallel_for(0, static_cast<int64_t>(left.size()), 1, [&](int64_t l_begin, int64_t l_end) {
     // Fast path: scaled probabilities in double (in the saved state when there is one).
     // Exact path: normalised log space. After the lanes, a sentence keeps nothing in the
     // state (its slot belongs to its group): saving marks it for an exact recompute.
@@ -243,8 +253,8 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
     std::vector<double> prob_work(3 * stride + (pairwise ? T * stride : 0));
     std::vector<scalar_t> alpha_hat(rows * T), work(4 * T + (pairwise ? T * T : 0));
     std::vector<double> offset(rows);
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      if (done[b]) continue;
+    for (int64_t l = l_begin; l < l_end; ++l) {
+      const int64_t b = left[l];
       const int64_t n = len[b];
       const scalar_t* emit_b = emit + b * L * T;
       // The per-position outputs are allocated uninitialised: each sentence clears its share
