@@ -1,5 +1,7 @@
 // CPU kernels: log partition (forward algorithm), marginals and the analytic backward of log Z
-// (forward-backward). Parallel over sentences; each sentence is one sequential scan.
+// (forward-backward). Parallel over sentences. From 8 sentences on (T <= 64) they are scanned 8
+// at a time, one per SIMD lane (prob_lanes.h); otherwise, and for any sentence a lane group
+// cannot finish, one sentence per scan (prob_space.h, then log_space.h).
 //
 // Layout: emissions (B, L, T) contiguous, transitions (T, T) as [from, to], start / end (T,),
 // lengths (B,) int64. Sentence b uses positions 0 .. lengths[b]-1; padded positions are never
@@ -192,7 +194,10 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
           // NaN / +inf: left to the per-sentence loop, which reports it
           if (has_nan_or_posinf(emit + b * L * T, len[b] * T)) group.length[j] = 0;
         }
-        if (saving) std::fill(state.group_a_rows(grp), state.group_a_rows(grp + 1), 0.0);
+        if (saving) {  // lanes_forward writes the rows before n_max; the rest must not be leftovers
+          std::fill(state.group_a_rows(grp) + group.n_max * T * kGroup, state.group_w_rows(grp, T), 0.0);
+          std::fill(state.group_w_rows(grp, T) + group.n_max * T * kGroup, state.group_a_rows(grp + 1), 0.0);
+        }
         if (group.n_max == 0) continue;  // only empty sentences: the per-sentence loop
         double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_a.get();
         double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_w.get();

@@ -141,15 +141,16 @@ struct LaneGroup {
 
 // Per-thread work space of the lane scans (T lane vectors each).
 constexpr int64_t kPairBatch = 8;  // positions per batch of rank-one updates (pair_acc)
+constexpr int64_t kTransposeChunk = 16;  // positions transposed at once (lanes_forward)
 
 struct LaneWork {
   std::vector<LaneVector> x, a, d, b, gw, pair_acc;
   std::vector<LaneVector> pair_left, pair_right;  // (kPairBatch, T): the pending rank-one terms
-  std::vector<double> transposed;  // kGroup x T scores of one position, before the transpose
+  std::vector<double> transposed;  // (kTransposeChunk, T, kGroup) scores, or one position's outputs
   LaneWork(int64_t T, bool pairwise)
       : x(T), a(T), d(T), b(T), gw(T), pair_acc(pairwise ? T * T : 0),
         pair_left(pairwise ? kPairBatch * T : 0), pair_right(pairwise ? kPairBatch * T : 0),
-        transposed(T * kGroup) {}
+        transposed(kTransposeChunk * T * kGroup) {}
 };
 
 // Forward scan of a group. Lanes with length 0 are inactive. With rows_a / rows_w (not null)
@@ -166,17 +167,27 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
   LaneVector* a = work.a.data();
   LaneVector* d = work.d.data();
   // x[t] = scores of position i, transposed from the sentences' rows; 0 past a lane's length.
+  // The transpose is done kTransposeChunk positions ahead: a vector load right after the
+  // scalar stores that wrote its lanes would stall (no store-to-load forwarding from 8 stores).
   auto load_position = [&](int64_t i) {
     double* tr = work.transposed.data();
-    for (int64_t j = 0; j < kGroup; ++j) {
-      if (i < group.length[j]) {
-        const scalar_t* row = emit + (group.sentence[j] * L + i) * T;
-        for (int64_t t = 0; t < T; ++t) tr[t * kGroup + j] = static_cast<double>(row[t]);
-      } else {
-        for (int64_t t = 0; t < T; ++t) tr[t * kGroup + j] = 0.0;
+    const int64_t first = i % kTransposeChunk;
+    if (first == 0) {
+      const int64_t count = std::min(kTransposeChunk, group.n_max - i);
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int64_t n = static_cast<int64_t>(group.length[j]);
+        for (int64_t p = 0; p < count; ++p) {
+          double* out = tr + p * T * kGroup + j;
+          if (i + p < n) {
+            const scalar_t* row = emit + (group.sentence[j] * L + i + p) * T;
+            for (int64_t t = 0; t < T; ++t) out[t * kGroup] = static_cast<double>(row[t]);
+          } else {
+            for (int64_t t = 0; t < T; ++t) out[t * kGroup] = 0.0;
+          }
+        }
       }
     }
-    for (int64_t t = 0; t < T; ++t) x[t] = load_lanes(tr + t * kGroup);
+    for (int64_t t = 0; t < T; ++t) x[t] = load_lanes(tr + (first * T + t) * kGroup);
   };
   auto max_over_tags = [&](const LaneVector* v) {
     LaneVector m = v[0];
