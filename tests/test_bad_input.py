@@ -131,3 +131,21 @@ def test_lengths_from_mask():
     assert crfkit.lengths_from_mask(mask).tolist() == [2, 1, 0]
     with pytest.raises(ValueError, match="left-aligned"):
         crfkit.lengths_from_mask(torch.tensor([[0, 1, 1]], dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_raw_viterbi_names_the_sentence_with_nan_in_either_kernel(monkeypatch, kernel):
+    # The compiled Viterbi checks emissions per sentence, within its length only, both when it
+    # decodes sentences side by side in SIMD lanes (CRFKIT_VITERBI_LANES=1) and one at a time (0).
+    if "compiled" not in crfkit.backends.available():
+        pytest.skip("extension not built")
+    monkeypatch.setenv("CRFKIT_VITERBI_LANES", kernel)
+    em, tr, _, s, e = random_crf(20, 5, 9)
+    ln = torch.full((20,), 5)
+    ln[7] = 4
+    em[7, 4, 1] = math.inf  # past the length of sentence 7: ignored
+    assert torch.isfinite(torch.ops.crfkit.viterbi(em, tr, s, e, ln)[0]).all()
+    em[13, 2, 4] = math.nan
+    em[17, 0, 0] = math.inf
+    with pytest.raises(ValueError, match=r"emissions\[13\] contains NaN or \+inf"):
+        torch.ops.crfkit.viterbi(em, tr, s, e, ln)

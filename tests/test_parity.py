@@ -233,9 +233,13 @@ def test_kbest_with_k1_matches_the_reference(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("T", [1, 8, 9, 16, 17, 64, 65, 130])  # around whole SIMD vectors of tags
-def test_decoders_with_ties_equal_the_reference_exactly(backend, dtype, T):
+@pytest.mark.parametrize("viterbi_kernel", ["lanes", "per_sentence"])
+def test_decoders_with_ties_equal_the_reference_exactly(backend, monkeypatch, dtype, T, viterbi_kernel):
     # Integer scores make many exact ties; the kernels' in-register argmax over predecessors
-    # (T up to 8 vectors) and its generic fallback must pick the same paths, scores bit for bit.
+    # (T up to 8 vectors) and its generic fallback must pick the same paths, scores bit for bit,
+    # and so must the Viterbi that decodes sentences side by side in SIMD lanes (a partial group
+    # here; full ones in test_viterbi_lane_groups_equal_the_reference_exactly).
+    monkeypatch.setenv("CRFKIT_VITERBI_LANES", "1" if viterbi_kernel == "lanes" else "0")
     gen = torch.Generator().manual_seed(T)
     em = torch.randint(-3, 4, (5, 20, T), generator=gen).to(dtype)
     tr = torch.randint(-3, 4, (T, T), generator=gen).to(dtype)
@@ -251,3 +255,35 @@ def test_decoders_with_ties_equal_the_reference_exactly(backend, dtype, T):
         want = crfkit.kbest_viterbi(em[:, :6], tr, 5, ln.clamp(max=6))
     assert torch.equal(best.paths, want.paths)
     assert torch.equal(best.scores, want.scores)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T", [1, 2, 9, 17, 37, 64])
+@pytest.mark.parametrize("kernel", ["lanes", "per_sentence", "auto"])
+def test_viterbi_lane_groups_equal_the_reference_exactly(backend, monkeypatch, dtype, T, kernel):
+    # The compiled Viterbi decodes groups of 16 float / 8 double sentences side by side (one per
+    # SIMD lane), sorted by length, or one sentence at a time; CRFKIT_VITERBI_LANES forces either
+    # (unset: a cost model chooses). 37 sentences, 3 of length 0, make full groups and a partial
+    # one; integer scores make many exact ties; one transition is forbidden and one sentence has
+    # no allowed path at all (score -inf, path -1). Paths and scores must equal the reference's.
+    monkeypatch.setenv("CRFKIT_VITERBI_LANES", {"lanes": "1", "per_sentence": "0", "auto": ""}[kernel])
+    gen = torch.Generator().manual_seed(100 + T)
+    B, L = 37, 20
+    em = torch.randint(-3, 4, (B, L, T), generator=gen).to(dtype)
+    tr = torch.randint(-3, 4, (T, T), generator=gen).to(dtype)
+    tr[0, T // 2] = -math.inf
+    start = torch.randint(-2, 3, (T,), generator=gen).to(dtype)
+    end = torch.randint(-2, 3, (T,), generator=gen).to(dtype)
+    ln = torch.randint(1, L + 1, (B,), generator=gen)
+    ln[[0, 9, 30]] = L
+    ln[[1, 10, 20]] = 0
+    ln[[2, 11]] = 1
+    ln[3] = 7
+    em[3, 4] = -math.inf  # every tag forbidden at one position: no allowed path
+    paths, scores = crfkit.viterbi(em, tr, ln, start, end)
+    with crfkit.use_backend("reference"):
+        want_paths, want_scores = crfkit.viterbi(em, tr, ln, start, end)
+    assert torch.equal(paths, want_paths)
+    assert torch.equal(scores, want_scores)
+    assert scores[3] == -math.inf and (paths[3] == -1).all()
+    assert (scores[[1, 10, 20]] == 0).all() and (paths[[1, 10, 20]] == -1).all()

@@ -1,0 +1,434 @@
+// Viterbi with several sentences per SIMD vector ("batch lanes"): lane j of every vector belongs
+// to sentence j of a group of Lanes<scalar_t>::kCount sentences (16 floats or 8 doubles).
+//
+// Why: the recursion delta_i = maxplus(delta_{i-1}, trans) + emit_i is sequential in i. With one
+// sentence per call and the tags in lanes (viterbi_sentence in viterbi.cpp), each position is a
+// chain of T dependent compare-and-select steps over only ceil(T / kCount) vectors, so at small T
+// the kernel waits on latency and most lanes are idle (T = 9 fills 9 of 16). With sentences in
+// lanes, a position is T * T independent max-plus updates, each on kCount sentences at once:
+// every lane does useful work and the updates of several tags are interleaved in registers.
+//
+// The arithmetic is that of viterbi_sentence, lane by lane, so the results are bit-identical:
+//     delta_0[t] = start[t] + emit[0, t]
+//     delta_i[t] = max_s (delta_{i-1}[s] + trans[s, t]) + emit[i, t]   (first s wins a tie)
+//     score      = max_t (delta_{n-1}[t] + end[t])                     (first t wins a tie)
+// in scalar_t, with strict `>` while scanning s (and t) upward.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "lanes.h"
+#include "log_space.h"
+
+namespace crfkit {
+namespace cpu {
+
+// How many tags one register block updates at once: each tag needs two vector registers (running
+// max and arg max) for the whole loop over predecessors. AVX-512 has 32 of them (one per
+// Vector): blocks of 8, 12 and 14 measured the same within 5% (the loop is bound by vector
+// throughput once 8 chains interleave), and 8 leaves registers to spare. With narrower registers
+// a Vector takes 2 (AVX2) or 4 (SSE / NEON) of 16, so blocks must be small to avoid spills.
+#if defined(__AVX512F__)
+inline constexpr int kLaneTagBlock = 8;
+#elif defined(__AVX__)
+inline constexpr int kLaneTagBlock = 3;
+#else
+inline constexpr int kLaneTagBlock = 1;
+#endif
+
+template <typename scalar_t, typename bp_t>
+struct LaneTypes {
+  using Vector = typename Lanes<scalar_t>::Vector;  // kCount scalars, one per sentence
+  using Mask = typename Lanes<scalar_t>::Mask;      // kCount int32 / int64: comparisons, indices
+  using Index = typename Lanes<scalar_t>::Index;
+  static constexpr int64_t kCount = Lanes<scalar_t>::kCount;
+  // kCount backpointers, one per sentence (16 or 8 bytes for uint8_t)
+  typedef bp_t Backpointers __attribute__((vector_size(kCount * sizeof(bp_t))));
+};
+
+// One position's update of the tags [t0, t0 + R) for all sentences of a group:
+//     delta_next[t] = max_s (delta[s] + trans[s, t]) + emit[t]
+//     backpointers[t] = the first s that reaches the max
+// delta, emit, delta_next: T vectors; trans: (T, T) row-major; backpointers: T vectors.
+// The R running maxima and arg maxima stay in registers for the whole loop over s; each s loads
+// one delta vector and broadcasts R scalars of trans row s.
+template <typename scalar_t, typename bp_t, int R>
+inline void lane_step_block(const typename LaneTypes<scalar_t, bp_t>::Vector* __restrict__ delta,
+                            const scalar_t* __restrict__ trans, int64_t T, int64_t t0,
+                            const typename LaneTypes<scalar_t, bp_t>::Vector* __restrict__ emit,
+                            typename LaneTypes<scalar_t, bp_t>::Vector* __restrict__ delta_next,
+                            typename LaneTypes<scalar_t, bp_t>::Backpointers* __restrict__ backpointers) {
+  using Types = LaneTypes<scalar_t, bp_t>;
+  using Vector = typename Types::Vector;
+  using Mask = typename Types::Mask;
+  Vector best[R];
+  Mask arg[R];
+  const scalar_t* trans_row = trans + t0;  // trans[s, t0 ..]
+  for (int r = 0; r < R; ++r) {
+    best[r] = delta[0] + trans_row[r];
+    arg[r] = Mask{};
+  }
+  Mask s_lanes = Mask{};  // s in every lane, kept in a vector register (a broadcast from a
+                         // general register per update would compete for the vector ports)
+  for (int64_t s = 1; s < T; ++s) {
+    trans_row += T;
+    const Vector delta_s = delta[s];
+    s_lanes += 1;
+    for (int r = 0; r < R; ++r) {
+      const Vector cand = delta_s + trans_row[r];
+      const Mask better = cand > best[r];  // strict: the smaller predecessor wins a tie
+      best[r] = better ? cand : best[r];
+      arg[r] = better ? s_lanes : arg[r];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    delta_next[t0 + r] = best[r] + emit[t0 + r];
+    backpointers[t0 + r] = __builtin_convertvector(arg[r], typename Types::Backpointers);
+  }
+}
+
+// lane_step_block with R = size chosen at run time (1 <= size <= kLaneTagBlock).
+template <typename scalar_t, typename bp_t, int R = kLaneTagBlock>
+inline void lane_step_block_of_size(int size, const typename LaneTypes<scalar_t, bp_t>::Vector* delta,
+                                    const scalar_t* trans, int64_t T, int64_t t0,
+                                    const typename LaneTypes<scalar_t, bp_t>::Vector* emit,
+                                    typename LaneTypes<scalar_t, bp_t>::Vector* delta_next,
+                                    typename LaneTypes<scalar_t, bp_t>::Backpointers* backpointers) {
+  if constexpr (R >= 1) {
+    if (size == R) {
+      lane_step_block<scalar_t, bp_t, R>(delta, trans, T, t0, emit, delta_next, backpointers);
+    } else {
+      lane_step_block_of_size<scalar_t, bp_t, R - 1>(size, delta, trans, T, t0, emit, delta_next,
+                                                     backpointers);
+    }
+  }
+}
+
+// The tags cut into blocks of at most kLaneTagBlock, as even as possible (37 -> 8, 8, 7, 7, 7), so
+// no block is left with too few independent chains to hide the compare-and-select latency.
+struct TagBlock {
+  int64_t first;
+  int size;
+};
+
+inline std::vector<TagBlock> lane_tag_blocks(int64_t T) {
+  const int64_t count = (T + kLaneTagBlock - 1) / kLaneTagBlock;
+  std::vector<TagBlock> blocks;
+  for (int64_t k = 0, first = 0; k < count; ++k) {
+    const int size = static_cast<int>(T / count + (k < T % count ? 1 : 0));
+    blocks.push_back({first, size});
+    first += size;
+  }
+  return blocks;
+}
+
+// ---- emissions to lane layout ------------------------------------------------------------------
+// A group's emissions, sentence j's (n_j, T) block read as a flat row source_j[k] (k = i * T + t),
+// form a kCount x (n * T) matrix; the lane layout is its transpose, emit[k][j] = source_j[k].
+// It is done kCount x kCount blocks at a time in registers: kCount vector loads, log2(kCount)
+// rounds of kCount two-vector shuffles, kCount vector stores (instead of kCount^2 scalar moves).
+
+// One round of the transpose for the rows a (row index bit kBit clear) and b (bit set): swaps
+// bit kBit of the row index with bit kBit of the column index,
+//     a'[c] = c has the bit ? b[c - bit] : a[c],   b'[c] = c has the bit ? b[c] : a[c + bit]
+template <int kBit, typename Vector, typename Mask, size_t... c>
+inline void exchange_index_bit(Vector& a, Vector& b, std::index_sequence<c...>) {
+  constexpr int64_t K = sizeof...(c);
+  constexpr int64_t bit = int64_t{1} << kBit;
+  // Shuffle indices: 0 .. K-1 pick from a, K .. 2K-1 from b.
+#if defined(__clang__)
+  const Vector a_new = __builtin_shufflevector(a, b, ((c & bit) ? K + (c ^ bit) : c)...);
+  const Vector b_new = __builtin_shufflevector(a, b, ((c & bit) ? K + c : (c | bit))...);
+#else
+  const Vector a_new = __builtin_shuffle(a, b, Mask{((c & bit) ? K + (c ^ bit) : c)...});
+  const Vector b_new = __builtin_shuffle(a, b, Mask{((c & bit) ? K + c : (c | bit))...});
+#endif
+  a = a_new;
+  b = b_new;
+}
+
+// rows[r][c] -> rows[c][r] for a kCount x kCount block held in kCount vectors.
+template <typename scalar_t, int kBit = 0>
+inline void transpose_lanes(typename Lanes<scalar_t>::Vector* rows) {
+  constexpr int64_t K = Lanes<scalar_t>::kCount;
+  if constexpr ((int64_t{1} << kBit) < K) {
+    constexpr int64_t bit = int64_t{1} << kBit;
+    for (int64_t r = 0; r < K; ++r) {
+      if (r & bit) continue;
+      exchange_index_bit<kBit, typename Lanes<scalar_t>::Vector, typename Lanes<scalar_t>::Mask>(
+          rows[r], rows[r | bit], std::make_index_sequence<K>{});
+    }
+    transpose_lanes<scalar_t, kBit + 1>(rows);
+  }
+}
+
+// emit[k][j] = source[j][k] for k < limit[j], 0 for limit[j] <= k < padded_to_lanes(limit[0])
+// (limit is non-increasing; lanes with limit 0, idle ones, are all 0). Only the first limit[j]
+// scalars of source[j] are read. Returns the lanes whose emissions hold NaN or +inf (the check
+// of has_nan_or_posinf, done on the transposed vectors).
+template <typename scalar_t>
+inline typename Lanes<scalar_t>::Mask emissions_to_lanes(const scalar_t* const* source,
+                                                         const int64_t* limit,
+                                                         typename Lanes<scalar_t>::Vector* emit) {
+  using Vector = typename Lanes<scalar_t>::Vector;
+  using Mask = typename Lanes<scalar_t>::Mask;
+  constexpr int64_t K = Lanes<scalar_t>::kCount;
+  constexpr scalar_t kInf = std::numeric_limits<scalar_t>::infinity();
+  Mask bad = Mask{};
+  for (int64_t k0 = 0; k0 < limit[0]; k0 += K) {
+    Vector rows[K];  // rows[j] = source[j][k0 .. k0 + K), zero past limit[j]
+    for (int64_t j = 0; j < K; ++j) {
+      if (k0 + K <= limit[j]) {
+        rows[j] = load_lanes(source[j] + k0);
+      } else {
+        scalar_t tail[K] = {};
+        if (k0 < limit[j]) std::copy(source[j] + k0, source[j] + limit[j], tail);
+        rows[j] = load_lanes(tail);
+      }
+    }
+    transpose_lanes<scalar_t>(rows);
+    for (int64_t m = 0; m < K; ++m) {
+      bad |= (rows[m] != rows[m]) | (rows[m] == kInf);
+      emit[k0 + m] = rows[m];
+    }
+  }
+  return bad;
+}
+
+// The per-thread buffers of the lane decoder, for sentences of up to max_length positions (left
+// uninitialised: every element is written before it is read).
+template <typename scalar_t, typename bp_t>
+struct LaneWork {
+  using Vector = typename LaneTypes<scalar_t, bp_t>::Vector;
+  using Backpointers = typename LaneTypes<scalar_t, bp_t>::Backpointers;
+  std::unique_ptr<Vector[]> emit;                // (max_length, T) vectors (+ padding to a block)
+  std::unique_ptr<Vector[]> delta, delta_next;   // (T,) vectors
+  std::unique_ptr<Vector[]> final_delta;         // (T,) delta at each lane's last position
+  std::unique_ptr<Backpointers[]> backpointers;  // (max_length, T) vectors of kCount bp_t
+  LaneWork(int64_t max_length, int64_t T)
+      : emit(new Vector[padded_to_lanes<scalar_t>(max_length * T)]), delta(new Vector[T]),
+        delta_next(new Vector[T]), final_delta(new Vector[T]),
+        backpointers(new Backpointers[max_length * T]) {}
+};
+
+// Viterbi for one group of up to kCount sentences: lane j is sentence sentence[j], of length
+// length[j] (1 <= length[j] <= L, non-increasing in j); lanes j >= count are idle. Writes
+// score[b] and path[b * L + i] for each sentence b of the group, as viterbi_sentence does. A
+// sentence whose real positions hold NaN or +inf is flagged in bad_sentence and left idle.
+template <typename scalar_t, typename bp_t>
+void viterbi_lane_group(const scalar_t* emissions, const scalar_t* trans, const scalar_t* start,
+                        const scalar_t* end, int64_t L, int64_t T, const int64_t* sentence,
+                        const int64_t* length, int64_t count, const std::vector<TagBlock>& blocks,
+                        LaneWork<scalar_t, bp_t>& work, int64_t* path, scalar_t* score,
+                        std::vector<char>& bad_sentence) {
+  using Types = LaneTypes<scalar_t, bp_t>;
+  using Vector = typename Types::Vector;
+  using Mask = typename Types::Mask;
+  using Index = typename Types::Index;
+  constexpr int64_t kCount = Types::kCount;
+
+  // Emissions in lane layout, emit[i * T + t][j] = emissions[sentence[j], i, t] for
+  // i < length[j], and 0 past a lane's length (and in idle lanes), so the padding never makes NaN
+  // or +inf; and the NaN / +inf check of each sentence, on the way.
+  const scalar_t* source[kCount] = {};
+  int64_t limit[kCount] = {};
+  for (int64_t j = 0; j < count; ++j) {
+    source[j] = emissions + sentence[j] * L * T;
+    limit[j] = length[j] * T;
+  }
+  Vector* emit = work.emit.get();  // (length[0], T) vectors
+  const Mask bad = emissions_to_lanes<scalar_t>(source, limit, emit);
+
+  // n[j]: the positions lane j decodes (0: idle lane, or a bad sentence: flagged, left idle).
+  int64_t n[kCount] = {};
+  for (int64_t j = 0; j < count; ++j) {
+    if (bad[j]) {
+      bad_sentence[sentence[j]] = 1;
+    } else {
+      n[j] = length[j];
+    }
+  }
+  const int64_t n_max = *std::max_element(n, n + kCount);
+  if (n_max == 0) return;
+
+  // last[j] = n[j] - 1: the position whose delta is lane j's final one (-1 in idle lanes).
+  Mask last;
+  for (int64_t j = 0; j < kCount; ++j) last[j] = static_cast<Index>(n[j] - 1);
+
+  Vector* delta = work.delta.get();            // (T,) vectors: delta at position i - 1
+  Vector* delta_next = work.delta_next.get();  // (T,) vectors: delta at position i
+  Vector* final_delta = work.final_delta.get();
+  typename Types::Backpointers* backpointers = work.backpointers.get();  // [i * T + t]
+  for (int64_t t = 0; t < T; ++t) {
+    delta[t] = start[t] + emit[t];
+    final_delta[t] = delta[t];  // final for lanes of length 1; the others overwrite it below
+  }
+  for (int64_t i = 1; i < n_max; ++i) {
+    for (const TagBlock& block : blocks) {
+      lane_step_block_of_size<scalar_t, bp_t>(block.size, delta, trans, T, block.first,
+                                              emit + i * T, delta_next, backpointers + i * T);
+    }
+    std::swap(delta, delta_next);
+    const Mask ends_here = last == static_cast<Index>(i);
+    for (int64_t t = 0; t < T; ++t) final_delta[t] = ends_here ? delta[t] : final_delta[t];
+  }
+
+  // Best last tag per lane: the first t with the largest final_delta[t] + end[t].
+  Vector best = final_delta[0] + end[0];
+  Mask best_tag = Mask{};
+  for (int64_t t = 1; t < T; ++t) {
+    const Vector cand = final_delta[t] + end[t];
+    const Mask better = cand > best;
+    best = better ? cand : best;
+    best_tag = better ? (Mask{} + static_cast<Index>(t)) : best_tag;
+  }
+
+  // Backtrace, all lanes of the group side by side (independent chains of dependent loads, so
+  // the CPU overlaps them). A lane joins at its last position; a lane whose best score is -inf
+  // (every sequence forbidden) keeps its path at -1.
+  int64_t tag[kCount];
+  bool traced[kCount];
+  for (int64_t j = 0; j < count; ++j) {
+    traced[j] = n[j] > 0 && best[j] != neg_inf<scalar_t>();
+    tag[j] = best_tag[j];
+    if (n[j] > 0) score[sentence[j]] = best[j];
+  }
+  for (int64_t i = n_max - 1; i >= 0; --i) {
+    for (int64_t j = 0; j < count; ++j) {
+      if (!traced[j] || i >= n[j]) continue;
+      path[sentence[j] * L + i] = tag[j];
+      if (i > 0) tag[j] = backpointers[i * T + tag[j]][j];
+    }
+  }
+}
+
+// ---- the batch -----------------------------------------------------------------------------------
+// Which sentences go together, and whether the lane decoder beats the per-sentence kernel here.
+struct LanePlan {
+  std::vector<int64_t> order;    // the sentences of length >= 1, longest first (stable)
+  std::vector<int64_t> lengths;  // their lengths, in that order
+  int64_t num_groups = 0;        // groups of kCount consecutive sentences of `order`
+  bool use_lanes = false;
+};
+
+// The cost of one position of a lane group, in positions of one sentence of the per-sentence
+// kernel (viterbi_sentence). Measured with one thread, L = 128, full groups, on a 2-core AVX-512
+// VM (time of one group over time per sentence, the fixed cost of a call taken off both):
+//     T         9    16   24   37   50   64   100  128
+//     float    2.1  3.9  5.2  6.2  7.3  10.3 10.2 13
+//     double   1.8            5.0       5.9  2.0  2.1
+// About 1 + T / 8 while the per-sentence kernel holds its tags in registers (up to 8 vectors:
+// 128 floats, 64 doubles); past that it loops over memory and the ratio falls to 2 - 4. (A lane
+// group does T * T max-plus updates of kCount sentences per position; the per-sentence kernel
+// T * ceil(T / kCount) of one sentence, but as chains of dependent steps.)
+template <typename scalar_t>
+double lane_group_cost(int64_t T) {
+  constexpr int64_t kPerSentenceMaxTags = 8 * Lanes<scalar_t>::kCount;
+  return T <= kPerSentenceMaxTags ? 1.0 + T / 8.0 : 3.0;
+}
+
+// The cost model holds for AVX-512 builds only. Without AVX-512, GCC turns the comparisons and
+// selects on the 64-byte vectors of lanes.h into scalar code (in both kernels), and the lane
+// decoder measured 0.4x - 2x the time of the per-sentence kernel (-march=x86-64-v3 and the
+// portable default): there the per-sentence kernel stays the default.
+#if defined(__AVX512F__)
+inline constexpr bool kLaneCostModelHolds = true;
+#else
+inline constexpr bool kLaneCostModelHolds = false;
+#endif
+
+// The lane buffers of one thread are limited to this (they are kCount times the per-sentence
+// kernel's backpointers, plus a copy of a group's emissions); beyond it, the per-sentence kernel.
+inline constexpr int64_t kLaneMaxBufferBytes = int64_t{256} << 20;
+
+// CRFKIT_VITERBI_LANES=1 forces the lane decoder (where it can run: see plan_viterbi_lanes), =0
+// the per-sentence kernel; tests compare the two on the same inputs, benchmarks time both with
+// one build. Unset or empty: the cost model decides.
+inline int forced_viterbi_lanes() {
+  const char* value = std::getenv("CRFKIT_VITERBI_LANES");
+  if (value == nullptr || value[0] == '\0') return -1;
+  return value[0] == '1' ? 1 : 0;
+}
+
+// Sorts the sentences by length and decides. The estimated times, in sentence-positions, with P
+// threads: the per-sentence kernel max(sum of lengths / P, longest); the lane decoder
+// lane_group_cost(T) * max(sum over groups of the group's longest / P, longest), since a
+// group runs to its longest sentence and the groups are shared out longest first.
+template <typename scalar_t, typename bp_t>
+LanePlan plan_viterbi_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_t T) {
+  constexpr int64_t kCount = Lanes<scalar_t>::kCount;
+  LanePlan plan;
+  for (int64_t b = 0; b < B; ++b) {
+    if (lengths[b] > 0) plan.order.push_back(b);
+  }
+  std::stable_sort(plan.order.begin(), plan.order.end(),
+                   [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+  for (const int64_t b : plan.order) plan.lengths.push_back(lengths[b]);
+  const int64_t num_sentences = static_cast<int64_t>(plan.order.size());
+  plan.num_groups = (num_sentences + kCount - 1) / kCount;
+
+  const int64_t longest = num_sentences > 0 ? plan.lengths[0] : 0;
+  const int64_t buffer_bytes =
+      longest * T * (static_cast<int64_t>(sizeof(scalar_t)) + static_cast<int64_t>(sizeof(bp_t))) * kCount;
+  if (L > std::numeric_limits<int32_t>::max() || buffer_bytes > kLaneMaxBufferBytes) {
+    return plan;  // lengths are compared in int32 lanes (float); the buffers would be too large
+  }
+  const int forced = forced_viterbi_lanes();
+  if (forced >= 0) {
+    plan.use_lanes = forced == 1;
+    return plan;
+  }
+  if constexpr (!kLaneCostModelHolds) return plan;
+  const double threads = at::in_parallel_region() ? 1.0 : static_cast<double>(at::get_num_threads());
+  double sentence_positions = 0, group_positions = 0;
+  for (int64_t k = 0; k < num_sentences; ++k) {
+    sentence_positions += static_cast<double>(plan.lengths[k]);
+    if (k % kCount == 0) group_positions += static_cast<double>(plan.lengths[k]);
+  }
+  const double per_sentence_time = std::max(sentence_positions / threads, double(longest));
+  const double lanes_time = lane_group_cost<scalar_t>(T) * std::max(group_positions / threads, double(longest));
+  plan.use_lanes = lanes_time < per_sentence_time;
+  return plan;
+}
+
+// Viterbi for the batch with the lane decoder, as planned: scores (B,), paths (B, L) pre-filled
+// with -1. Sentences whose real positions hold NaN or +inf emissions are flagged in bad_sentence
+// (the caller raises); length-0 sentences score 0.
+template <typename scalar_t, typename bp_t>
+void viterbi_lanes(const LanePlan& plan, const scalar_t* emissions, const scalar_t* trans,
+                   const scalar_t* start, const scalar_t* end, const int64_t* lengths, int64_t B,
+                   int64_t L, int64_t T, int64_t* path, scalar_t* score,
+                   std::vector<char>& bad_sentence) {
+  constexpr int64_t kCount = Lanes<scalar_t>::kCount;
+  for (int64_t b = 0; b < B; ++b) {
+    if (lengths[b] == 0) score[b] = 0;  // the empty sequence
+  }
+  if (plan.num_groups == 0) return;
+  const int64_t num_sentences = static_cast<int64_t>(plan.order.size());
+  const std::vector<TagBlock> blocks = lane_tag_blocks(T);
+  // A work queue: each thread takes the next group until none is left. Groups come longest
+  // first, so the threads end close together whatever the spread of lengths.
+  std::atomic<int64_t> next_group{0};
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), plan.num_groups);
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+    LaneWork<scalar_t, bp_t> work(plan.lengths[0], T);
+    for (int64_t g = next_group++; g < plan.num_groups; g = next_group++) {
+      const int64_t first = g * kCount;
+      viterbi_lane_group<scalar_t, bp_t>(emissions, trans, start, end, L, T, &plan.order[first],
+                                         &plan.lengths[first], std::min(kCount, num_sentences - first),
+                                         blocks, work, path, score, bad_sentence);
+    }
+  });
+}
+
+}  // namespace cpu
+}  // namespace crfkit
