@@ -145,6 +145,22 @@ struct ForwardState {
 
 inline int64_t state_slots(int64_t B) { return (B + kGroup - 1) / kGroup * kGroup; }
 
+// Per-thread space for a lane group's rows when the op keeps no state (marginals, the backward
+// that recomputes the forward): kept between calls, because a fresh allocation of this size is
+// a fresh mapping whose page faults cost more than the scan itself (measured: 0.2 ms per call at
+// (32, 128, 9)). Uninitialised: a group writes every row it reads. Sizes above kMaxKept doubles
+// are not kept (they are freed when the thread's next call needs less).
+inline double* lane_rows_workspace(int64_t size) {
+  constexpr int64_t kMaxKept = int64_t(1) << 21;  // 16 MiB
+  thread_local std::unique_ptr<double[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (size > capacity || (capacity > kMaxKept && size <= kMaxKept)) {
+    buffer.reset(new double[size]);
+    capacity = size;
+  }
+  return buffer.get();
+}
+
 // One driver for the ops: they share the scans, the per-thread buffers, the checks.
 // Each sentence runs the probability-space fast path (prob_space.h) and falls back to the exact
 // log-space scans above when that path reports a value out of its range.
@@ -182,9 +198,7 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
     at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
       LaneWork work(T, pairwise);
       const bool own_rows = keep_rows && !(saving || from_state);
-      // Uninitialised (every row a group reads it has written first): no fill per call.
-      std::unique_ptr<double[]> own_a(own_rows ? new double[L * T * kGroup] : nullptr);
-      std::unique_ptr<double[]> own_w(own_rows ? new double[L * T * kGroup] : nullptr);
+      double* own_rows_buffer = own_rows ? lane_rows_workspace(2 * L * T * kGroup) : nullptr;
       for (int64_t grp = g_begin; grp < g_end; ++grp) {
         LaneGroup group(order.data() + grp * kGroup, len);
         for (int64_t j = 0; j < kGroup; ++j) {
@@ -199,8 +213,8 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
           std::fill(state.group_w_rows(grp, T) + group.n_max * T * kGroup, state.group_a_rows(grp + 1), 0.0);
         }
         if (group.n_max == 0) continue;  // only empty sentences: the per-sentence loop
-        double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_a.get();
-        double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_w.get();
+        double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_rows_buffer;
+        double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_rows_buffer + L * T * kGroup;
         const LaneVector zero = {};
         LaneMask finished = {};  // forward done (or, from a saved state, valid)
         if (from_state) {
