@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <memory>
 
 #include "../checks.h"
@@ -195,11 +196,16 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   if (lanes) {
     const std::vector<int64_t> order = lane_order(len, B);
     const int64_t groups = static_cast<int64_t>(order.size()) / kGroup;
-    at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
-      LaneWork work(T, pairwise);
+    // A work queue: each thread takes the next group until none is left. Groups come longest
+    // first, so the threads finish close together (fixed chunks would give one thread all the
+    // longest sentences).
+    std::atomic<int64_t> next_group{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), groups);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      ProbLaneWork work(T, pairwise);
       const bool own_rows = keep_rows && !(saving || from_state);
       double* own_rows_buffer = own_rows ? lane_rows_workspace(2 * L * T * kGroup) : nullptr;
-      for (int64_t grp = g_begin; grp < g_end; ++grp) {
+      for (int64_t grp = next_group++; grp < groups; grp = next_group++) {
         LaneGroup group(order.data() + grp * kGroup, len);
         for (int64_t j = 0; j < kGroup; ++j) {
           const int64_t b = group.sentence[j];

@@ -143,11 +143,11 @@ struct LaneGroup {
 constexpr int64_t kPairBatch = 8;  // positions per batch of rank-one updates (pair_acc)
 constexpr int64_t kTransposeChunk = 16;  // positions transposed at once (lanes_forward)
 
-struct LaneWork {
+struct ProbLaneWork {
   std::vector<LaneVector> x, a, d, b, gw, pair_acc;
   std::vector<LaneVector> pair_left, pair_right;  // (kPairBatch, T): the pending rank-one terms
   std::vector<double> transposed;  // (kTransposeChunk, T, kGroup) scores, or one position's outputs
-  LaneWork(int64_t T, bool pairwise)
+  ProbLaneWork(int64_t T, bool pairwise)
       : x(T), a(T), d(T), b(T), gw(T), pair_acc(pairwise ? T * T : 0),
         pair_left(pairwise ? kPairBatch * T : 0), pair_right(pairwise ? kPairBatch * T : 0),
         transposed(kTransposeChunk * T * kGroup) {}
@@ -158,7 +158,7 @@ struct LaneWork {
 // that failed (left the range, or log Z = -inf); writes log Z of the others.
 template <typename scalar_t>
 LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
-                       const ProbTables& tab, const LaneGroup& group, LaneWork& work,
+                       const ProbTables& tab, const LaneGroup& group, ProbLaneWork& work,
                        double* rows_a, double* rows_w, LaneVector& log_z) {
   const int64_t T = tab.T, stride = tab.stride;
   const double neg_inf = -std::numeric_limits<double>::infinity();
@@ -265,7 +265,7 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
 // Returns the lanes that failed: their outputs are partial and must be redone by the caller
 // (the transition gradient of a failed lane is never written).
 template <typename scalar_t, bool kPairwise>
-LaneMask lanes_backward(const ProbTables& tab, const LaneGroup& group, LaneWork& work,
+LaneMask lanes_backward(const ProbTables& tab, const LaneGroup& group, ProbLaneWork& work,
                         const double* rows_a, const double* rows_w, LaneVector g, LaneMask skip,
                         int64_t L, scalar_t* grad_emit, scalar_t* grad_trans,
                         scalar_t* grad_start, scalar_t* grad_end) {
