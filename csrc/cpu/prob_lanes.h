@@ -34,9 +34,18 @@ constexpr int64_t kGroup = kLanes;  // sentences per lane vector (8 doubles)
 constexpr int64_t kMaxLaneTags = 64;  // above this the per-sentence kernel is as fast
 
 // Whether the log-partition ops run on batch lanes for this shape: a group costs about what
-// two or three single-sentence scans cost (measured at T = 9 and 37), so lanes pay from one
-// full group on.
-inline bool use_lanes(int64_t B, int64_t T) { return T <= kMaxLaneTags && B >= kGroup; }
+// two or three single-sentence scans cost (measured at T = 9 and 37 on AVX-512), so lanes pay
+// from one full group on. Only in AVX-512 builds: without it GCC turns the comparisons and
+// selects on 64-byte vectors into scalar code (seen in the Viterbi lanes, viterbi_lanes.h), and
+// the per-sentence scans stay the faster choice there.
+inline bool use_lanes(int64_t B, int64_t T) {
+#if defined(__AVX512F__)
+  return T <= kMaxLaneTags && B >= kGroup;
+#else
+  (void)B, (void)T;
+  return false;
+#endif
+}
 
 // Sentence indices sorted by length, longest first (stable), padded with -1 to a whole number of
 // groups: group g is order[g * kGroup .. (g + 1) * kGroup).
