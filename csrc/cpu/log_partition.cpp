@@ -178,8 +178,6 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   const scalar_t* en = end.data_ptr<scalar_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const ProbTables tables(trans, en, T);
-  const ScaledTransitions<scalar_t> by_col(trans, T, /*by_column=*/true);
-  const ScaledTransitions<scalar_t> by_row(trans, T, /*by_column=*/false);
   constexpr bool saving = kOut == Output::kLogPartitionSaving;
   constexpr bool from_state = kOut == Output::kBackwardFromState;
   constexpr bool writes_log_z = kOut == Output::kLogPartition || saving;
@@ -213,6 +211,11 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
           if (emit_out != nullptr) std::fill(emit_out + b * L * T, emit_out + (b + 1) * L * T, scalar_t(0));
           // NaN / +inf: left to the per-sentence loop, which reports it
           if (has_nan_or_posinf(emit + b * L * T, len[b] * T)) group.length[j] = 0;
+          if (len[b] == 0) {  // the empty sequence: log Z = 0, nothing to differentiate
+            if (writes_log_z) log_z_out[b] = 0;
+            if (saving) state.status[b] = kNoGradient;
+            done[b] = 1;
+          }
         }
         if (saving) {  // lanes_forward writes the rows before n_max; the rest must not be leftovers
           std::fill(state.group_a_rows(grp) + group.n_max * T * kGroup, state.group_w_rows(grp, T), 0.0);
@@ -267,6 +270,14 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   for (int64_t b = 0; b < B; ++b) {
     if (!done[b]) left.push_back(b);
   }
+  if (left.empty()) {
+    raise_if_bad_emissions(bad);
+    return;
+  }
+  // The exact log-space path's tables: 2 T^2 exponentials, made only when some sentence may
+  // need them (after the lanes, usually none does).
+  const ScaledTransitions<scalar_t> by_col(trans, T, /*by_column=*/true);
+  const ScaledTransitions<scalar_t> by_row(trans, T, /*by_column=*/false);
   at::parallel_for(0, static_cast<int64_t>(left.size()), 1, [&](int64_t l_begin, int64_t l_end) {
     // Fast path: scaled probabilities in double (in the saved state when there is one).
     // Exact path: normalised log space. After the lanes, a sentence keeps nothing in the
