@@ -5,9 +5,11 @@
 // loops have no scalar tail.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace crfkit {
 namespace cpu {
@@ -26,6 +28,19 @@ template <typename scalar_t>
 inline int64_t padded_to_lanes(int64_t n) {
   constexpr int64_t k = Lanes<scalar_t>::kCount;
   return (n + k - 1) / k * k;
+}
+
+// The sentences b with lengths[b] >= min_length, longest first; equal lengths keep batch order
+// (stable). Both batch-lane kernels group consecutive sentences of this order, so a group
+// wastes few positions.
+inline std::vector<int64_t> longest_first(const int64_t* lengths, int64_t B, int64_t min_length) {
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < B; ++b) {
+    if (lengths[b] >= min_length) order.push_back(b);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+  return order;
 }
 
 template <typename scalar_t>

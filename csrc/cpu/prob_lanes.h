@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <numeric>
 #include <vector>
 
 #include "fast_exp.h"
@@ -50,10 +49,7 @@ inline bool use_lanes(int64_t B, int64_t T) {
 // Sentence indices sorted by length, longest first (stable), padded with -1 to a whole number of
 // groups: group g is order[g * kGroup .. (g + 1) * kGroup).
 inline std::vector<int64_t> lane_order(const int64_t* lengths, int64_t B) {
-  std::vector<int64_t> order(B);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+  std::vector<int64_t> order = longest_first(lengths, B, 0);
   order.resize((B + kGroup - 1) / kGroup * kGroup, -1);
   return order;
 }

@@ -367,11 +367,7 @@ template <typename scalar_t, typename bp_t>
 LanePlan plan_viterbi_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_t T) {
   constexpr int64_t kCount = Lanes<scalar_t>::kCount;
   LanePlan plan;
-  for (int64_t b = 0; b < B; ++b) {
-    if (lengths[b] > 0) plan.order.push_back(b);
-  }
-  std::stable_sort(plan.order.begin(), plan.order.end(),
-                   [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+  plan.order = longest_first(lengths, B, 1);
   for (const int64_t b : plan.order) plan.lengths.push_back(lengths[b]);
   const int64_t num_sentences = static_cast<int64_t>(plan.order.size());
   plan.num_groups = (num_sentences + kCount - 1) / kCount;
