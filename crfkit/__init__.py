@@ -9,7 +9,7 @@ See crfkit.functional for shapes and conventions, crfkit.backend_info() for whic
 implementation runs.
 """
 from . import constraints, reference
-from .backends import backend_info, set_backend, use_backend
+from .backends import backend_info, cached_memory, release_cached_memory, set_backend, use_backend
 from .distribution import LinearChainCRF
 from .functional import (
     KBest,
@@ -31,6 +31,7 @@ __all__ = [
     "KBest",
     "LinearChainCRF",
     "backend_info",
+    "cached_memory",
     "constraints",
     "distill",
     "expected_transition_counts",
@@ -39,6 +40,7 @@ __all__ = [
     "log_partition",
     "marginals",
     "reference",
+    "release_cached_memory",
     "sequence_score",
     "set_backend",
     "use_backend",

@@ -7,9 +7,33 @@
 #include <Python.h>
 #include <torch/library.h>
 
-// Importing crfkit._C loads this library and so registers the ops; the module itself is empty.
+#include "cpu/state_cache.h"
+
+namespace {
+
+// crfkit._C.release_cached_memory() -> int: frees the recycled state buffers
+// (csrc/cpu/state_cache.h) and returns the bytes freed.
+PyObject* release_cached_memory(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(crfkit::cpu::release_cached_state());
+}
+
+// crfkit._C.cached_memory() -> int: the bytes the state cache holds now.
+PyObject* cached_memory(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(crfkit::cpu::cached_state_bytes());
+}
+
+PyMethodDef methods[] = {
+    {"release_cached_memory", release_cached_memory, METH_NOARGS, "Free crfkit's cached CPU buffers."},
+    {"cached_memory", cached_memory, METH_NOARGS, "Bytes of CPU buffers crfkit keeps between calls."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+// Importing crfkit._C loads this library and so registers the ops; the module has two functions
+// for the memory crfkit keeps between calls.
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 

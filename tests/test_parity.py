@@ -160,6 +160,32 @@ def test_backward_from_saved_state_equals_the_plain_backward(scale, B):
         ops.log_partition_backward_saved(grad, em, tr, s, e, ln, state.float(), status)
 
 
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("B", [6, 21])
+def test_recycled_state_memory_leaves_no_trace(B):
+    # The saved state lives in recycled buffers (csrc/cpu/state_cache.h): a state computed in a
+    # buffer left full of NaN by an earlier call must equal, bit for bit, one computed in fresh
+    # memory, and so must the gradients; release_cached_memory() frees the kept buffers.
+    em, tr, ln, s, e = random_crf(B, 9, 5)
+    ops = torch.ops.crfkit
+    crfkit.release_cached_memory()
+    _, state, _ = ops.log_partition_saving(em, tr, s, e, ln)
+    fresh_state = state.clone()
+    state.fill_(math.nan)
+    del state  # its buffer is kept, NaN-filled
+    assert crfkit.cached_memory() >= fresh_state.numel() * 8
+    log_z, reused_state, status = ops.log_partition_saving(em, tr, s, e, ln)
+    assert crfkit.cached_memory() == 0  # the kept buffer was taken
+    assert torch.equal(reused_state, fresh_state)
+    grad = torch.randn(B, dtype=torch.float64)
+    saved = ops.log_partition_backward_saved(grad, em, tr, s, e, ln, reused_state, status)
+    for got, want in zip(saved, ops.log_partition_backward(grad, em, tr, s, e, ln)):
+        assert torch.equal(got, want)
+    del reused_state
+    assert crfkit.release_cached_memory() > 0
+    assert crfkit.cached_memory() == 0
+
+
 @pytest.mark.parametrize("T", [1, 3, 9, 16, 37, 64])
 def test_lane_groups_match_the_reference(backend, T):
     # B = 21: two full lane groups of 8 and a partial one in the C++ backend, sorted by length,

@@ -18,6 +18,7 @@
 #include "log_space.h"
 #include "prob_lanes.h"
 #include "prob_space.h"
+#include "state_cache.h"
 
 namespace crfkit {
 namespace cpu {
@@ -428,7 +429,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_saving_cpu(
   // Zeroed per sentence by the kernel: rows past a sentence's length are never written, and an
   // op's outputs must not depend on leftover memory (torch.compile and opcheck compare runs).
   const int64_t stride = padded_tags(T);
-  auto rows = at::empty({state_slots(B), 2, L, stride}, emissions.options().dtype(at::kDouble));
+  // Recycled memory (state_cache.h): a fresh block this size would page-fault on every call.
+  auto rows = recycled_double_tensor({state_slots(B), 2, L, stride});
   auto status = at::empty({B}, emissions.options().dtype(at::kByte));
   const ForwardState state{rows.data_ptr<double>(), status.data_ptr<uint8_t>(), L, stride};
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_saving", [&] {

@@ -1,0 +1,115 @@
+// The recycled state buffers of state_cache.h.
+#include "state_cache.h"
+
+#include <cstdlib>
+#include <c10/util/accumulate.h>
+
+#include <mutex>
+#include <vector>
+
+namespace crfkit {
+namespace cpu {
+namespace {
+
+// 64-byte aligned (whole cache lines, aligned vector loads); capacity is a multiple of kRounding.
+void* checked_aligned_alloc(int64_t capacity) {
+  void* data = std::aligned_alloc(64, static_cast<size_t>(capacity));
+  TORCH_CHECK(data != nullptr, "crfkit: out of memory allocating ", capacity, " bytes for the saved forward state");
+  return data;
+}
+
+constexpr int64_t kRounding = int64_t{1} << 16;  // 64 KiB
+
+struct KeptBuffer {
+  void* data;
+  int64_t bytes;
+};
+
+class StateCache {
+ public:
+  // Never destroyed: a tensor that outlives static destruction (freed at interpreter exit) still
+  // hands its buffer back here.
+  static StateCache& instance() {
+    static StateCache* cache = new StateCache;
+    return *cache;
+  }
+
+  // A buffer of at least `bytes` bytes (64-byte aligned) and its capacity.
+  KeptBuffer take(int64_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      int64_t best = -1;
+      for (int64_t k = 0; k < static_cast<int64_t>(kept_.size()); ++k) {
+        const int64_t capacity = kept_[k].bytes;
+        if (capacity >= bytes && capacity <= 2 * bytes + kRounding && (best < 0 || capacity < kept_[best].bytes)) best = k;
+      }
+      if (best >= 0) {
+        const KeptBuffer found = kept_[best];
+        kept_.erase(kept_.begin() + best);
+        kept_bytes_ -= found.bytes;
+        return found;
+      }
+    }
+    // Rounded up so that states of nearby sizes (another batch's longest sentence) fit each
+    // other's buffers.
+    const int64_t capacity = (bytes + kRounding - 1) / kRounding * kRounding;
+    return {checked_aligned_alloc(capacity), capacity};
+  }
+
+  void give_back(KeptBuffer buffer) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (kept_bytes_ + buffer.bytes <= kMaxCachedBytes &&
+          static_cast<int64_t>(kept_.size()) < kMaxCachedBuffers) {
+        kept_.push_back(buffer);
+        kept_bytes_ += buffer.bytes;
+        return;
+      }
+    }
+    std::free(buffer.data);
+  }
+
+  int64_t release() {
+    std::vector<KeptBuffer> freed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      freed.swap(kept_);
+      kept_bytes_ = 0;
+    }
+    int64_t bytes = 0;
+    for (const KeptBuffer& buffer : freed) {
+      bytes += buffer.bytes;
+      std::free(buffer.data);
+    }
+    return bytes;
+  }
+
+  int64_t kept_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return kept_bytes_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<KeptBuffer> kept_;
+  int64_t kept_bytes_ = 0;
+};
+
+}  // namespace
+
+at::Tensor recycled_double_tensor(at::IntArrayRef sizes) {
+  const int64_t numel = c10::multiply_integers(sizes);
+  const KeptBuffer buffer = StateCache::instance().take(std::max<int64_t>(numel, 1) * sizeof(double));
+  const int64_t capacity = buffer.bytes;
+  return at::from_blob(
+      buffer.data, sizes,
+      [capacity](void* data) { StateCache::instance().give_back({data, capacity}); },
+      at::TensorOptions().dtype(at::kDouble).device(at::kCPU));
+}
+
+int64_t release_cached_state() { return StateCache::instance().release(); }
+
+int64_t cached_state_bytes() { return StateCache::instance().kept_bytes(); }
+
+}  // namespace cpu
+}  // namespace crfkit
