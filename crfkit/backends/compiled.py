@@ -1,5 +1,6 @@
 """The compiled (C++ / CUDA) backend: loads crfkit._C and registers, for each op,
-a fake (meta) implementation so that torch.compile can trace it, and its autograd formula.
+a fake (meta) implementation so that torch.compile can trace it. The autograd formulas are
+registered in C++ (csrc/autograd.cpp), except the marginals' (below).
 
 The backward of every op is itself a registered op (log_partition_backward,
 sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module
@@ -111,37 +112,11 @@ def _(grad_scores, emissions, lengths, tags):
 
 
 # ---- autograd ---------------------------------------------------------------------------------
+# The formulas of log_partition, log_partition_saving, viterbi, kbest_viterbi and sequence_score
+# are registered in C++ (csrc/autograd.cpp), so that a call does not pass through Python's
+# autograd wrapper. The marginals' formula stays here: it differentiates the reference.
 def _save_crf_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:5])
-
-
-def _log_partition_backward(ctx, grad_log_z):
-    emissions, transitions, start, end, lengths = ctx.saved_tensors
-    grads = ops.log_partition_backward(grad_log_z.contiguous(), emissions, transitions, start, end, lengths)
-    return (*grads, None)
-
-
-torch.library.register_autograd("crfkit::log_partition", _log_partition_backward, setup_context=_save_crf_inputs)
-
-
-def _save_crf_inputs_and_state(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:5], *output[1:])  # output = (log_z, state, status)
-    # The state and status are never differentiated: without this, autograd would fill a zero
-    # gradient of the state's size (16 * B * L * T bytes) on every backward.
-    ctx.set_materialize_grads(False)
-
-
-def _log_partition_saving_backward(ctx, grad_log_z, _grad_state, _grad_status):
-    if grad_log_z is None:
-        return None, None, None, None, None
-    emissions, transitions, start, end, lengths, state, status = ctx.saved_tensors
-    grads = ops.log_partition_backward_saved(grad_log_z.contiguous(), emissions, transitions, start, end,
-                                             lengths, state, status)
-    return (*grads, None)
-
-
-torch.library.register_autograd("crfkit::log_partition_saving", _log_partition_saving_backward,
-                                setup_context=_save_crf_inputs_and_state)
 
 
 def _marginals_backward(ctx, grad_marginals):
@@ -156,46 +131,6 @@ def _marginals_backward(ctx, grad_marginals):
 
 
 torch.library.register_autograd("crfkit::marginals", _marginals_backward, setup_context=_save_crf_inputs)
-
-
-def _scatter_path_scores(emissions, lengths, paths, grad_scores):
-    """Gradient of path scores: ones at the emissions / transitions / start / end each path uses."""
-    return ops.sequence_score_backward(grad_scores.contiguous(), emissions, lengths, paths)
-
-
-def _save_for_decode(ctx, inputs, output):
-    emissions, _transitions, _start, _end, lengths = inputs[:5]
-    ctx.save_for_backward(emissions, lengths, output[1])  # output = (scores, paths)
-
-
-def _viterbi_backward(ctx, grad_scores, grad_paths):
-    emissions, lengths, paths = ctx.saved_tensors
-    grads = _scatter_path_scores(emissions, lengths, paths.unsqueeze(1), grad_scores.unsqueeze(1))
-    return (*grads, None)
-
-
-def _kbest_backward(ctx, grad_scores, grad_paths):
-    emissions, lengths, paths = ctx.saved_tensors
-    return (*_scatter_path_scores(emissions, lengths, paths, grad_scores), None, None)
-
-
-torch.library.register_autograd("crfkit::viterbi", _viterbi_backward, setup_context=_save_for_decode)
-torch.library.register_autograd("crfkit::kbest_viterbi", _kbest_backward, setup_context=_save_for_decode)
-
-
-def _save_for_sequence_score(ctx, inputs, output):
-    emissions, _transitions, _start, _end, lengths, tags = inputs
-    ctx.save_for_backward(emissions, lengths, tags)
-
-
-def _sequence_score_backward(ctx, grad_scores):
-    emissions, lengths, tags = ctx.saved_tensors
-    return (*_scatter_path_scores(emissions, lengths, tags, grad_scores), None, None)
-
-
-torch.library.register_autograd(
-    "crfkit::sequence_score", _sequence_score_backward, setup_context=_save_for_sequence_score
-)
 
 
 # ---- the backend interface (same order of arguments as crfkit.reference) ----------------------

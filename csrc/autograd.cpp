@@ -1,0 +1,197 @@
+// Autograd formulas of the crfkit ops, registered for the Autograd dispatch key (so for every
+// device: the backward of each op is itself an op, e.g. log_partition_backward, dispatched to
+// the kernels of the inputs' device).
+//
+// Why C++ and not torch.library.register_autograd in Python: with the Python formulas every
+// differentiable call passed through Python's autograd wrapper twice (forward and backward:
+// argument defaults, a Python autograd.Function, our Python backward), about 30-40 us per
+// forward+backward, more than the kernels themselves at (32, 128, 9). Here a call costs the
+// C++ autograd node only.
+//
+// The marginals keep their Python formula (crfkit/backends/compiled.py): their derivative is a
+// Hessian-vector product of log Z, taken through the reference implementation.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace crfkit {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Grads4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The crfkit op `name` with C++ signature Signature, looked up once.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// The four gradients (emissions, transitions, start, end) followed by `undefined` empty
+// gradients, one per argument that has none (lengths, tags, k).
+variable_list with_no_grad_for(const Grads4& grads, int undefined) {
+  variable_list out = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads), std::get<3>(grads)};
+  out.resize(4 + undefined);
+  return out;
+}
+
+// Gradient of path scores: ones at the emissions / transitions / start / end each path uses.
+// grad_scores (B, N), tags (B, N, L).
+Grads4 path_score_grads(const at::Tensor& grad_scores, const at::Tensor& emissions,
+                        const at::Tensor& lengths, const at::Tensor& tags) {
+  static const auto op = op_handle<Grads4(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&)>("crfkit::sequence_score_backward");
+  return op.call(grad_scores.contiguous(), emissions, lengths, tags);
+}
+
+// ---- log Z, recomputing the forward in the backward --------------------------------------------
+struct LogPartition : torch::autograd::Function<LogPartition> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
+                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, const at::Tensor&)>("crfkit::log_partition");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({emissions, transitions, start, end, lengths});
+    return op.call(emissions, transitions, start, end, lengths);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op =
+        op_handle<Grads4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&)>("crfkit::log_partition_backward");
+    const auto saved = ctx->get_saved_variables();
+    return with_no_grad_for(op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], saved[4]), 1);
+  }
+};
+
+at::Tensor log_partition_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
+                                  const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+  return LogPartition::apply(emissions, transitions, start, end, lengths);
+}
+
+// ---- log Z that keeps its forward state for the backward ---------------------------------------
+using SavingOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // log_z, state, status
+
+struct LogPartitionSaving : torch::autograd::Function<LogPartitionSaving> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
+                               const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+    static const auto op =
+        op_handle<SavingOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&)>("crfkit::log_partition_saving");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [log_z, state, status] = op.call(emissions, transitions, start, end, lengths);
+    ctx->save_for_backward({emissions, transitions, start, end, lengths, state, status});
+    ctx->mark_non_differentiable({state, status});
+    // The state and status are never differentiated: without this, autograd would fill a zero
+    // gradient of the state's size (16 * B * L * T bytes) on every backward.
+    ctx->set_materialize_grads(false);
+    return {log_z, state, status};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(5);
+    static const auto op =
+        op_handle<Grads4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+            "crfkit::log_partition_backward_saved");
+    const auto saved = ctx->get_saved_variables();
+    return with_no_grad_for(op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], saved[4],
+                                    saved[5], saved[6]),
+                            1);
+  }
+};
+
+SavingOutputs log_partition_saving_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
+                                            const at::Tensor& start, const at::Tensor& end,
+                                            const at::Tensor& lengths) {
+  const auto out = LogPartitionSaving::apply(emissions, transitions, start, end, lengths);
+  return {out[0], out[1], out[2]};
+}
+
+// ---- decoders: the scores are differentiable (sums of the scores the paths use) ----------------
+using DecodeOutputs = std::tuple<at::Tensor, at::Tensor>;  // scores, paths
+
+struct Viterbi : torch::autograd::Function<Viterbi> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
+                               const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+    static const auto op = op_handle<DecodeOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, const at::Tensor&)>("crfkit::viterbi");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [scores, paths] = op.call(emissions, transitions, start, end, lengths);
+    ctx->save_for_backward({emissions, lengths, paths});
+    ctx->mark_non_differentiable({paths});
+    return {scores, paths};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();  // emissions, lengths, paths (B, L)
+    return with_no_grad_for(path_score_grads(grads[0].unsqueeze(1), saved[0], saved[1], saved[2].unsqueeze(1)), 1);
+  }
+};
+
+DecodeOutputs viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                               const at::Tensor& end, const at::Tensor& lengths) {
+  const auto out = Viterbi::apply(emissions, transitions, start, end, lengths);
+  return {out[0], out[1]};
+}
+
+struct KBestViterbi : torch::autograd::Function<KBestViterbi> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
+                               const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
+                               int64_t k) {
+    static const auto op =
+        op_handle<DecodeOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, int64_t)>("crfkit::kbest_viterbi");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [scores, paths] = op.call(emissions, transitions, start, end, lengths, k);
+    ctx->save_for_backward({emissions, lengths, paths});
+    ctx->mark_non_differentiable({paths});
+    return {scores, paths};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();  // emissions, lengths, paths (B, K, L)
+    return with_no_grad_for(path_score_grads(grads[0], saved[0], saved[1], saved[2]), 2);
+  }
+};
+
+DecodeOutputs kbest_viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
+                                     const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
+                                     int64_t k) {
+  const auto out = KBestViterbi::apply(emissions, transitions, start, end, lengths, k);
+  return {out[0], out[1]};
+}
+
+// ---- the score of given tag sequences ------------------------------------------------------------
+struct SequenceScore : torch::autograd::Function<SequenceScore> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
+                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
+                            const at::Tensor& tags) {
+    static const auto op =
+        op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&)>("crfkit::sequence_score");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({emissions, lengths, tags});
+    return op.call(emissions, transitions, start, end, lengths, tags);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();  // emissions, lengths, tags (B, N, L)
+    return with_no_grad_for(path_score_grads(grads[0], saved[0], saved[1], saved[2]), 2);
+  }
+};
+
+at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
+                                   const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
+                                   const at::Tensor& tags) {
+  return SequenceScore::apply(emissions, transitions, start, end, lengths, tags);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(crfkit, Autograd, m) {
+  m.impl("log_partition", &log_partition_autograd);
+  m.impl("log_partition_saving", &log_partition_saving_autograd);
+  m.impl("viterbi", &viterbi_autograd);
+  m.impl("kbest_viterbi", &kbest_viterbi_autograd);
+  m.impl("sequence_score", &sequence_score_autograd);
+}
+
+}  // namespace crfkit
