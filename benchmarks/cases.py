@@ -243,10 +243,19 @@ OPS: Dict[str, Op] = {
 
 
 # ---- the grid ---------------------------------------------------------------------------------
-def grid(full: bool = False, limit: Optional[int] = None, ops: Optional[Sequence[str]] = None) -> List[Case]:
-    """The cells, grouped by shape (small shapes first). `limit` keeps the first `limit` cells,
-    `ops` keeps only those ops (both are for smoke-testing a code path, e.g. the full grid)."""
-    if full:
+# The shapes of the project's targets (the peer comparison and the roofline at B >= 32).
+TARGET_SHAPES = ((32, 128, 9), (256, 128, 37), (1, 512, 9))
+TARGET_KS = (5, 15)
+
+
+def grid(full: bool = False, limit: Optional[int] = None, ops: Optional[Sequence[str]] = None,
+         shapes: Optional[Sequence[Tuple[int, int, int]]] = None) -> List[Case]:
+    """The cells, grouped by shape (small shapes first). `shapes` replaces the grid's shapes
+    (with K in TARGET_KS for k-best). `limit` keeps the first `limit` cells, `ops` keeps only
+    those ops (both are for smoke-testing a code path, e.g. the full grid)."""
+    if shapes:
+        shapes, ks = list(shapes), TARGET_KS
+    elif full:
         shapes = [(B, L, T) for T in TAGS for L in LENGTHS for B in BATCHES]
         ks = KS
     else:

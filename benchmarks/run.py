@@ -1,6 +1,6 @@
 """Time crfkit's core ops, compiled vs reference, over the grid of benchmarks/cases.py.
 
-    python benchmarks/run.py [--quick | --full] [--out benchmarks/results/core_cpu]
+    python benchmarks/run.py [--quick | --full | --targets | --shapes BxLxT,...] [--out PATH]
 
 For every cell (op, B, L, T, K), in one process:
   1. correctness: the compiled result is compared with the reference (cases.check_case);
@@ -19,7 +19,10 @@ Writes <out>.md and <out>.json (machine, versions, command, date, cells) and pri
 markdown. ratio = reference ms / compiled ms; tokens/s = B * L / compiled seconds (padded
 positions count as tokens).
 
---limit N and --ops a,b cut the grid (to smoke-test a code path, e.g. --full --limit 3).
+--targets runs the shapes of the project's targets, (32, 128, 9), (256, 128, 37) and
+(1, 512, 9), with K = 5 and 15 (about 10 minutes: the reference is slow there); --shapes picks
+any shapes the same way. --limit N and --ops a,b cut the grid (to smoke-test a code path, e.g.
+--full --limit 3).
 """
 from __future__ import annotations
 
@@ -226,9 +229,9 @@ def summary(rows: List[dict]) -> List[dict]:
     return out
 
 
-def markdown(env: dict, rows: List[dict], heads: List[dict], full: bool) -> str:
+def markdown(env: dict, rows: List[dict], heads: List[dict], grid_name: str) -> str:
     m = env["machine"]
-    lines = [f"# crfkit core ops on CPU: compiled vs reference ({'full' if full else 'quick'} grid)", ""]
+    lines = [f"# crfkit core ops on CPU: compiled vs reference ({grid_name} grid)", ""]
     lines += ["## Summary (targets: ratio reference / compiled)", ""]
     lines += _table(["cell", "compiled ms", "reference ms", "ratio", "target", "verdict", "others' CPU",
                      "correctness"], [
@@ -279,12 +282,26 @@ def markdown(env: dict, rows: List[dict], heads: List[dict], full: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _parse_shapes(text: str) -> List[tuple]:
+    """"32x128x9,256x128x37" -> [(32, 128, 9), (256, 128, 37)]"""
+    try:
+        shapes = [tuple(int(n) for n in item.lower().split("x")) for item in text.split(",") if item]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(shape) != 3 or min(shape) < 1 for shape in shapes):
+        raise SystemExit(f"--shapes must be comma-separated BxLxT with positive sizes, got {text!r}")
+    return shapes
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     grid = parser.add_mutually_exclusive_group()
     grid.add_argument("--quick", action="store_true", help="the quick subset (default)")
     grid.add_argument("--full", action="store_true", help="the full grid (long: reference cells up to ~10 s each)")
+    grid.add_argument("--targets", action="store_true",
+                      help="the shapes of the project's targets: " + ", ".join(map(str, cases.TARGET_SHAPES)))
+    grid.add_argument("--shapes", help="comma-separated shapes BxLxT, e.g. 32x128x9,256x128x37 (K = 5, 15)")
     parser.add_argument("--out", help="output path without extension "
                         "(default benchmarks/results/core_cpu, or core_cpu_quick with --quick)")
     parser.add_argument("--limit", type=int, help="keep the first N cells of the grid")
@@ -301,10 +318,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv[1:])
 
     full = args.full
+    shapes = cases.TARGET_SHAPES if args.targets else _parse_shapes(args.shapes) if args.shapes else None
+    grid_name = "full" if full else "targets" if args.targets else "shapes" if shapes else "quick"
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out) if args.out else HERE / "results" / ("core_cpu" if full else "core_cpu_quick")
-    grid_cases = cases.grid(full, args.limit, args.ops.split(",") if args.ops else None)
+    default_out = {"full": "core_cpu", "quick": "core_cpu_quick"}.get(grid_name, f"core_cpu_{grid_name}")
+    out = Path(args.out) if args.out else HERE / "results" / default_out
+    grid_cases = cases.grid(full, args.limit, args.ops.split(",") if args.ops else None, shapes)
     env = environment(argv)
     env["min_run_time"] = args.min_run_time
     env["reference_budget_s"] = args.budget
@@ -322,10 +342,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     env["machine"]["load_average_at_end"] = list(os.getloadavg())
     heads = summary(rows)
-    text = markdown(env, rows, heads, full)
+    text = markdown(env, rows, heads, grid_name)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.md").write_text(text)
-    report = {**env, "grid": "full" if full else "quick", "summary": [
+    report = {**env, "grid": grid_name, "summary": [
         {"cell": h["cell"], "target_ratio": h["target"], "verdict": h["verdict"],
          "ratio": h["row"]["ratio"] if h["row"] else None,
          "other_load": h["row"]["other_load"] if h["row"] else None} for h in heads], "cells": rows}
