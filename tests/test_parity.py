@@ -1,6 +1,7 @@
 """Every backend against the reference on larger random inputs (values and gradients, float64
 to about 1e-10, float32 to about 1e-4 relative), gradcheck in float64, opcheck on each
 registered op, torch.compile(fullgraph=True), and hypothesis property tests."""
+import functools
 import math
 import os
 
@@ -326,3 +327,59 @@ def test_viterbi_lane_groups_equal_the_reference_exactly(backend, monkeypatch, d
     assert torch.equal(scores, want_scores)
     assert scores[3] == -math.inf and (paths[3] == -1).all()
     assert (scores[[1, 10, 20]] == 0).all() and (paths[[1, 10, 20]] == -1).all()
+
+
+def _kbest_lane_case(dtype, T):
+    """37 sentences, 3 of length 0, make full lane groups and a partial one, whose lanes end at
+    different positions; integer scores make many exact ties (the tie rule decides which paths
+    are listed and in which order); one transition is forbidden and sentence 3 has no allowed
+    path at all (every row missing)."""
+    gen = torch.Generator().manual_seed(200 + T)
+    B, L = 37, 12
+    em = torch.randint(-3, 4, (B, L, T), generator=gen).to(dtype)
+    tr = torch.randint(-3, 4, (T, T), generator=gen).to(dtype)
+    if T > 1:
+        tr[0, T // 2] = -math.inf
+    start = torch.randint(-2, 3, (T,), generator=gen).to(dtype)
+    end = torch.randint(-2, 3, (T,), generator=gen).to(dtype)
+    ln = torch.randint(1, L + 1, (B,), generator=gen)
+    ln[[0, 9, 30]] = L
+    ln[[1, 10, 20]] = 0
+    ln[[2, 11, 25]] = 1
+    ln[[4, 26]] = 2
+    ln[3] = 7
+    em[3, 4] = -math.inf  # every tag forbidden at one position: no allowed path
+    return em, tr, ln, start, end
+
+
+@functools.lru_cache(maxsize=None)
+def _kbest_lane_reference(dtype, T, k):
+    with crfkit.use_backend("reference"):
+        want = crfkit.kbest_viterbi(*_kbest_lane_case(dtype, T)[:2], k, *_kbest_lane_case(dtype, T)[2:])
+    return want.paths, want.scores
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T", [1, 2, 9, 16, 17, 37, 64])
+@pytest.mark.parametrize("kernel", ["lanes", "per_sentence", "auto"])
+def test_kbest_lane_groups_equal_the_reference_exactly(monkeypatch, dtype, T, kernel):
+    # The compiled k-best decodes groups of 16 float / 8 double sentences side by side (one per
+    # SIMD lane, csrc/cpu/kbest_lanes.h), sorted by length, or one sentence at a time;
+    # CRFKIT_VITERBI_LANES forces either (unset: a cost model chooses). k = 15 and 40 exceed the
+    # number of sequences of the short sentences (T^length), and 40 needs two-byte backpointers
+    # at T >= 7 (lists kept in memory instead of registers). Paths and scores must equal the
+    # reference's, bit for bit.
+    monkeypatch.setenv("CRFKIT_VITERBI_LANES", {"lanes": "1", "per_sentence": "0", "auto": ""}[kernel])
+    em, tr, ln, start, end = _kbest_lane_case(dtype, T)
+    for k in (2, 5, 15, 40):
+        with crfkit.use_backend("compiled"):
+            best = crfkit.kbest_viterbi(em, tr, k, ln, start, end)
+        want_paths, want_scores = _kbest_lane_reference(dtype, T, k)
+        assert torch.equal(best.paths, want_paths), k
+        assert torch.equal(best.scores, want_scores), k
+        assert (best.scores[3] == -math.inf).all() and (best.paths[3] == -1).all()
+        assert (best.scores[[1, 10, 20], 0] == 0).all() and (best.paths[[1, 10, 20]] == -1).all()
+        if k > T:  # a length-1 sentence has T sequences: the rows after them are missing
+            assert (best.scores[[2, 11, 25], T:] == -math.inf).all()
+            assert torch.isfinite(best.scores[[2, 11, 25], :T]).all()

@@ -113,15 +113,15 @@ inline void lane_step_block_of_size(int size, const typename LaneTypes<scalar_t,
   }
 }
 
-// The tags cut into blocks of at most kLaneTagBlock, as even as possible (37 -> 8, 8, 7, 7, 7), so
+// The tags cut into blocks of at most max_size (kLaneTagBlock), as even as possible (37 -> 8, 8, 7, 7, 7), so
 // no block is left with too few independent chains to hide the compare-and-select latency.
 struct TagBlock {
   int64_t first;
   int size;
 };
 
-inline std::vector<TagBlock> lane_tag_blocks(int64_t T) {
-  const int64_t count = (T + kLaneTagBlock - 1) / kLaneTagBlock;
+inline std::vector<TagBlock> lane_tag_blocks(int64_t T, int64_t max_size = kLaneTagBlock) {
+  const int64_t count = (T + max_size - 1) / max_size;
   std::vector<TagBlock> blocks;
   for (int64_t k = 0, first = 0; k < count; ++k) {
     const int size = static_cast<int>(T / count + (k < T % count ? 1 : 0));
@@ -350,21 +350,26 @@ inline constexpr bool kLaneCostModelHolds = false;
 // kernel's backpointers, plus a copy of a group's emissions); beyond it, the per-sentence kernel.
 inline constexpr int64_t kLaneMaxBufferBytes = int64_t{256} << 20;
 
-// CRFKIT_VITERBI_LANES=1 forces the lane decoder (where it can run: see plan_viterbi_lanes), =0
-// the per-sentence kernel; tests compare the two on the same inputs, benchmarks time both with
-// one build. Unset or empty: the cost model decides.
+// CRFKIT_VITERBI_LANES=1 forces the lane decoders of both Viterbi (this file) and k-best Viterbi
+// (kbest_lanes.h), where they can run (see plan_lanes); =0 forces the per-sentence kernels of
+// both. Tests compare the two on the same inputs, benchmarks time both with one build. Unset or
+// empty: the cost models decide.
 inline int forced_viterbi_lanes() {
   const char* value = std::getenv("CRFKIT_VITERBI_LANES");
   if (value == nullptr || value[0] == '\0') return -1;
   return value[0] == '1' ? 1 : 0;
 }
 
-// Sorts the sentences by length and decides. The estimated times, in sentence-positions, with P
-// threads: the per-sentence kernel max(sum of lengths / P, longest); the lane decoder
-// lane_group_cost(T) * max(sum over groups of the group's longest / P, longest), since a
-// group runs to its longest sentence and the groups are shared out longest first.
-template <typename scalar_t, typename bp_t>
-LanePlan plan_viterbi_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_t T) {
+// Sorts the sentences by length and decides, for a lane decoder whose per-thread buffers take
+// buffer_bytes_per_position bytes per position of the longest sentence, and one position of a
+// lane group costs group_cost positions of one sentence in the per-sentence kernel. The
+// estimated times, in sentence-positions, with P threads: the per-sentence kernel
+// max(sum of lengths / P, longest); the lane decoder
+// group_cost * max(sum over groups of the group's longest / P, longest), since a group runs to
+// its longest sentence and the groups are shared out longest first.
+template <typename scalar_t>
+LanePlan plan_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_t buffer_bytes_per_position,
+                    double group_cost) {
   constexpr int64_t kCount = Lanes<scalar_t>::kCount;
   LanePlan plan;
   plan.order = longest_first(lengths, B, 1);
@@ -373,9 +378,8 @@ LanePlan plan_viterbi_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_
   plan.num_groups = (num_sentences + kCount - 1) / kCount;
 
   const int64_t longest = num_sentences > 0 ? plan.lengths[0] : 0;
-  const int64_t buffer_bytes =
-      longest * T * (static_cast<int64_t>(sizeof(scalar_t)) + static_cast<int64_t>(sizeof(bp_t))) * kCount;
-  if (L > std::numeric_limits<int32_t>::max() || buffer_bytes > kLaneMaxBufferBytes) {
+  if (L > std::numeric_limits<int32_t>::max() ||
+      longest > kLaneMaxBufferBytes / std::max<int64_t>(buffer_bytes_per_position, 1)) {
     return plan;  // lengths are compared in int32 lanes (float); the buffers would be too large
   }
   const int forced = forced_viterbi_lanes();
@@ -391,9 +395,36 @@ LanePlan plan_viterbi_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_
     if (k % kCount == 0) group_positions += static_cast<double>(plan.lengths[k]);
   }
   const double per_sentence_time = std::max(sentence_positions / threads, double(longest));
-  const double lanes_time = lane_group_cost<scalar_t>(T) * std::max(group_positions / threads, double(longest));
+  const double lanes_time = group_cost * std::max(group_positions / threads, double(longest));
   plan.use_lanes = lanes_time < per_sentence_time;
   return plan;
+}
+
+template <typename scalar_t, typename bp_t>
+LanePlan plan_viterbi_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_t T) {
+  const int64_t bytes_per_position =
+      T * (static_cast<int64_t>(sizeof(scalar_t)) + static_cast<int64_t>(sizeof(bp_t))) * Lanes<scalar_t>::kCount;
+  return plan_lanes<scalar_t>(lengths, B, L, bytes_per_position, lane_group_cost<scalar_t>(T));
+}
+
+// Runs decode_group(work, first, count) for every group of the plan (the sentences
+// plan.order[first .. first + count)), on the threads of at::parallel_for, each with its own
+// work space make_work(). A work queue: each thread takes the next group until none is left.
+// Groups come longest first, so the threads end close together whatever the spread of lengths.
+template <typename scalar_t, typename MakeWork, typename DecodeGroup>
+void for_each_lane_group(const LanePlan& plan, MakeWork&& make_work, DecodeGroup&& decode_group) {
+  constexpr int64_t kCount = Lanes<scalar_t>::kCount;
+  if (plan.num_groups == 0) return;
+  const int64_t num_sentences = static_cast<int64_t>(plan.order.size());
+  std::atomic<int64_t> next_group{0};
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), plan.num_groups);
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+    auto work = make_work();
+    for (int64_t g = next_group++; g < plan.num_groups; g = next_group++) {
+      const int64_t first = g * kCount;
+      decode_group(work, first, std::min(kCount, num_sentences - first));
+    }
+  });
 }
 
 // Viterbi for the batch with the lane decoder, as planned: scores (B,), paths (B, L) pre-filled
@@ -404,26 +435,17 @@ void viterbi_lanes(const LanePlan& plan, const scalar_t* emissions, const scalar
                    const scalar_t* start, const scalar_t* end, const int64_t* lengths, int64_t B,
                    int64_t L, int64_t T, int64_t* path, scalar_t* score,
                    std::vector<char>& bad_sentence) {
-  constexpr int64_t kCount = Lanes<scalar_t>::kCount;
   for (int64_t b = 0; b < B; ++b) {
     if (lengths[b] == 0) score[b] = 0;  // the empty sequence
   }
-  if (plan.num_groups == 0) return;
-  const int64_t num_sentences = static_cast<int64_t>(plan.order.size());
   const std::vector<TagBlock> blocks = lane_tag_blocks(T);
-  // A work queue: each thread takes the next group until none is left. Groups come longest
-  // first, so the threads end close together whatever the spread of lengths.
-  std::atomic<int64_t> next_group{0};
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), plan.num_groups);
-  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-    LaneWork<scalar_t, bp_t> work(plan.lengths[0], T);
-    for (int64_t g = next_group++; g < plan.num_groups; g = next_group++) {
-      const int64_t first = g * kCount;
-      viterbi_lane_group<scalar_t, bp_t>(emissions, trans, start, end, L, T, &plan.order[first],
-                                         &plan.lengths[first], std::min(kCount, num_sentences - first),
-                                         blocks, work, path, score, bad_sentence);
-    }
-  });
+  for_each_lane_group<scalar_t>(
+      plan, [&] { return LaneWork<scalar_t, bp_t>(plan.lengths[0], T); },
+      [&](LaneWork<scalar_t, bp_t>& work, int64_t first, int64_t count) {
+        viterbi_lane_group<scalar_t, bp_t>(emissions, trans, start, end, L, T, &plan.order[first],
+                                           &plan.lengths[first], count, blocks, work, path, score,
+                                           bad_sentence);
+      });
 }
 
 }  // namespace cpu

@@ -1,0 +1,448 @@
+// Exact k-best Viterbi with several sentences per SIMD vector ("batch lanes"), as viterbi_lanes.h
+// does for Viterbi: lane j of every vector belongs to sentence j of a group of
+// Lanes<scalar_t>::kCount sentences (16 floats or 8 doubles), sorted longest first.
+//
+// Why: the per-sentence kernel (kbest_step in viterbi.cpp) puts the tags in lanes, so at small T
+// most lanes are idle (T = 9 fills 9 of 16), and each of its K merge rounds ends in a scalar
+// loop over the tags. Here every lane is a sentence, so all lanes work at any T.
+//
+// The algorithm and the arithmetic are those of kbest_step / merge_top_k, lane by lane, so paths
+// and scores are bit-identical (ties included). For each position i >= 1 and target tag t, the
+// K best of the T sorted lists lists[s][0 .. K) (list s offset by trans[s, t]) are merged in K
+// rounds; a round is an argmax over the lists' current heads
+//     head[s] = lists[s][rank[s]] + trans[s, t]
+// with strict `>` over s upward (the smaller predecessor wins a tie; within a list the earlier
+// rank comes first), then
+//     next[t][round] = best + emit[i, t],   backpointer = (s, rank[s]) of the head taken,
+// and the list it came from advances: rank[s] += 1 and its new head is fetched. In lanes the
+// taken list differs from lane to lane, so its new head is a gather (one per round) from the
+// lists, which are stored [s][r][lane]. The final choice over last tags is the same merge with
+// offsets end[s] instead of trans[s, t].
+//
+// Layout details that keep the round branch-free and its gather in bounds:
+// - Each list has K + 1 slots; slot K is a -inf sentinel, so a list that has given all K of its
+//   entries yields -inf heads (as the per-sentence kernel's `rank + 1 < K ? ... : -inf`).
+//   A round advances one list per lane, so after K rounds no rank passes K: every gather reads
+//   inside the list it advances, whatever the values (even NaN in a lane being discarded).
+// - A head is tracked by its slot address in the lists, idx = (s * (K + 1) + rank) * kCount + j
+//   (j the lane), so the argmax carries one integer per head, the gather reads lists at idx +
+//   kCount, and the list taken in a lane is the s with idx[s] == the winning idx (addresses of
+//   different lists never coincide). The backpointer is the slot code s * (K + 1) + rank =
+//   idx / kCount, and the backtrace stores its backpointers with K + 1 slots per tag too, so a
+//   code is directly the offset of the predecessor's backpointer.
+// - When only -inf is left in a lane, the round still "takes" a list there (the first one); its
+//   next heads are -inf as well (a list whose head is -inf is exhausted, or trans[s, t] = -inf),
+//   so that lane only produces -inf entries, as the per-sentence kernel's early stop does. The
+//   backpointers written for -inf entries are never followed.
+// Lanes whose sentence has ended keep their lists (a blend on the active lanes), so the final
+// merge runs once per group, after the longest sentence.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "../backpointers.h"
+#include "lanes.h"
+#include "log_space.h"
+#include "viterbi_lanes.h"
+
+namespace crfkit {
+namespace cpu {
+
+// v[j] = base[index[j]] for every lane j (index in elements of scalar_t). (The masked form with
+// every lane on: GCC 12's unmasked one warns of an uninitialised source.)
+template <typename scalar_t>
+inline typename Lanes<scalar_t>::Vector gather_lanes(const scalar_t* base,
+                                                      typename Lanes<scalar_t>::Mask index) {
+  typename Lanes<scalar_t>::Vector v;
+#if defined(__AVX512F__)
+  __m512i i;
+  std::memcpy(&i, &index, sizeof i);
+  if constexpr (sizeof(scalar_t) == 4) {
+    const __m512 g = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, i, base, 4);
+    std::memcpy(&v, &g, sizeof v);
+  } else {
+    const __m512d g = _mm512_mask_i64gather_pd(_mm512_setzero_pd(), 0xFF, i, base, 8);
+    std::memcpy(&v, &g, sizeof v);
+  }
+#else
+  for (int64_t j = 0; j < Lanes<scalar_t>::kCount; ++j) v[j] = base[index[j]];
+#endif
+  return v;
+}
+
+template <typename scalar_t>
+inline constexpr int kLaneShift = sizeof(scalar_t) == 4 ? 4 : 3;  // log2(kCount)
+
+// M merges of the same T sorted lists into their K best, side by side, for all lanes: list s is
+// lists[s * (K + 1) + r] (vectors, descending in r, slot K = -inf); in merge m it is offset by
+// offset(m, s) (a scalar, the same in every lane). Calls out(m, r, best, code) for r = 0 .. K-1
+// with merge m's r-th best value per lane and its slot code s * (K + 1) + rank per lane.
+// Why M at once: a round's argmax, gather and update form one dependency chain (the next round
+// needs the refilled head); the M merges' chains are independent, so the CPU overlaps them
+// (see kMergeBlock for when that pays).
+// kT > 0: T is known at compile time and the heads and their addresses are local arrays, mostly
+// in registers; kT = 0: T = num_tags, and they live in head_memory / address_memory (M * T
+// vectors each).
+template <typename scalar_t, int kT, int M, typename Offset, typename Out>
+inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lists, int64_t num_tags,
+                        int64_t K, Offset&& offset, typename Lanes<scalar_t>::Vector* head_memory,
+                        typename Lanes<scalar_t>::Mask* address_memory, Out&& out) {
+  using Vector = typename Lanes<scalar_t>::Vector;
+  using Mask = typename Lanes<scalar_t>::Mask;
+  using Index = typename Lanes<scalar_t>::Index;
+  constexpr int64_t kCount = Lanes<scalar_t>::kCount;
+  const int64_t T = kT > 0 ? kT : num_tags;
+  Vector head_registers[kT > 0 ? M * kT : 1];
+  Mask address_registers[kT > 0 ? M * kT : 1];
+  Vector* head = kT > 0 ? head_registers : head_memory;  // [m * T + s]
+  Mask* address = kT > 0 ? address_registers : address_memory;
+  const scalar_t* list_scalars = reinterpret_cast<const scalar_t*>(lists);
+
+  Mask lane_index;
+  for (int64_t j = 0; j < kCount; ++j) lane_index[j] = static_cast<Index>(j);
+  const Index list_stride = static_cast<Index>((K + 1) * kCount);  // scalars per list
+  for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 16
+    for (int64_t s = 0; s < T; ++s) {
+      head[m * T + s] = lists[s * (K + 1)] + offset(m, s);
+      address[m * T + s] = lane_index + static_cast<Index>(s) * list_stride;
+    }
+  }
+  for (int64_t r = 0; r < K; ++r) {
+    Vector best[M];
+    Mask arg[M];
+    for (int m = 0; m < M; ++m) {
+      const Vector* h = head + m * T;
+      const Mask* a = address + m * T;
+      if constexpr (kT > 0) {
+        // The first maximum over s (strict `>`: the smaller s wins a tie) as a tree: combining
+        // [s, s + w) with [s + w, s + 2w) keeps the left one on a tie, so the result is that of
+        // the sequential scan, with a dependency chain of log2(T) steps instead of T - 1.
+        Vector best_tree[kT];
+        Mask arg_tree[kT];
+#pragma GCC unroll 16
+        for (int64_t s = 0; s < T; ++s) {
+          best_tree[s] = h[s];
+          arg_tree[s] = a[s];
+        }
+#pragma GCC unroll 16
+        for (int64_t w = 1; w < T; w *= 2) {
+#pragma GCC unroll 16
+          for (int64_t s = 0; s + w < T; s += 2 * w) {
+            const Mask better = best_tree[s + w] > best_tree[s];
+            best_tree[s] = better ? best_tree[s + w] : best_tree[s];
+            arg_tree[s] = better ? arg_tree[s + w] : arg_tree[s];
+          }
+        }
+        best[m] = best_tree[0];
+        arg[m] = arg_tree[0];
+      } else {
+        best[m] = h[0];
+        arg[m] = a[0];
+        for (int64_t s = 1; s < T; ++s) {
+          const Mask better = h[s] > best[m];  // strict: the smaller s wins a tie
+          best[m] = better ? h[s] : best[m];
+          arg[m] = better ? a[s] : arg[m];
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) out(m, r, best[m], arg[m] >> kLaneShift<scalar_t>);
+    if (r + 1 == K) break;
+    // Advance the list taken in each lane: its head becomes its next entry (slot rank + 1; the
+    // sentinel after the last) plus its offset. In round 0 every list is at rank 0, so that
+    // entry is slot 1 of each list, a plain load; later rounds gather it per lane.
+    for (int m = 0; m < M; ++m) {
+      Vector* h = head + m * T;
+      Mask* a = address + m * T;
+      auto advance = [&](auto&& next_entry) {
+#pragma GCC unroll 16
+        for (int64_t s = 0; s < T; ++s) {
+          const Mask taken = a[s] == arg[m];
+          h[s] = taken ? next_entry(s) + offset(m, s) : h[s];
+          a[s] = taken ? a[s] + static_cast<Index>(kCount) : a[s];
+        }
+      };
+      if (r == 0) {
+        advance([&](int64_t s) { return lists[s * (K + 1) + 1]; });
+      } else {
+        const Vector gathered = gather_lanes<scalar_t>(list_scalars, arg[m] + static_cast<Index>(kCount));
+        advance([&](int64_t) { return gathered; });
+      }
+    }
+  }
+}
+
+// How many merges merge_lanes runs side by side (the targets t of one position, in blocks of at
+// most this many). With T a template argument the merge state is in registers: one merge at a
+// time (2 spill, and measured 10-25% slower at T = 9 and 16). With T at run time the state is in
+// memory and the argmax a chain of T - 1 steps: 4 merges interleave those chains (T = 37: 20%
+// faster than 1; 3 and 4 measured the same).
+inline constexpr int kMemoryMergeBlock = 4;
+template <int kT>
+inline constexpr int kMergeBlock = kT > 0 ? 1 : kMemoryMergeBlock;
+
+// f(std::integral_constant<int, size>{}) for 1 <= size <= R.
+template <int R, typename F>
+inline void merge_block_of_size(int size, F&& f) {
+  if constexpr (R >= 1) {
+    if (size == R) {
+      f(std::integral_constant<int, R>{});
+    } else {
+      merge_block_of_size<R - 1>(size, f);
+    }
+  }
+}
+
+// The per-thread buffers of the k-best lane decoder, for sentences of up to max_length
+// positions.
+template <typename scalar_t, typename bp_t>
+struct KBestLaneWork {
+  using Vector = typename LaneTypes<scalar_t, bp_t>::Vector;
+  using Mask = typename LaneTypes<scalar_t, bp_t>::Mask;
+  using Backpointers = typename LaneTypes<scalar_t, bp_t>::Backpointers;
+  std::unique_ptr<Vector[]> emit;                // (max_length, T) vectors (+ padding to a block)
+  std::unique_ptr<Vector[]> lists, lists_next;   // (T, K + 1) vectors, slot K = -inf
+  std::unique_ptr<Backpointers[]> backpointers;  // (max_length, T, K + 1) vectors of kCount codes
+  std::unique_ptr<Vector[]> head;                // (kMemoryMergeBlock, T): merge state when T is
+  std::unique_ptr<Mask[]> address;               //   not a template argument (merge_lanes)
+  std::unique_ptr<Vector[]> final_values;        // (K,) the final merge's values
+  std::unique_ptr<Mask[]> final_codes;           // (K,) and slot codes
+  KBestLaneWork(int64_t max_length, int64_t T, int64_t K)
+      : emit(new Vector[padded_to_lanes<scalar_t>(max_length * T)]),
+        lists(new Vector[T * (K + 1)]), lists_next(new Vector[T * (K + 1)]),
+        backpointers(new Backpointers[max_length * T * (K + 1)]), head(new Vector[kMemoryMergeBlock * T]),
+        address(new Mask[kMemoryMergeBlock * T]), final_values(new Vector[K]), final_codes(new Mask[K]) {
+    const Vector minus_inf = Vector{} + neg_inf<scalar_t>();
+    for (int64_t s = 0; s < T; ++s) {  // the sentinels, never written again
+      lists[s * (K + 1) + K] = minus_inf;
+      lists_next[s * (K + 1) + K] = minus_inf;
+    }
+  }
+};
+
+// k-best for one group of up to kCount sentences: lane j is sentence sentence[j], of length
+// length[j] (1 <= length[j] <= L, non-increasing in j); lanes j >= count are idle. Writes
+// scores[b * k + r] and paths[(b * k + r) * L + i] for each sentence b of the group and each of
+// its existing sequences r < K, as kbest_sentence does; rows with no sequence are left as they
+// are (-1 / -inf). A sentence whose real positions hold NaN or +inf is flagged in bad_sentence
+// and left idle. bp_t must hold the slot codes, T * (K + 1) - 1.
+template <typename scalar_t, typename bp_t, int kT>
+void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const scalar_t* start,
+                      const scalar_t* end, int64_t L, int64_t T, int64_t K, int64_t k,
+                      const int64_t* sentence, const int64_t* length, int64_t count,
+                      KBestLaneWork<scalar_t, bp_t>& work, int64_t* paths, scalar_t* scores,
+                      std::vector<char>& bad_sentence) {
+  using Types = LaneTypes<scalar_t, bp_t>;
+  using Vector = typename Types::Vector;
+  using Mask = typename Types::Mask;
+  using Index = typename Types::Index;
+  using Backpointers = typename Types::Backpointers;
+  constexpr int64_t kCount = Types::kCount;
+  if constexpr (kT > 0) T = kT;
+
+  // Emissions in lane layout and the NaN / +inf check, as in viterbi_lane_group.
+  const scalar_t* source[kCount] = {};
+  int64_t limit[kCount] = {};
+  for (int64_t j = 0; j < count; ++j) {
+    source[j] = emissions + sentence[j] * L * T;
+    limit[j] = length[j] * T;
+  }
+  Vector* emit = work.emit.get();  // [i * T + t]
+  const Mask bad = emissions_to_lanes<scalar_t>(source, limit, emit);
+  int64_t n[kCount] = {};  // positions decoded per lane (0: idle lane or bad sentence)
+  for (int64_t j = 0; j < count; ++j) {
+    if (bad[j]) {
+      bad_sentence[sentence[j]] = 1;
+    } else {
+      n[j] = length[j];
+    }
+  }
+  const int64_t n_max = *std::max_element(n, n + kCount);
+  if (n_max == 0) return;
+  Mask lane_length;
+  for (int64_t j = 0; j < kCount; ++j) lane_length[j] = static_cast<Index>(n[j]);
+
+  const int64_t slots = K + 1;  // per list
+  const std::vector<TagBlock> blocks = lane_tag_blocks(T, kMergeBlock<kT>);
+  Vector* lists = work.lists.get();            // [s * slots + r]: the lists at position i - 1
+  Vector* lists_next = work.lists_next.get();  // at position i
+  Backpointers* backpointers = work.backpointers.get();  // [(i * T + t) * slots + r]
+  // Position 0: one sequence per tag, in rank 0 of its list.
+  const Vector minus_inf = Vector{} + neg_inf<scalar_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    lists[t * slots] = start[t] + emit[t];
+    for (int64_t r = 1; r < K; ++r) lists[t * slots + r] = minus_inf;
+  }
+  for (int64_t i = 1; i < n_max; ++i) {
+    // Lanes past their length keep their lists: they are final.
+    const Mask active = lane_length > static_cast<Index>(i);
+    const Vector* emit_i = emit + i * T;
+    Backpointers* bp_i = backpointers + i * T * slots;
+    for (const TagBlock& block : blocks) {
+      merge_block_of_size<kMergeBlock<kT>>(block.size, [&](auto size) {
+        constexpr int M = decltype(size)::value;
+        const int64_t t0 = block.first;
+        merge_lanes<scalar_t, kT, M>(
+            lists, T, K, [&](int m, int64_t s) { return trans[s * T + t0 + m]; }, work.head.get(),
+            work.address.get(), [&](int m, int64_t r, Vector best, Mask code) {
+              const int64_t t = t0 + m;
+              lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
+              bp_i[t * slots + r] = __builtin_convertvector(code, Backpointers);
+            });
+      });
+    }
+    std::swap(lists, lists_next);
+  }
+  Vector* final_values = work.final_values.get();
+  Mask* final_codes = work.final_codes.get();
+  merge_lanes<scalar_t, kT, 1>(
+      lists, T, K, [&](int, int64_t s) { return end[s]; }, work.head.get(), work.address.get(),
+      [&](int, int64_t r, Vector best, Mask code) {
+        final_values[r] = best;
+        final_codes[r] = code;
+      });
+
+  // Backtrace, all lanes and ranks side by side (independent chains of dependent loads, which
+  // the CPU overlaps). code = s * slots + rank is the offset of the predecessor's backpointers
+  // within a position; its tag is code / slots (a table: no division in the chain).
+  std::vector<int64_t> tag_of(T * slots);
+  for (int64_t c = 0; c < T * slots; ++c) tag_of[c] = c / slots;
+  for (int64_t j = 0; j < count; ++j) {
+    if (n[j] == 0) continue;
+    const int64_t b = sentence[j];
+    for (int64_t r = 0; r < K; ++r) {
+      if (final_values[r][j] == neg_inf<scalar_t>()) break;  // fewer than K sequences exist
+      scores[b * k + r] = final_values[r][j];
+    }
+  }
+  std::vector<int64_t> code(kCount * K);  // [j * K + r]: the slot code at position i
+  for (int64_t j = 0; j < kCount; ++j) {
+    for (int64_t r = 0; r < K; ++r) code[j * K + r] = final_codes[r][j];
+  }
+  for (int64_t i = n_max - 1; i >= 0; --i) {
+    const Backpointers* bp_i = backpointers + i * T * slots;
+    for (int64_t j = 0; j < count; ++j) {
+      if (i >= n[j]) continue;
+      int64_t* path_row = paths + sentence[j] * k * L + i;
+      for (int64_t r = 0; r < K; ++r) {
+        if (final_values[r][j] == neg_inf<scalar_t>()) break;
+        int64_t& c = code[j * K + r];
+        path_row[r * L] = tag_of[c];
+        if (i > 0) c = bp_i[c][j];
+      }
+    }
+  }
+}
+
+// ---- the batch -----------------------------------------------------------------------------------
+// Whether kbest_lanes runs a group with T as a template argument (merge state in registers):
+// T <= 16 with one-byte codes (T * (K + 1) <= 256). See dispatch_tag_count.
+inline bool kbest_lanes_in_registers(int64_t T, int64_t K) { return T <= 16 && T * (K + 1) <= 256; }
+
+// The cost of one position of a lane group, in positions of one sentence of the per-sentence
+// kernel (kbest_sentence). Measured with one thread, 4 full groups of equal lengths (L = 32 or
+// 64), on a 2-core AVX-512 VM (time of a group over time per sentence, random scores):
+//                    merge state in registers      | in memory
+//     T               1    2    5    9    12   16  | 17   24   37   64   | 5    9    16
+//     K                                            |                     | 30   30   30
+//     float   K = 2  5.3  2.1  2.3  2.4  2.9  4.4  | 6.1  9.8  11.5 17.5 | 3.7  4.1  7.8
+//             K = 5  5.4  1.9  2.6  3.3  3.9  5.8  | 7.6  10.8 15.3 26.3 |
+//             K = 15 6.0  1.8  3.1  3.7  4.9  7.4  | 8.7  12.0 17.5 26.0 |
+//     double  K = 2  4.6  2.1  1.8  2.2       4.3  | 6.4  8.6  10.3 15.4 |
+//             K = 5  4.6  1.4  2.5  2.7       4.9  | 7.6  9.7  13.7 14.7 |
+//             K = 15 4.7  1.7  2.8  2.8       5.5  | 8.6  12.1 15.5 22.1 |
+// A group decodes kCount (16 / 8) sentences, so lanes pay off below those values: in float up
+// to T = 24 - 37, in double up to T = 16 - 17. Modelled (on the safe side, except T = 16, K = 15
+// in registers, 5% under) as 1.3 + 0.27 T in registers and 1.3 + 0.45 T in memory, times
+// 0.75 + K / 20 up to 1.25 (longer lists, more rounds per merge, each with a gather), and 6 at
+// T = 1, where the per-sentence kernel's merges are trivial.
+template <typename scalar_t>
+double kbest_lane_group_cost(int64_t T, int64_t K) {
+  if (T == 1) return 6.0;
+  const double per_tag = kbest_lanes_in_registers(T, K) ? 0.27 : 0.45;
+  return (1.3 + per_tag * static_cast<double>(T)) * std::min(1.25, 0.75 + static_cast<double>(K) / 20.0);
+}
+
+// Bytes per slot code of the lane decoder's backpointers (the narrowest type that holds the
+// T * (K + 1) codes, as dispatch_backpointer_type chooses it).
+inline int64_t kbest_lane_code_bytes(int64_t T, int64_t K) {
+  int64_t bytes = 0;
+  dispatch_backpointer_type(T * (K + 1), [&](auto code) { bytes = sizeof code; });
+  return bytes;
+}
+
+// Which sentences go together, and whether the lane decoder beats the per-sentence kernel here,
+// for lists of K entries (k capped by the number of sequences). The per-thread buffers
+// (KBestLaneWork) take, per position of the longest sentence, T emission vectors and T * (K + 1)
+// vectors of codes.
+template <typename scalar_t>
+LanePlan plan_kbest_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_t T, int64_t K) {
+  const int64_t bytes_per_position =
+      T * (static_cast<int64_t>(sizeof(scalar_t)) + (K + 1) * kbest_lane_code_bytes(T, K)) *
+      Lanes<scalar_t>::kCount;
+  return plan_lanes<scalar_t>(lengths, B, L, bytes_per_position, kbest_lane_group_cost<scalar_t>(T, K));
+}
+
+// Calls f(std::integral_constant<int, kT>{}) with kT = T where the merge state fits in
+// registers and codes in uint8_t (the common case: T <= 16, small K), kT = 0 otherwise. (Only
+// one code type, so as not to compile 16 more group decoders per type for rare cases.)
+template <typename bp_t, typename F>
+void dispatch_tag_count(int64_t T, F&& f) {
+  if constexpr (std::is_same_v<bp_t, uint8_t>) {
+    switch (T) {
+#define CRFKIT_TAG_COUNT_CASE(N) \
+  case N: return f(std::integral_constant<int, N>{});
+      CRFKIT_TAG_COUNT_CASE(1) CRFKIT_TAG_COUNT_CASE(2) CRFKIT_TAG_COUNT_CASE(3)
+      CRFKIT_TAG_COUNT_CASE(4) CRFKIT_TAG_COUNT_CASE(5) CRFKIT_TAG_COUNT_CASE(6)
+      CRFKIT_TAG_COUNT_CASE(7) CRFKIT_TAG_COUNT_CASE(8) CRFKIT_TAG_COUNT_CASE(9)
+      CRFKIT_TAG_COUNT_CASE(10) CRFKIT_TAG_COUNT_CASE(11) CRFKIT_TAG_COUNT_CASE(12)
+      CRFKIT_TAG_COUNT_CASE(13) CRFKIT_TAG_COUNT_CASE(14) CRFKIT_TAG_COUNT_CASE(15)
+      CRFKIT_TAG_COUNT_CASE(16)
+#undef CRFKIT_TAG_COUNT_CASE
+      default: break;
+    }
+  }
+  f(std::integral_constant<int, 0>{});
+}
+
+// k-best for the batch with the lane decoder, as planned: scores (B, k) pre-filled with -inf,
+// paths (B, k, L) with -1; lists of K <= k entries. Sentences whose real positions hold NaN or
+// +inf emissions are flagged in bad_sentence (the caller raises); length-0 sentences get score 0
+// in row 0 (the empty sequence).
+template <typename scalar_t>
+void kbest_lanes(const LanePlan& plan, const scalar_t* emissions, const scalar_t* trans,
+                 const scalar_t* start, const scalar_t* end, const int64_t* lengths, int64_t B,
+                 int64_t L, int64_t T, int64_t K, int64_t k, int64_t* paths, scalar_t* scores,
+                 std::vector<char>& bad_sentence) {
+  for (int64_t b = 0; b < B; ++b) {
+    if (lengths[b] == 0) scores[b * k] = 0;
+  }
+  dispatch_backpointer_type(T * (K + 1), [&](auto code) {
+    using bp_t = decltype(code);
+    dispatch_tag_count<bp_t>(T, [&](auto tag_count) {
+      constexpr int kT = decltype(tag_count)::value;
+      for_each_lane_group<scalar_t>(
+          plan, [&] { return KBestLaneWork<scalar_t, bp_t>(plan.lengths[0], T, K); },
+          [&](KBestLaneWork<scalar_t, bp_t>& work, int64_t first, int64_t count) {
+            kbest_lane_group<scalar_t, bp_t, kT>(emissions, trans, start, end, L, T, K, k,
+                                                 &plan.order[first], &plan.lengths[first], count,
+                                                 work, paths, scores, bad_sentence);
+          });
+    });
+  });
+}
+
+}  // namespace cpu
+}  // namespace crfkit
