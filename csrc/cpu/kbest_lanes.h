@@ -238,7 +238,7 @@ inline bool kbest_lanes_in_registers(int64_t T, int64_t K) { return T <= 16 && T
 
 // Calls f(std::integral_constant<int, kT>{}) with kT = T where the merge state fits in
 // registers and codes in uint8_t (the common case: T <= 16, small K), kT = 0 otherwise. (Only
-// one code type, so as not to compile 16 more position loops per type for rare cases.)
+// one code type, so as not to compile 16 more group decoders per type for rare cases.)
 template <typename bp_t, typename F>
 void dispatch_tag_count(int64_t T, int64_t K, F&& f) {
   if constexpr (std::is_same_v<bp_t, uint8_t>) {
@@ -260,57 +260,16 @@ void dispatch_tag_count(int64_t T, int64_t K, F&& f) {
   f(std::integral_constant<int, 0>{});
 }
 
-// Positions 1 .. n_max - 1 of a group (kbest_lane_group): work.lists holds the lists at position
-// 0 (lane layout, K + 1 slots each); writes work.backpointers and returns the lists at each lane's
-// last position (work.lists or work.lists_next). Lanes past their length keep their lists.
-// kT = T, or 0 (see dispatch_tag_count); the only part of the decoder compiled per tag count.
-template <typename scalar_t, typename bp_t, int kT>
-typename Lanes<scalar_t>::Vector* kbest_lane_positions(const scalar_t* trans, int64_t T, int64_t K,
-                                                       int64_t n_max,
-                                                       typename Lanes<scalar_t>::Mask lane_length,
-                                                       KBestLaneWork<scalar_t, bp_t>& work) {
-  using Types = LaneTypes<scalar_t, bp_t>;
-  using Vector = typename Types::Vector;
-  using Mask = typename Types::Mask;
-  using Index = typename Types::Index;
-  using Backpointers = typename Types::Backpointers;
-  if constexpr (kT > 0) T = kT;
-  const Vector* emit = work.emit.get();  // [i * T + t]
-  const int64_t slots = K + 1;
-  const std::vector<TagBlock> blocks = lane_tag_blocks(T, kMergeBlock<kT>);
-  Vector* lists = work.lists.get();            // [s * slots + r]: the lists at position i - 1
-  Vector* lists_next = work.lists_next.get();  // at position i
-  Backpointers* backpointers = work.backpointers.get();  // [(i * T + t) * slots + r]
-  for (int64_t i = 1; i < n_max; ++i) {
-    // Lanes past their length keep their lists: they are final.
-    const Mask active = lane_length > static_cast<Index>(i);
-    const Vector* emit_i = emit + i * T;
-    Backpointers* bp_i = backpointers + i * T * slots;
-    for (const TagBlock& block : blocks) {
-      merge_block_of_size<kMergeBlock<kT>>(block.size, [&](auto size) {
-        constexpr int M = decltype(size)::value;
-        const int64_t t0 = block.first;
-        merge_lanes<scalar_t, kT, M>(
-            lists, T, K, [&](int m, int64_t s) { return trans[s * T + t0 + m]; }, work.head.get(),
-            work.address.get(), [&](int m, int64_t r, Vector best, Mask code) {
-              const int64_t t = t0 + m;
-              lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
-              bp_i[t * slots + r] = __builtin_convertvector(code, Backpointers);
-            });
-      });
-    }
-    std::swap(lists, lists_next);
-  }
-  return lists;
-}
-
 // k-best for one group of up to kCount sentences: lane j is sentence sentence[j], of length
 // length[j] (1 <= length[j] <= L, non-increasing in j); lanes j >= count are idle. Writes
 // scores[b * k + r] and paths[(b * k + r) * L + i] for each sentence b of the group and each of
 // its existing sequences r < K, as kbest_sentence does; rows with no sequence are left as they
 // are (-1 / -inf). A sentence whose real positions hold NaN or +inf is flagged in bad_sentence
-// and left idle. bp_t must hold the slot codes, T * (K + 1) - 1.
-template <typename scalar_t, typename bp_t>
+// and left idle. bp_t must hold the slot codes, T * (K + 1) - 1; kT = T or 0 (see
+// dispatch_tag_count). (All in one function: with the position loop in a function of its own, or
+// the backtrace, GCC 12's code measured 5-17% slower at T = 9 - 16, although it compiled in
+// 27 - 31 s instead of 39.)
+template <typename scalar_t, typename bp_t, int kT>
 void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const scalar_t* start,
                       const scalar_t* end, int64_t L, int64_t T, int64_t K, int64_t k,
                       const int64_t* sentence, const int64_t* length, int64_t count,
@@ -322,6 +281,8 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
   using Index = typename Types::Index;
   using Backpointers = typename Types::Backpointers;
   constexpr int64_t kCount = Types::kCount;
+  if constexpr (kT > 0) T = kT;
+
   // Emissions in lane layout and the NaN / +inf check, as in viterbi_lane_group.
   const scalar_t* source[kCount] = {};
   int64_t limit[kCount] = {};
@@ -345,21 +306,39 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
   for (int64_t j = 0; j < kCount; ++j) lane_length[j] = static_cast<Index>(n[j]);
 
   const int64_t slots = K + 1;  // per list
-  Vector* lists = work.lists.get();  // [s * slots + r]
+  const std::vector<TagBlock> blocks = lane_tag_blocks(T, kMergeBlock<kT>);
+  Vector* lists = work.lists.get();            // [s * slots + r]: the lists at position i - 1
+  Vector* lists_next = work.lists_next.get();  // at position i
+  Backpointers* backpointers = work.backpointers.get();  // [(i * T + t) * slots + r]
   // Position 0: one sequence per tag, in rank 0 of its list.
   const Vector minus_inf = Vector{} + neg_inf<scalar_t>();
   for (int64_t t = 0; t < T; ++t) {
     lists[t * slots] = start[t] + emit[t];
     for (int64_t r = 1; r < K; ++r) lists[t * slots + r] = minus_inf;
   }
-  dispatch_tag_count<bp_t>(T, K, [&](auto tag_count) {
-    lists = kbest_lane_positions<scalar_t, bp_t, decltype(tag_count)::value>(trans, T, K, n_max,
-                                                                             lane_length, work);
-  });
+  for (int64_t i = 1; i < n_max; ++i) {
+    // Lanes past their length keep their lists: they are final.
+    const Mask active = lane_length > static_cast<Index>(i);
+    const Vector* emit_i = emit + i * T;
+    Backpointers* bp_i = backpointers + i * T * slots;
+    for (const TagBlock& block : blocks) {
+      merge_block_of_size<kMergeBlock<kT>>(block.size, [&](auto size) {
+        constexpr int M = decltype(size)::value;
+        const int64_t t0 = block.first;
+        merge_lanes<scalar_t, kT, M>(
+            lists, T, K, [&](int m, int64_t s) { return trans[s * T + t0 + m]; }, work.head.get(),
+            work.address.get(), [&](int m, int64_t r, Vector best, Mask code) {
+              const int64_t t = t0 + m;
+              lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
+              bp_i[t * slots + r] = __builtin_convertvector(code, Backpointers);
+            });
+      });
+    }
+    std::swap(lists, lists_next);
+  }
   Vector* final_values = work.final_values.get();
   Mask* final_codes = work.final_codes.get();
-  // (T as a run-time value: one merge per group, not worth a decoder per T.)
-  merge_lanes<scalar_t, 0, 1>(
+  merge_lanes<scalar_t, kT, 1>(
       lists, T, K, [&](int, int64_t s) { return end[s]; }, work.head.get(), work.address.get(),
       [&](int, int64_t r, Vector best, Mask code) {
         final_values[r] = best;
@@ -369,7 +348,6 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
   // Backtrace, all lanes and ranks side by side (independent chains of dependent loads, which
   // the CPU overlaps). code = s * slots + rank is the offset of the predecessor's backpointers
   // within a position; its tag is code / slots (a table: no division in the chain).
-  const Backpointers* backpointers = work.backpointers.get();  // [(i * T + t) * slots + r]
   std::vector<int64_t> tag_of(T * slots);
   for (int64_t c = 0; c < T * slots; ++c) tag_of[c] = c / slots;
   int64_t rows[kCount] = {};  // sequences found per lane (fewer than K when fewer exist)
@@ -458,13 +436,16 @@ void kbest_lanes(const LanePlan& plan, const scalar_t* emissions, const scalar_t
   }
   dispatch_backpointer_type(T * (K + 1), [&](auto code) {
     using bp_t = decltype(code);
-    for_each_lane_group<scalar_t>(
-        plan, [&] { return KBestLaneWork<scalar_t, bp_t>(plan.lengths[0], T, K); },
-        [&](KBestLaneWork<scalar_t, bp_t>& work, int64_t first, int64_t count) {
-          kbest_lane_group<scalar_t, bp_t>(emissions, trans, start, end, L, T, K, k,
-                                           &plan.order[first], &plan.lengths[first], count, work,
-                                           paths, scores, bad_sentence);
-        });
+    dispatch_tag_count<bp_t>(T, K, [&](auto tag_count) {
+      constexpr int kT = decltype(tag_count)::value;
+      for_each_lane_group<scalar_t>(
+          plan, [&] { return KBestLaneWork<scalar_t, bp_t>(plan.lengths[0], T, K); },
+          [&](KBestLaneWork<scalar_t, bp_t>& work, int64_t first, int64_t count) {
+            kbest_lane_group<scalar_t, bp_t, kT>(emissions, trans, start, end, L, T, K, k,
+                                                 &plan.order[first], &plan.lengths[first], count,
+                                                 work, paths, scores, bad_sentence);
+          });
+    });
   });
 }
 
