@@ -19,9 +19,9 @@
 
 #include "../backpointers.h"
 #include "../checks.h"
+#include "kbest_lanes.h"
 #include "lanes.h"
 #include "log_space.h"
-#include "kbest_lanes.h"
 #include "viterbi_lanes.h"
 
 namespace crfkit {
