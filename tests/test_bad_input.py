@@ -133,41 +133,27 @@ def test_lengths_from_mask():
         crfkit.lengths_from_mask(torch.tensor([[0, 1, 1]], dtype=torch.bool))
 
 
+@pytest.mark.parametrize("decoder", ["viterbi", "kbest"])
 @pytest.mark.parametrize("kernel", ["1", "0"])
-def test_raw_viterbi_names_the_sentence_with_nan_in_either_kernel(monkeypatch, kernel):
-    # The compiled Viterbi checks emissions per sentence, within its length only, both when it
-    # decodes sentences side by side in SIMD lanes (CRFKIT_VITERBI_LANES=1) and one at a time (0).
+def test_raw_decoders_name_the_sentence_with_nan_in_either_kernel(monkeypatch, decoder, kernel):
+    # The compiled decoders check emissions per sentence, within its length only, both when they
+    # decode sentences side by side in SIMD lanes (CRFKIT_VITERBI_LANES=1) and one at a time (0).
     if "compiled" not in crfkit.backends.available():
         pytest.skip("extension not built")
     monkeypatch.setenv("CRFKIT_VITERBI_LANES", kernel)
+    ops = torch.ops.crfkit
+    decode = (lambda *args: ops.viterbi(*args)) if decoder == "viterbi" else (lambda *args: ops.kbest_viterbi(*args, 5))
     em, tr, _, s, e = random_crf(20, 5, 9)
     ln = torch.full((20,), 5)
     ln[7] = 4
     em[7, 4, 1] = math.inf  # past the length of sentence 7: ignored
-    assert torch.isfinite(torch.ops.crfkit.viterbi(em, tr, s, e, ln)[0]).all()
-    em[13, 2, 4] = math.nan
-    em[17, 0, 0] = math.inf
-    with pytest.raises(ValueError, match=r"emissions\[13\] contains NaN or \+inf"):
-        torch.ops.crfkit.viterbi(em, tr, s, e, ln)
-
-
-@pytest.mark.parametrize("kernel", ["1", "0"])
-def test_raw_kbest_names_the_sentence_with_nan_in_either_kernel(monkeypatch, kernel):
-    # The compiled k-best checks emissions per sentence, within its length only, both when it
-    # decodes sentences side by side in SIMD lanes (CRFKIT_VITERBI_LANES=1) and one at a time (0).
-    if "compiled" not in crfkit.backends.available():
-        pytest.skip("extension not built")
-    monkeypatch.setenv("CRFKIT_VITERBI_LANES", kernel)
-    em, tr, _, s, e = random_crf(20, 5, 9)
-    ln = torch.full((20,), 5)
-    ln[7] = 4
-    em[7, 4, 1] = math.inf  # past the length of sentence 7: ignored
-    scores, paths = torch.ops.crfkit.kbest_viterbi(em, tr, s, e, ln, 5)
+    scores, paths = decode(em, tr, s, e, ln)
     assert torch.isfinite(scores).all()
     with crfkit.use_backend("reference"):
-        want = crfkit.kbest_viterbi(em, tr, 5, ln, s, e)
-    assert torch.equal(paths, want.paths) and torch.equal(scores, want.scores)
+        want_paths, want_scores = (crfkit.viterbi(em, tr, ln, s, e) if decoder == "viterbi"
+                                   else crfkit.kbest_viterbi(em, tr, 5, ln, s, e)[:2])
+    assert torch.equal(paths, want_paths) and torch.equal(scores, want_scores)
     em[13, 2, 4] = math.nan
     em[17, 0, 0] = math.inf
     with pytest.raises(ValueError, match=r"emissions\[13\] contains NaN or \+inf"):
-        torch.ops.crfkit.kbest_viterbi(em, tr, s, e, ln, 5)
+        decode(em, tr, s, e, ln)

@@ -285,24 +285,11 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
   constexpr int64_t kCount = Types::kCount;
   if constexpr (kT > 0) T = kT;
 
-  // Emissions in lane layout and the NaN / +inf check, as in viterbi_lane_group.
-  const scalar_t* source[kCount] = {};
-  int64_t limit[kCount] = {};
-  for (int64_t j = 0; j < count; ++j) {
-    source[j] = emissions + sentence[j] * L * T;
-    limit[j] = length[j] * T;
-  }
+  // Emissions in lane layout and the NaN / +inf check (viterbi_lanes.h).
   Vector* emit = work.emit.get();  // [i * T + t]
-  const Mask bad = emissions_to_lanes<scalar_t>(source, limit, emit);
-  int64_t n[kCount] = {};  // positions decoded per lane (0: idle lane or bad sentence)
-  for (int64_t j = 0; j < count; ++j) {
-    if (bad[j]) {
-      bad_sentence[sentence[j]] = 1;
-    } else {
-      n[j] = length[j];
-    }
-  }
-  const int64_t n_max = *std::max_element(n, n + kCount);
+  int64_t n[kCount];  // positions decoded per lane (0: idle lane or bad sentence)
+  const int64_t n_max = group_emissions_to_lanes<scalar_t>(emissions, L, T, sentence, length, count, emit,
+                                                           n, bad_sentence);
   if (n_max == 0) return;
   Mask lane_length;
   for (int64_t j = 0; j < kCount; ++j) lane_length[j] = static_cast<Index>(n[j]);

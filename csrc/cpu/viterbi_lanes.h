@@ -204,6 +204,34 @@ inline typename Lanes<scalar_t>::Mask emissions_to_lanes(const scalar_t* const* 
   return bad;
 }
 
+// A group's emissions in lane layout, emit[i * T + t][j] = emissions[sentence[j], i, t] for
+// i < length[j], and 0 past a lane's length (and in idle lanes), so the padding never makes NaN
+// or +inf; and n[j] (kCount entries), the positions lane j decodes: length[j], or 0 for an idle
+// lane and for a sentence whose real positions hold NaN or +inf (flagged in bad_sentence, left
+// idle). Returns the longest n[j]. Both lane decoders (Viterbi, k-best) start with this.
+template <typename scalar_t>
+int64_t group_emissions_to_lanes(const scalar_t* emissions, int64_t L, int64_t T, const int64_t* sentence,
+                                 const int64_t* length, int64_t count, typename Lanes<scalar_t>::Vector* emit,
+                                 int64_t* n, std::vector<char>& bad_sentence) {
+  constexpr int64_t kCount = Lanes<scalar_t>::kCount;
+  const scalar_t* source[kCount] = {};
+  int64_t limit[kCount] = {};
+  for (int64_t j = 0; j < count; ++j) {
+    source[j] = emissions + sentence[j] * L * T;
+    limit[j] = length[j] * T;
+  }
+  const typename Lanes<scalar_t>::Mask bad = emissions_to_lanes<scalar_t>(source, limit, emit);
+  std::fill(n, n + kCount, int64_t{0});
+  for (int64_t j = 0; j < count; ++j) {
+    if (bad[j]) {
+      bad_sentence[sentence[j]] = 1;
+    } else {
+      n[j] = length[j];
+    }
+  }
+  return *std::max_element(n, n + kCount);
+}
+
 // The per-thread buffers of the lane decoder, for sentences of up to max_length positions (left
 // uninitialised: every element is written before it is read).
 template <typename scalar_t, typename bp_t>
@@ -236,28 +264,10 @@ void viterbi_lane_group(const scalar_t* emissions, const scalar_t* trans, const 
   using Index = typename Types::Index;
   constexpr int64_t kCount = Types::kCount;
 
-  // Emissions in lane layout, emit[i * T + t][j] = emissions[sentence[j], i, t] for
-  // i < length[j], and 0 past a lane's length (and in idle lanes), so the padding never makes NaN
-  // or +inf; and the NaN / +inf check of each sentence, on the way.
-  const scalar_t* source[kCount] = {};
-  int64_t limit[kCount] = {};
-  for (int64_t j = 0; j < count; ++j) {
-    source[j] = emissions + sentence[j] * L * T;
-    limit[j] = length[j] * T;
-  }
   Vector* emit = work.emit.get();  // (length[0], T) vectors
-  const Mask bad = emissions_to_lanes<scalar_t>(source, limit, emit);
-
-  // n[j]: the positions lane j decodes (0: idle lane, or a bad sentence: flagged, left idle).
-  int64_t n[kCount] = {};
-  for (int64_t j = 0; j < count; ++j) {
-    if (bad[j]) {
-      bad_sentence[sentence[j]] = 1;
-    } else {
-      n[j] = length[j];
-    }
-  }
-  const int64_t n_max = *std::max_element(n, n + kCount);
+  int64_t n[kCount];
+  const int64_t n_max = group_emissions_to_lanes<scalar_t>(emissions, L, T, sentence, length, count, emit,
+                                                           n, bad_sentence);
   if (n_max == 0) return;
 
   // last[j] = n[j] - 1: the position whose delta is lane j's final one (-1 in idle lanes).
