@@ -307,19 +307,7 @@ def test_viterbi_lane_groups_equal_the_reference_exactly(backend, monkeypatch, d
     # one; integer scores make many exact ties; one transition is forbidden and one sentence has
     # no allowed path at all (score -inf, path -1). Paths and scores must equal the reference's.
     monkeypatch.setenv("CRFKIT_VITERBI_LANES", {"lanes": "1", "per_sentence": "0", "auto": ""}[kernel])
-    gen = torch.Generator().manual_seed(100 + T)
-    B, L = 37, 20
-    em = torch.randint(-3, 4, (B, L, T), generator=gen).to(dtype)
-    tr = torch.randint(-3, 4, (T, T), generator=gen).to(dtype)
-    tr[0, T // 2] = -math.inf
-    start = torch.randint(-2, 3, (T,), generator=gen).to(dtype)
-    end = torch.randint(-2, 3, (T,), generator=gen).to(dtype)
-    ln = torch.randint(1, L + 1, (B,), generator=gen)
-    ln[[0, 9, 30]] = L
-    ln[[1, 10, 20]] = 0
-    ln[[2, 11]] = 1
-    ln[3] = 7
-    em[3, 4] = -math.inf  # every tag forbidden at one position: no allowed path
+    em, tr, ln, start, end = _lane_case(dtype, T, L=20, seed=100 + T)
     paths, scores = crfkit.viterbi(em, tr, ln, start, end)
     with crfkit.use_backend("reference"):
         want_paths, want_scores = crfkit.viterbi(em, tr, ln, start, end)
@@ -329,13 +317,13 @@ def test_viterbi_lane_groups_equal_the_reference_exactly(backend, monkeypatch, d
     assert (scores[[1, 10, 20]] == 0).all() and (paths[[1, 10, 20]] == -1).all()
 
 
-def _kbest_lane_case(dtype, T):
-    """37 sentences, 3 of length 0, make full lane groups and a partial one, whose lanes end at
-    different positions; integer scores make many exact ties (the tie rule decides which paths
+def _lane_case(dtype, T, L=12, seed=None):
+    """Inputs for the lane decoders (Viterbi and k-best): 37 sentences, 3 of length 0, make full
+    lane groups and a partial one, whose lanes end at different positions; integer scores make many exact ties (the tie rule decides which paths
     are listed and in which order); one transition is forbidden and sentence 3 has no allowed
     path at all (every row missing)."""
-    gen = torch.Generator().manual_seed(200 + T)
-    B, L = 37, 12
+    gen = torch.Generator().manual_seed(200 + T if seed is None else seed)
+    B = 37
     em = torch.randint(-3, 4, (B, L, T), generator=gen).to(dtype)
     tr = torch.randint(-3, 4, (T, T), generator=gen).to(dtype)
     if T > 1:
@@ -355,7 +343,7 @@ def _kbest_lane_case(dtype, T):
 @functools.lru_cache(maxsize=None)
 def _kbest_lane_reference(dtype, T, k):
     with crfkit.use_backend("reference"):
-        want = crfkit.kbest_viterbi(*_kbest_lane_case(dtype, T)[:2], k, *_kbest_lane_case(dtype, T)[2:])
+        want = crfkit.kbest_viterbi(*_lane_case(dtype, T)[:2], k, *_lane_case(dtype, T)[2:])
     return want.paths, want.scores
 
 
@@ -371,7 +359,7 @@ def test_kbest_lane_groups_equal_the_reference_exactly(monkeypatch, dtype, T, ke
     # at T >= 7 (lists kept in memory instead of registers). Paths and scores must equal the
     # reference's, bit for bit.
     monkeypatch.setenv("CRFKIT_VITERBI_LANES", {"lanes": "1", "per_sentence": "0", "auto": ""}[kernel])
-    em, tr, ln, start, end = _kbest_lane_case(dtype, T)
+    em, tr, ln, start, end = _lane_case(dtype, T)
     for k in (2, 5, 15, 40):
         with crfkit.use_backend("compiled"):
             best = crfkit.kbest_viterbi(em, tr, k, ln, start, end)
