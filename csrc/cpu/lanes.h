@@ -5,7 +5,10 @@
 // loops have no scalar tail.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -41,6 +44,22 @@ inline std::vector<int64_t> longest_first(const int64_t* lengths, int64_t B, int
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
   return order;
+}
+
+// Runs body(work, g) for every group g in [0, num_groups) on the threads of at::parallel_for,
+// each thread with its own work space make_work(). A work queue: each thread takes the next
+// group until none is left. The batch-lane kernels order their groups longest first, so the
+// threads end close together whatever the spread of lengths (fixed chunks would give one thread
+// all the longest sentences).
+template <typename MakeWork, typename Body>
+void for_each_group(int64_t num_groups, MakeWork&& make_work, Body&& body) {
+  if (num_groups <= 0) return;
+  std::atomic<int64_t> next_group{0};
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_groups);
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+    auto work = make_work();
+    for (int64_t g = next_group++; g < num_groups; g = next_group++) body(work, g);
+  });
 }
 
 template <typename scalar_t>

@@ -11,7 +11,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <memory>
 
 #include "../checks.h"
@@ -195,69 +194,62 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   if (lanes) {
     const std::vector<int64_t> order = lane_order(len, B);
     const int64_t groups = static_cast<int64_t>(order.size()) / kGroup;
-    // A work queue: each thread takes the next group until none is left. Groups come longest
-    // first, so the threads finish close together (fixed chunks would give one thread all the
-    // longest sentences).
-    std::atomic<int64_t> next_group{0};
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), groups);
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      ProbLaneWork work(T, pairwise);
-      const bool own_rows = keep_rows && !(saving || from_state);
+    const bool own_rows = keep_rows && !(saving || from_state);
+    // Groups come longest first; threads take them from a work queue (lanes.h for_each_group).
+    for_each_group(groups, [&] { return ProbLaneWork(T, pairwise); }, [&](ProbLaneWork& work, int64_t grp) {
       double* own_rows_buffer = own_rows ? lane_rows_workspace(2 * L * T * kGroup) : nullptr;
-      for (int64_t grp = next_group++; grp < groups; grp = next_group++) {
-        LaneGroup group(order.data() + grp * kGroup, len);
+      LaneGroup group(order.data() + grp * kGroup, len);
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int64_t b = group.sentence[j];
+        if (b < 0) continue;
+        if (emit_out != nullptr) std::fill(emit_out + b * L * T, emit_out + (b + 1) * L * T, scalar_t(0));
+        // NaN / +inf: left to the per-sentence loop, which reports it
+        if (has_nan_or_posinf(emit + b * L * T, len[b] * T)) group.length[j] = 0;
+        if (len[b] == 0) {  // the empty sequence: log Z = 0, nothing to differentiate
+          if (writes_log_z) log_z_out[b] = 0;
+          if (saving) state.status[b] = kNoGradient;
+          done[b] = 1;
+        }
+      }
+      if (saving) {  // lanes_forward writes the rows before n_max; the rest must not be leftovers
+        std::fill(state.group_a_rows(grp) + group.n_max * T * kGroup, state.group_w_rows(grp, T), 0.0);
+        std::fill(state.group_w_rows(grp, T) + group.n_max * T * kGroup, state.group_a_rows(grp + 1), 0.0);
+      }
+      if (group.n_max == 0) return;  // only empty sentences: the per-sentence loop
+      double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_rows_buffer;
+      double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_rows_buffer + L * T * kGroup;
+      const LaneVector zero = {};
+      LaneMask finished = {};  // forward done (or, from a saved state, valid)
+      if (from_state) {
         for (int64_t j = 0; j < kGroup; ++j) {
           const int64_t b = group.sentence[j];
-          if (b < 0) continue;
-          if (emit_out != nullptr) std::fill(emit_out + b * L * T, emit_out + (b + 1) * L * T, scalar_t(0));
-          // NaN / +inf: left to the per-sentence loop, which reports it
-          if (has_nan_or_posinf(emit + b * L * T, len[b] * T)) group.length[j] = 0;
-          if (len[b] == 0) {  // the empty sequence: log Z = 0, nothing to differentiate
-            if (writes_log_z) log_z_out[b] = 0;
-            if (saving) state.status[b] = kNoGradient;
+          finished[j] = b >= 0 && group.length[j] > 0 && state.status[b] == kLaneState;
+        }
+      } else {
+        LaneVector log_z = zero;
+        finished = ~lanes_forward(emit, L, st, tables, group, work, keep_rows ? rows_a : nullptr,
+                                  rows_w, log_z) &
+                   (zero < group.length);
+        for (int64_t j = 0; j < kGroup; ++j) {
+          if (!finished[j]) continue;
+          const int64_t b = group.sentence[j];
+          if (writes_log_z) {
+            log_z_out[b] = static_cast<scalar_t>(log_z[j]);
             done[b] = 1;
           }
+          if (saving) state.status[b] = kLaneState;
         }
-        if (saving) {  // lanes_forward writes the rows before n_max; the rest must not be leftovers
-          std::fill(state.group_a_rows(grp) + group.n_max * T * kGroup, state.group_w_rows(grp, T), 0.0);
-          std::fill(state.group_w_rows(grp, T) + group.n_max * T * kGroup, state.group_a_rows(grp + 1), 0.0);
+      }
+      if constexpr (!writes_log_z) {
+        LaneVector g = zero;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          if (finished[j]) g[j] = kOut == Output::kMarginals ? 1.0 : static_cast<double>(grad_log_z[group.sentence[j]]);
         }
-        if (group.n_max == 0) continue;  // only empty sentences: the per-sentence loop
-        double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_rows_buffer;
-        double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_rows_buffer + L * T * kGroup;
-        const LaneVector zero = {};
-        LaneMask finished = {};  // forward done (or, from a saved state, valid)
-        if (from_state) {
-          for (int64_t j = 0; j < kGroup; ++j) {
-            const int64_t b = group.sentence[j];
-            finished[j] = b >= 0 && group.length[j] > 0 && state.status[b] == kLaneState;
-          }
-        } else {
-          LaneVector log_z = zero;
-          finished = ~lanes_forward(emit, L, st, tables, group, work, keep_rows ? rows_a : nullptr,
-                                    rows_w, log_z) &
-                     (zero < group.length);
-          for (int64_t j = 0; j < kGroup; ++j) {
-            if (!finished[j]) continue;
-            const int64_t b = group.sentence[j];
-            if (writes_log_z) {
-              log_z_out[b] = static_cast<scalar_t>(log_z[j]);
-              done[b] = 1;
-            }
-            if (saving) state.status[b] = kLaneState;
-          }
-        }
-        if constexpr (!writes_log_z) {
-          LaneVector g = zero;
-          for (int64_t j = 0; j < kGroup; ++j) {
-            if (finished[j]) g[j] = kOut == Output::kMarginals ? 1.0 : static_cast<double>(grad_log_z[group.sentence[j]]);
-          }
-          const LaneMask failed = lanes_backward<scalar_t, pairwise>(
-              tables, group, work, rows_a, rows_w, g, ~finished, L, emit_out, trans_out,
-              start_out, end_out);
-          for (int64_t j = 0; j < kGroup; ++j) {
-            if (finished[j] && !failed[j]) done[group.sentence[j]] = 1;
-          }
+        const LaneMask failed = lanes_backward<scalar_t, pairwise>(
+            tables, group, work, rows_a, rows_w, g, ~finished, L, emit_out, trans_out,
+            start_out, end_out);
+        for (int64_t j = 0; j < kGroup; ++j) {
+          if (finished[j] && !failed[j]) done[group.sentence[j]] = 1;
         }
       }
     });

@@ -18,7 +18,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -418,22 +417,15 @@ LanePlan plan_viterbi_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_
 }
 
 // Runs decode_group(work, first, count) for every group of the plan (the sentences
-// plan.order[first .. first + count)), on the threads of at::parallel_for, each with its own
-// work space make_work(). A work queue: each thread takes the next group until none is left.
-// Groups come longest first, so the threads end close together whatever the spread of lengths.
+// plan.order[first .. first + count)), from the work queue of for_each_group (lanes.h), each
+// thread with its own work space make_work().
 template <typename scalar_t, typename MakeWork, typename DecodeGroup>
 void for_each_lane_group(const LanePlan& plan, MakeWork&& make_work, DecodeGroup&& decode_group) {
   constexpr int64_t kCount = Lanes<scalar_t>::kCount;
-  if (plan.num_groups == 0) return;
   const int64_t num_sentences = static_cast<int64_t>(plan.order.size());
-  std::atomic<int64_t> next_group{0};
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), plan.num_groups);
-  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-    auto work = make_work();
-    for (int64_t g = next_group++; g < plan.num_groups; g = next_group++) {
-      const int64_t first = g * kCount;
-      decode_group(work, first, std::min(kCount, num_sentences - first));
-    }
+  for_each_group(plan.num_groups, make_work, [&](auto& work, int64_t g) {
+    const int64_t first = g * kCount;
+    decode_group(work, first, std::min(kCount, num_sentences - first));
   });
 }
 
