@@ -64,6 +64,12 @@ def _check_tensor(name: str, x, dim: int, shape_text: str) -> None:
 def _prepare(emissions, transitions, lengths, start, end):
     """Validate the CRF arguments and return them ready for a backend:
     contiguous, in the compute dtype, start / end filled with zeros, lengths int64."""
+    ready = _already_prepared(emissions, transitions, lengths, start, end)
+    return ready if ready is not None else _prepare_checked(emissions, transitions, lengths, start, end)
+
+
+def _prepare_checked(emissions, transitions, lengths, start, end):
+    """_prepare for any arguments: converts what needs converting, raises on what is wrong."""
     _check_tensor("emissions", emissions, 3, "(batch, seq_len, num_tags)")
     if not emissions.is_floating_point():
         raise TypeError(f"emissions must be a floating-point tensor, got {emissions.dtype}")
@@ -104,6 +110,52 @@ def _prepare(emissions, transitions, lengths, start, end):
 # than the kernels, so the no-op conversions are skipped and the default start / end zeros are
 # made once per (num_tags, dtype, device). They are never written to or returned.
 _ZEROS: dict = {}
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def _already_prepared(emissions, transitions, lengths, start, end):
+    """The arguments as _prepare returns them when they need no conversion and pass every
+    check (the usual call: float32 / float64 tensors of the right shapes on one device, dense,
+    int64 lengths in range); None otherwise, and _prepare_checked then converts them or raises
+    its messages. The same checks, in one pass without the conversions: 4.6 us instead of 7.9
+    per call (B = 32, 1 thread), where a whole Viterbi call at B = 1 takes 4.3 us in the op."""
+    if not (isinstance(emissions, Tensor) and isinstance(transitions, Tensor)
+            and emissions.dim() == 3 and emissions.dtype in _FULL_PRECISION):
+        return None
+    B, L, T = emissions.shape
+    dtype, device = emissions.dtype, emissions.device
+    given_lengths = lengths
+    if lengths is None:
+        lengths = torch.full((B,), L, dtype=torch.long, device=device)
+    elif not isinstance(lengths, Tensor):
+        return None
+    if start is None:
+        start = _zeros((T,), dtype, device)
+    if end is None:
+        end = _zeros((T,), dtype, device)
+    if not (T >= 1 and isinstance(start, Tensor) and isinstance(end, Tensor)
+            and transitions.shape == (T, T) and start.shape == (T,) and end.shape == (T,)
+            and lengths.shape == (B,) and lengths.dtype == torch.long
+            and transitions.dtype == dtype and start.dtype == dtype and end.dtype == dtype
+            and transitions.device == device and start.device == device and end.device == device
+            and lengths.device == device and emissions.is_contiguous() and transitions.is_contiguous()
+            and start.is_contiguous() and end.is_contiguous() and lengths.is_contiguous()):
+        return None
+    if given_lengths is not None and B > 0 and not _is_compiling():
+        low, high = _length_range(lengths)
+        if low < 0 or high > L:
+            return None  # _prepare_lengths raises the message
+    return emissions, transitions, lengths, start, end
+
+
+def _length_range(lengths: Tensor):
+    """(min, max) of a non-empty int64 lengths tensor as Python ints. Small CPU batches go
+    through a list (about 1 us for B = 32); a reduction and its two scalar reads cost 2.3 us."""
+    if lengths.shape[0] <= 64 and lengths.device.type == "cpu":
+        values = lengths.tolist()
+        return min(values), max(values)
+    low, high = torch.aminmax(lengths)
+    return int(low), int(high)
 
 
 def _zeros(shape, dtype, device) -> Tensor:
@@ -134,8 +186,7 @@ def _prepare_lengths(lengths, B: int, L: int, device) -> Tensor:
     if lengths.device != device:
         raise ValueError(f"lengths is on {lengths.device} but emissions is on {device}; put them on one device")
     if not _is_compiling() and B > 0:  # data-dependent: the kernels check again while compiled
-        low, high = torch.aminmax(lengths)
-        low, high = int(low), int(high)
+        low, high = _length_range(lengths)
         if low < 0 or high > L:
             raise ValueError(f"lengths must lie in [0, seq_len = {L}], got values in [{low}, {high}]")
     return _as_compute(lengths, torch.long)

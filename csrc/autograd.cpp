@@ -46,15 +46,50 @@ Grads4 path_score_grads(const at::Tensor& grad_scores, const at::Tensor& emissio
   return op.call(grad_scores.contiguous(), emissions, lengths, tags);
 }
 
+// The forward ops, looked up once.
+using Crf = const at::Tensor&;  // the five CRF arguments: emissions, transitions, start, end, lengths
+using SavingOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // log_z, state, status
+using DecodeOutputs = std::tuple<at::Tensor, at::Tensor>;               // scores, paths
+
+const auto& log_partition_op() {
+  static const auto op = op_handle<at::Tensor(Crf, Crf, Crf, Crf, Crf)>("crfkit::log_partition");
+  return op;
+}
+const auto& log_partition_saving_op() {
+  static const auto op = op_handle<SavingOutputs(Crf, Crf, Crf, Crf, Crf)>("crfkit::log_partition_saving");
+  return op;
+}
+const auto& viterbi_op() {
+  static const auto op = op_handle<DecodeOutputs(Crf, Crf, Crf, Crf, Crf)>("crfkit::viterbi");
+  return op;
+}
+const auto& kbest_viterbi_op() {
+  static const auto op = op_handle<DecodeOutputs(Crf, Crf, Crf, Crf, Crf, int64_t)>("crfkit::kbest_viterbi");
+  return op;
+}
+const auto& sequence_score_op() {
+  static const auto op =
+      op_handle<at::Tensor(Crf, Crf, Crf, Crf, Crf, const at::Tensor&)>("crfkit::sequence_score");
+  return op;
+}
+
+// Whether a call records a backward: grad mode on and some score tensor requiring grad. When it
+// does not, the *_autograd kernels below call the op under the autograd key directly: the
+// autograd::Function machinery (a node, its saved inputs, output wrapping) cost about 1.4 us per
+// call, a tenth of a small no-grad call such as Viterbi at (1, 20, 9).
+bool records_backward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                      const at::Tensor& end) {
+  return at::GradMode::is_enabled() && (emissions.requires_grad() || transitions.requires_grad() ||
+                                        start.requires_grad() || end.requires_grad());
+}
+
 // ---- log Z, recomputing the forward in the backward --------------------------------------------
 struct LogPartition : torch::autograd::Function<LogPartition> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
                             const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
-    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                const at::Tensor&, const at::Tensor&)>("crfkit::log_partition");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({emissions, transitions, start, end, lengths});
-    return op.call(emissions, transitions, start, end, lengths);
+    return log_partition_op().call(emissions, transitions, start, end, lengths);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto op =
@@ -67,20 +102,19 @@ struct LogPartition : torch::autograd::Function<LogPartition> {
 
 at::Tensor log_partition_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
                                   const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+  if (!records_backward(emissions, transitions, start, end)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return log_partition_op().call(emissions, transitions, start, end, lengths);
+  }
   return LogPartition::apply(emissions, transitions, start, end, lengths);
 }
 
 // ---- log Z that keeps its forward state for the backward ---------------------------------------
-using SavingOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // log_z, state, status
-
 struct LogPartitionSaving : torch::autograd::Function<LogPartitionSaving> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
                                const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
-    static const auto op =
-        op_handle<SavingOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&)>("crfkit::log_partition_saving");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [log_z, state, status] = op.call(emissions, transitions, start, end, lengths);
+    auto [log_z, state, status] = log_partition_saving_op().call(emissions, transitions, start, end, lengths);
     ctx->save_for_backward({emissions, transitions, start, end, lengths, state, status});
     ctx->mark_non_differentiable({state, status});
     // The state and status are never differentiated: without this, autograd would fill a zero
@@ -104,20 +138,20 @@ struct LogPartitionSaving : torch::autograd::Function<LogPartitionSaving> {
 SavingOutputs log_partition_saving_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
                                             const at::Tensor& start, const at::Tensor& end,
                                             const at::Tensor& lengths) {
+  if (!records_backward(emissions, transitions, start, end)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return log_partition_saving_op().call(emissions, transitions, start, end, lengths);
+  }
   const auto out = LogPartitionSaving::apply(emissions, transitions, start, end, lengths);
   return {out[0], out[1], out[2]};
 }
 
 // ---- decoders: the scores are differentiable (sums of the scores the paths use) ----------------
-using DecodeOutputs = std::tuple<at::Tensor, at::Tensor>;  // scores, paths
-
 struct Viterbi : torch::autograd::Function<Viterbi> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
                                const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
-    static const auto op = op_handle<DecodeOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, const at::Tensor&)>("crfkit::viterbi");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [scores, paths] = op.call(emissions, transitions, start, end, lengths);
+    auto [scores, paths] = viterbi_op().call(emissions, transitions, start, end, lengths);
     ctx->save_for_backward({emissions, lengths, paths});
     ctx->mark_non_differentiable({paths});
     return {scores, paths};
@@ -130,6 +164,10 @@ struct Viterbi : torch::autograd::Function<Viterbi> {
 
 DecodeOutputs viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                                const at::Tensor& end, const at::Tensor& lengths) {
+  if (!records_backward(emissions, transitions, start, end)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return viterbi_op().call(emissions, transitions, start, end, lengths);
+  }
   const auto out = Viterbi::apply(emissions, transitions, start, end, lengths);
   return {out[0], out[1]};
 }
@@ -138,11 +176,8 @@ struct KBestViterbi : torch::autograd::Function<KBestViterbi> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
                                const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                                int64_t k) {
-    static const auto op =
-        op_handle<DecodeOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, int64_t)>("crfkit::kbest_viterbi");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [scores, paths] = op.call(emissions, transitions, start, end, lengths, k);
+    auto [scores, paths] = kbest_viterbi_op().call(emissions, transitions, start, end, lengths, k);
     ctx->save_for_backward({emissions, lengths, paths});
     ctx->mark_non_differentiable({paths});
     return {scores, paths};
@@ -156,6 +191,10 @@ struct KBestViterbi : torch::autograd::Function<KBestViterbi> {
 DecodeOutputs kbest_viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
                                      const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                                      int64_t k) {
+  if (!records_backward(emissions, transitions, start, end)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return kbest_viterbi_op().call(emissions, transitions, start, end, lengths, k);
+  }
   const auto out = KBestViterbi::apply(emissions, transitions, start, end, lengths, k);
   return {out[0], out[1]};
 }
@@ -165,12 +204,9 @@ struct SequenceScore : torch::autograd::Function<SequenceScore> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
                             const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                             const at::Tensor& tags) {
-    static const auto op =
-        op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&)>("crfkit::sequence_score");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({emissions, lengths, tags});
-    return op.call(emissions, transitions, start, end, lengths, tags);
+    return sequence_score_op().call(emissions, transitions, start, end, lengths, tags);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();  // emissions, lengths, tags (B, N, L)
@@ -181,6 +217,10 @@ struct SequenceScore : torch::autograd::Function<SequenceScore> {
 at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
                                    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                                    const at::Tensor& tags) {
+  if (!records_backward(emissions, transitions, start, end)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return sequence_score_op().call(emissions, transitions, start, end, lengths, tags);
+  }
   return SequenceScore::apply(emissions, transitions, start, end, lengths, tags);
 }
 

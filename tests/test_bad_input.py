@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import crfkit
+from crfkit import functional as F
 from conftest import random_crf
 
 OPS = {
@@ -157,3 +158,72 @@ def test_raw_decoders_name_the_sentence_with_nan_in_either_kernel(monkeypatch, d
     em[17, 0, 0] = math.inf
     with pytest.raises(ValueError, match=r"emissions\[13\] contains NaN or \+inf"):
         decode(em, tr, s, e, ln)
+
+
+def _valid_argument_forms():
+    """Valid arguments in the forms users pass them: (name, args, takes the fast path)."""
+    torch.manual_seed(3)
+    B, L, T = 3, 5, 4
+    em, tr = torch.randn(B, L, T), torch.randn(T, T)
+    st, en, ln = torch.randn(T), torch.randn(T), torch.tensor([5, 0, 2])
+    return [
+        ("all given", (em, tr, ln, st, en), True),
+        ("no start / end", (em, tr, ln, None, None), True),
+        ("no lengths", (em, tr, None, st, en), True),
+        ("parameters", (em, torch.nn.Parameter(tr), ln, torch.nn.Parameter(st), torch.nn.Parameter(en)), True),
+        ("float64", (em.double(), tr.double(), ln, st.double(), en.double()), True),
+        ("B = 0", (em[:0], tr, ln[:0], st, en), True),
+        ("non-contiguous emissions", (em.transpose(0, 1).contiguous().transpose(0, 1), tr, ln, st, en), False),
+        ("int32 lengths", (em, tr, ln.int(), st, en), False),
+        ("float16 emissions", (em.half(), tr, ln, st, en), False),
+        ("float32 parameters, float64 emissions", (em.double(), tr, ln, st, en), None),  # raises
+    ]
+
+
+@pytest.mark.parametrize("name, args, fast", _valid_argument_forms(), ids=lambda v: v if isinstance(v, str) else "")
+def test_fast_argument_path_agrees_with_the_checked_one(name, args, fast):
+    # _prepare skips its conversions when the arguments need none (_already_prepared); what it
+    # returns then must be what the full checked path returns, and it must actually be taken
+    # for the usual call (or the per-call saving it exists for is gone).
+    ready = F._already_prepared(*args)
+    if fast is None:  # invalid: no fast answer, and the checked path raises
+        assert ready is None
+        with pytest.raises(TypeError, match="transitions has dtype torch.float32"):
+            F._prepare_checked(*args)
+        return
+    assert (ready is not None) == fast
+    checked = F._prepare_checked(*args)
+    for got, want in zip(F._prepare(*args), checked):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 6], [5, -1, 2]])
+def test_fast_argument_path_leaves_bad_lengths_to_the_checked_one(lengths):
+    em, tr = torch.randn(3, 5, 4), torch.randn(4, 4)
+    assert F._already_prepared(em, tr, torch.tensor(lengths), None, None) is None
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, seq_len = 5\]"):
+        F._prepare(em, tr, torch.tensor(lengths), None, None)
+
+
+@pytest.mark.parametrize("op", ["log_partition", "viterbi", "kbest_viterbi"])
+def test_outputs_record_a_backward_only_when_asked(op):
+    # The compiled ops skip the autograd machinery when no score tensor requires grad or grad
+    # mode is off (csrc/autograd.cpp records_backward); with grad on they must still record it.
+    em = torch.randn(2, 4, 3, requires_grad=True)
+    tr = torch.randn(3, 3)
+    call = {"log_partition": lambda: crfkit.log_partition(em, tr),
+            "viterbi": lambda: crfkit.viterbi(em, tr)[1],
+            "kbest_viterbi": lambda: crfkit.kbest_viterbi(em, tr, 2).scores}[op]
+    with torch.no_grad():
+        assert not call().requires_grad
+    out = call()
+    assert out.requires_grad and out.grad_fn is not None
+    out.sum().backward()
+    assert em.grad is not None and torch.isfinite(em.grad).all()
+    if "compiled" not in crfkit.backends.available():
+        return
+    with torch.no_grad():
+        raw = getattr(torch.ops.crfkit, op)(em, tr, torch.zeros(3), torch.zeros(3), torch.tensor([4, 2]),
+                                           *([2] if op == "kbest_viterbi" else []))
+    assert not any(x.requires_grad for x in (raw if isinstance(raw, tuple) else (raw,)))
