@@ -34,6 +34,36 @@ def test_missing_extension_falls_back_to_the_reference():
     assert float(value) == pytest.approx(2 * __import__("math").log(2))
 
 
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+def test_numba_is_imported_only_when_needed():
+    # With the extension built, `import crfkit` must not pay for numba (0.23 s, 55 MiB); asking
+    # which backends exist loads it, and choosing it works.
+    code = ("import sys, torch, crfkit\n"
+            "print('numba' in sys.modules)\n"
+            "print(crfkit.backend_info()['available'])\n"
+            "crfkit.set_backend('numba'); print(float(crfkit.log_partition(torch.zeros(1, 2, 2), torch.zeros(2, 2))))")
+    out = run_python(code, CRFKIT_BACKEND="")
+    assert out.returncode == 0, out.stderr
+    loaded_at_import, available, value = out.stdout.split("\n")[:3]
+    assert loaded_at_import == "False"
+    assert "numba" in available
+    assert float(value) == pytest.approx(2 * __import__("math").log(2))
+
+
+def test_missing_numba_is_reported_when_asked_for():
+    code = ("import sys; sys.modules['numba'] = None\n"
+            "import crfkit\n"
+            "info = crfkit.backend_info(); print('numba' in info['available']); print(info['unavailable']['numba'])\n"
+            "crfkit.set_backend('numba')")
+    out = run_python(code, CRFKIT_BACKEND="")
+    assert out.returncode != 0
+    listed, reason = out.stdout.split("\n")[:2]
+    assert listed == "False" and "import of numba halted" in reason
+    assert "backend 'numba' is not available: ModuleNotFoundError" in out.stderr
+    out = run_python("import sys; sys.modules['numba'] = None\nimport crfkit", CRFKIT_BACKEND="numba")
+    assert out.returncode != 0 and "CRFKIT_BACKEND=numba but it cannot be loaded" in out.stderr
+
+
 def test_environment_variable_forces_a_backend():
     out = run_python("import crfkit; print(crfkit.backend_info()['backend'])", CRFKIT_BACKEND="reference")
     assert out.returncode == 0 and out.stdout.strip() == "reference"
