@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <tuple>
+#include <utility>
 
 namespace crfkit {
 namespace {
@@ -74,13 +75,38 @@ const auto& sequence_score_op() {
 }
 
 // Whether a call records a backward: grad mode on and some score tensor requiring grad. When it
-// does not, the *_autograd kernels below call the op under the autograd key directly: the
+// does not, autograd_kernel calls the op under the autograd key directly: the
 // autograd::Function machinery (a node, its saved inputs, output wrapping) cost about 1.4 us per
 // call, a tenth of a small no-grad call such as Viterbi at (1, 20, 9).
 bool records_backward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                       const at::Tensor& end) {
   return at::GradMode::is_enabled() && (emissions.requires_grad() || transitions.requires_grad() ||
                                         start.requires_grad() || end.requires_grad());
+}
+
+// An op's outputs (at::Tensor or a tuple of them) from those of its autograd::Function::apply.
+template <typename Outputs>
+Outputs as_outputs(const at::Tensor& output) {
+  return output;
+}
+template <typename Outputs>
+Outputs as_outputs(const variable_list& outputs) {
+  return [&]<size_t... I>(std::index_sequence<I...>) { return Outputs{outputs[I]...}; }(
+      std::make_index_sequence<std::tuple_size_v<Outputs>>{});
+}
+
+// The Autograd-key kernel of op: its autograd::Function when the call records a backward,
+// otherwise the op itself below the autograd key. `rest` are the arguments after the four
+// score tensors (lengths, and tags or k).
+template <typename Function, typename Op, typename... Rest>
+auto autograd_kernel(const Op& op, const at::Tensor& emissions, const at::Tensor& transitions,
+                     const at::Tensor& start, const at::Tensor& end, const Rest&... rest) {
+  using Outputs = decltype(op.call(emissions, transitions, start, end, rest...));
+  if (!records_backward(emissions, transitions, start, end)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return op.call(emissions, transitions, start, end, rest...);
+  }
+  return as_outputs<Outputs>(Function::apply(emissions, transitions, start, end, rest...));
 }
 
 // ---- log Z, recomputing the forward in the backward --------------------------------------------
@@ -102,11 +128,7 @@ struct LogPartition : torch::autograd::Function<LogPartition> {
 
 at::Tensor log_partition_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
                                   const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
-  if (!records_backward(emissions, transitions, start, end)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return log_partition_op().call(emissions, transitions, start, end, lengths);
-  }
-  return LogPartition::apply(emissions, transitions, start, end, lengths);
+  return autograd_kernel<LogPartition>(log_partition_op(), emissions, transitions, start, end, lengths);
 }
 
 // ---- log Z that keeps its forward state for the backward ---------------------------------------
@@ -138,12 +160,7 @@ struct LogPartitionSaving : torch::autograd::Function<LogPartitionSaving> {
 SavingOutputs log_partition_saving_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
                                             const at::Tensor& start, const at::Tensor& end,
                                             const at::Tensor& lengths) {
-  if (!records_backward(emissions, transitions, start, end)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return log_partition_saving_op().call(emissions, transitions, start, end, lengths);
-  }
-  const auto out = LogPartitionSaving::apply(emissions, transitions, start, end, lengths);
-  return {out[0], out[1], out[2]};
+  return autograd_kernel<LogPartitionSaving>(log_partition_saving_op(), emissions, transitions, start, end, lengths);
 }
 
 // ---- decoders: the scores are differentiable (sums of the scores the paths use) ----------------
@@ -164,12 +181,7 @@ struct Viterbi : torch::autograd::Function<Viterbi> {
 
 DecodeOutputs viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                                const at::Tensor& end, const at::Tensor& lengths) {
-  if (!records_backward(emissions, transitions, start, end)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return viterbi_op().call(emissions, transitions, start, end, lengths);
-  }
-  const auto out = Viterbi::apply(emissions, transitions, start, end, lengths);
-  return {out[0], out[1]};
+  return autograd_kernel<Viterbi>(viterbi_op(), emissions, transitions, start, end, lengths);
 }
 
 struct KBestViterbi : torch::autograd::Function<KBestViterbi> {
@@ -191,12 +203,7 @@ struct KBestViterbi : torch::autograd::Function<KBestViterbi> {
 DecodeOutputs kbest_viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
                                      const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                                      int64_t k) {
-  if (!records_backward(emissions, transitions, start, end)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return kbest_viterbi_op().call(emissions, transitions, start, end, lengths, k);
-  }
-  const auto out = KBestViterbi::apply(emissions, transitions, start, end, lengths, k);
-  return {out[0], out[1]};
+  return autograd_kernel<KBestViterbi>(kbest_viterbi_op(), emissions, transitions, start, end, lengths, k);
 }
 
 // ---- the score of given tag sequences ------------------------------------------------------------
@@ -217,11 +224,7 @@ struct SequenceScore : torch::autograd::Function<SequenceScore> {
 at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
                                    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                                    const at::Tensor& tags) {
-  if (!records_backward(emissions, transitions, start, end)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return sequence_score_op().call(emissions, transitions, start, end, lengths, tags);
-  }
-  return SequenceScore::apply(emissions, transitions, start, end, lengths, tags);
+  return autograd_kernel<SequenceScore>(sequence_score_op(), emissions, transitions, start, end, lengths, tags);
 }
 
 }  // namespace
