@@ -17,7 +17,9 @@
 // and the list it came from advances: rank[s] += 1 and its new head is fetched. In lanes the
 // taken list differs from lane to lane, so its new head is a gather from the lists, which are
 // stored [s][r][lane] (one gather per round after the first; about a quarter of the time at
-// T = 9, K = 5 on the AVX-512 VM, where a 16-lane gather costs about 20 cycles). The final
+// T = 9, K = 5 on the AVX-512 VM, where a 16-lane gather costs about 20 cycles). Up to
+// kNextAheadMaxTags tags the entry after each head is kept at hand, so that gather runs one
+// round ahead, off the chain from one round's argmax to the next. The final
 // choice over last tags is the same merge with offsets end[s] instead of trans[s, t].
 //
 // Layout details that keep the round branch-free and its gather in bounds:
@@ -87,6 +89,15 @@ inline typename Lanes<scalar_t>::Vector gather_lanes(const scalar_t* base,
 template <typename scalar_t>
 inline constexpr int kLaneShift = sizeof(scalar_t) == 4 ? 4 : 3;  // log2(kCount)
 
+// Up to this many tags (with T a template argument) merge_lanes keeps each list's next entry
+// in registers beside its head (kNextAhead), which takes the gather out of the dependency chain
+// from one round to the next at the cost of T more registers and T blends per round. Measured
+// with one thread, 16 float sentences of length 32-64, lanes forced, against the gather in the
+// chain (same build otherwise), K = 5 / 15: float T = 3: -14% / -20%, T = 5: -15% / -15%,
+// T = 7: -11% / -19%, T = 9: -9% / -14%, T = 10: -0% / -7%; double T = 5: +3% / +2%, T = 9:
+// -6% / -8%. At T = 12 it gained nothing, and at T = 16 the spills made it 50% slower.
+inline constexpr int kNextAheadMaxTags = 10;
+
 // M merges of the same T sorted lists into their K best, side by side, for all lanes: list s is
 // lists[s * (K + 1) + r] (vectors, descending in r, slot K = -inf); in merge m it is offset by
 // offset(m, s) (a scalar, the same in every lane). Calls out(m, r, best, code) for r = 0 .. K-1
@@ -106,7 +117,9 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
   using Index = typename Lanes<scalar_t>::Index;
   constexpr int64_t kCount = Lanes<scalar_t>::kCount;
   const int64_t T = kT > 0 ? kT : num_tags;
+  constexpr bool kNextAhead = kT > 0 && kT <= kNextAheadMaxTags;
   Vector head_registers[kT > 0 ? M * kT : 1];
+  Vector next[kNextAhead ? M * kT : 1];  // [m * T + s]: the entry after the head (kNextAhead)
   Mask address_registers[kT > 0 ? M * kT : 1];
   Vector* head = kT > 0 ? head_registers : head_memory;  // [m * T + s]
   Mask* address = kT > 0 ? address_registers : address_memory;
@@ -119,6 +132,7 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
 #pragma GCC unroll 16
     for (int64_t s = 0; s < T; ++s) {
       head[m * T + s] = lists[s * (K + 1)] + offset(m, s);
+      if constexpr (kNextAhead) next[m * T + s] = lists[s * (K + 1) + 1];
       address[m * T + s] = lane_index + static_cast<Index>(s) * list_stride;
     }
   }
@@ -163,24 +177,43 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
     for (int m = 0; m < M; ++m) out(m, r, best[m], arg[m] >> kLaneShift<scalar_t>);
     if (r + 1 == K) break;
     // Advance the list taken in each lane: its head becomes its next entry (slot rank + 1; the
-    // sentinel after the last) plus its offset. In round 0 every list is at rank 0, so that
-    // entry is slot 1 of each list, a plain load; later rounds gather it per lane.
+    // sentinel after the last) plus its offset.
     for (int m = 0; m < M; ++m) {
       Vector* h = head + m * T;
       Mask* a = address + m * T;
-      auto advance = [&](auto&& next_entry) {
+      if constexpr (kNextAhead) {
+        // The next entry is at hand in `next`, and the one after it (slot rank + 2) is gathered
+        // for the following advance: the next round's argmax does not wait for the gather.
+        // Only the advances after rounds r <= K - 3 are followed by another one, so the
+        // gathers read at most slot K - 1.
+        Vector* nx = next + m * T;
+        const bool refill = r + 2 < K;
+        const Vector gathered = refill ? gather_lanes<scalar_t>(list_scalars, arg[m] + static_cast<Index>(2 * kCount))
+                                       : Vector{};
 #pragma GCC unroll 16
         for (int64_t s = 0; s < T; ++s) {
           const Mask taken = a[s] == arg[m];
-          h[s] = taken ? next_entry(s) + offset(m, s) : h[s];
+          h[s] = taken ? nx[s] + offset(m, s) : h[s];
+          if (refill) nx[s] = taken ? gathered : nx[s];
           a[s] = taken ? a[s] + static_cast<Index>(kCount) : a[s];
         }
-      };
-      if (r == 0) {
-        advance([&](int64_t s) { return lists[s * (K + 1) + 1]; });
       } else {
-        const Vector gathered = gather_lanes<scalar_t>(list_scalars, arg[m] + static_cast<Index>(kCount));
-        advance([&](int64_t) { return gathered; });
+        // In round 0 every list is at rank 0, so the entry is slot 1 of each list, a plain
+        // load; later rounds gather it per lane.
+        auto advance = [&](auto&& next_entry) {
+#pragma GCC unroll 16
+          for (int64_t s = 0; s < T; ++s) {
+            const Mask taken = a[s] == arg[m];
+            h[s] = taken ? next_entry(s) + offset(m, s) : h[s];
+            a[s] = taken ? a[s] + static_cast<Index>(kCount) : a[s];
+          }
+        };
+        if (r == 0) {
+          advance([&](int64_t s) { return lists[s * (K + 1) + 1]; });
+        } else {
+          const Vector gathered = gather_lanes<scalar_t>(list_scalars, arg[m] + static_cast<Index>(kCount));
+          advance([&](int64_t) { return gathered; });
+        }
       }
     }
   }
