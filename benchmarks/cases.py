@@ -376,6 +376,16 @@ def check_against_compiled(case: Case, backend: str) -> str:
     return f"WRONG: {error}" if error else "ok"
 
 
+def floor_callable_for(case: Case, backend: str) -> Callable[[], tuple]:
+    """The same call on one position per sentence, (B, 1, T): what a call costs beyond its
+    kernels' work (argument checks, dispatch, output allocation, threads, autograd), the
+    "call floor" of the roofline report. The emissions are copied to a dense (B, 1, T) tensor
+    so that the call takes the same argument path as the full one."""
+    run, x = OPS[case.op].run, inputs_for(case).truncated(1)
+    x = Inputs(x.emissions.contiguous(), x.transitions, x.lengths, x.start, x.end, x.k)
+    return lambda: run(x, backend)
+
+
 def callable_for(case: Case, backend: str) -> Callable[[], tuple]:
     """The zero-argument function that is timed: one call of the op on the case's inputs."""
     run, x = OPS[case.op].run, inputs_for(case)

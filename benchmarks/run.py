@@ -14,7 +14,8 @@ For every cell (op, B, L, T, K), in one process:
      processes used during the cell is recorded too (use --threads 1 for steadier numbers there).
   3. roofline: the least time the op's necessary arithmetic and memory traffic take at rates
      measured on this machine in the same run (benchmarks/roofline), and the compiled op's
-     fraction of it.
+     fraction of it; beside it the "call floor", the same call at (B, 1, T), which shows how
+     much of a small call is fixed cost rather than kernel work.
 Writes <out>.md and <out>.json (machine, versions, command, date, cells) and prints the
 markdown. ratio = reference ms / compiled ms; tokens/s = B * L / compiled seconds (padded
 positions count as tokens).
@@ -168,7 +169,10 @@ def run_cell(case: cases.Case, budget_s: float, min_run_time: float, rounds: int
     if rates is not None:
         tokens = int(cases.inputs_for(case).lengths.sum())
         bound = roofline.lower_bound_s(case.op, tokens, case.B, case.L, case.T, case.K, rates)
-        row["roofline"] = {**bound, "fraction": bound["bound_s"] / (row["compiled_ms"] / 1e3)}
+        floor_s = median_ms(cases.floor_callable_for(case, "compiled"), min_run_time) / 1e3
+        compiled_s = row["compiled_ms"] / 1e3
+        row["roofline"] = {**bound, "fraction": bound["bound_s"] / compiled_s, "call_floor_s": floor_s,
+                           "fraction_with_floor": min(1.0, (bound["bound_s"] + floor_s) / compiled_s)}
     return row
 
 
@@ -194,8 +198,10 @@ def _row_cells(row: dict) -> List[str]:
     load = _load_share(row)
     numba = _ms(row.get("numba_ms")) if row.get("numba_ms") is not None else (row.get("numba_status") or "-")
     roof = row.get("roofline")
-    roof_cells = ["-", "-"] if not roof else [f"{roof['bound_s'] * 1e3:.3g} ({roof['limit']})",
-                                              f"{100 * roof['fraction']:.1f}%"]
+    roof_cells = ["-", "-", "-", "-"] if not roof else [
+        f"{roof['bound_s'] * 1e3:.3g} ({roof['limit']})", f"{100 * roof['fraction']:.1f}%",
+        _ms(1e3 * roof["call_floor_s"]) if "call_floor_s" in roof else "-",
+        f"{100 * roof['fraction_with_floor']:.1f}%" if "fraction_with_floor" in roof else "-"]
     return [row["op"], str(row["B"]), str(row["L"]), str(row["T"]), "-" if row["K"] is None else str(row["K"]),
             _ms(row["compiled_ms"]), reference, ratio, numba, *roof_cells, tokens, load, row["status"]]
 
@@ -273,11 +279,16 @@ def markdown(env: dict, rows: List[dict], heads: List[dict], grid_name: str) -> 
                   f"float max-plus updates/s, {rates['copy_bytes'] / 1e9:.3g} GB/s copy bandwidth. "
                   "\"roofline ms\" is the least time an op's necessary work takes at these rates "
                   "(work model and caveats: benchmarks/roofline/__init__.py); \"of roofline\" = roofline / compiled "
-                  "time (100% = at the bound).", ""]
+                  "time (100% = at the bound). \"call floor ms\" is the same public call on one position per "
+                  "sentence, (B, 1, T), timed the same way: what a call costs besides its kernels' work (argument "
+                  "checks, dispatch, outputs, threads, autograd), which no kernel speed removes; \"of roofline + "
+                  "floor\" = (roofline + call floor) / compiled time. It separates the kernels' efficiency from "
+                  "the fixed cost of a call at small shapes; the targets are judged on \"of roofline\".", ""]
     lines += ["## Ops", ""] + [f"- `{name}`: {op.doc}" for name, op in cases.OPS.items()] + [""]
     lines += ["## All cells", ""]
     lines += _table(["op", "B", "L", "T", "K", "compiled ms", "reference ms", "ratio", "numba ms",
-                     "roofline ms", "of roofline", "compiled tokens/s", "others' CPU", "correctness"],
+                     "roofline ms", "of roofline", "call floor ms", "of roofline + floor", "compiled tokens/s",
+                     "others' CPU", "correctness"],
                     [_row_cells(r) for r in rows])
     return "\n".join(lines) + "\n"
 
