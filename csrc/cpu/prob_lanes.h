@@ -113,38 +113,81 @@ inline void lanes_matvec(const double* m, int64_t stride, const LaneVector* x, i
 }
 
 // acc[s * T + t] += sum_p left[p * T + s] * right[p * T + t] over p < count (count rank-one
-// updates at once: each accumulator is loaded and stored once per batch of positions, and the
-// kBlock accumulators of a row block stay in registers meanwhile).
-template <int kBlock>
-inline void lanes_rank_update_block(const LaneVector* __restrict__ left,
-                                    const LaneVector* __restrict__ right, int64_t count, int64_t T,
-                                    int64_t s, int64_t t0, LaneVector* __restrict__ acc) {
-  LaneVector sum[kBlock];
-  for (int r = 0; r < kBlock; ++r) sum[r] = acc[s * T + t0 + r];
-  for (int64_t p = 0; p < count; ++p) {
-    const LaneVector l = left[p * T + s];
-    const LaneVector* row = right + p * T + t0;
-    for (int r = 0; r < kBlock; ++r) sum[r] += l * row[r];
+// updates at once), on a tile of kRows x kCols accumulators kept in registers: per position p
+// it loads kRows + kCols vectors for kRows * kCols multiply-adds. (A row of 8 accumulators, as
+// before, loaded 9 vectors per 8 multiply-adds and ran at half the matvec's rate, perf at
+// (256, 128, 37).) Each accumulator adds its terms in p order, as that row did: same results.
+template <int kRows, int kCols>
+inline void lanes_rank_update_tile(const LaneVector* __restrict__ left, const LaneVector* __restrict__ right,
+                                   int64_t count, int64_t T, int64_t s0, int64_t t0,
+                                   LaneVector* __restrict__ acc) {
+  LaneVector sum[kRows][kCols];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) sum[r][c] = acc[(s0 + r) * T + t0 + c];
   }
-  for (int r = 0; r < kBlock; ++r) acc[s * T + t0 + r] = sum[r];
+  for (int64_t p = 0; p < count; ++p) {
+    LaneVector l[kRows];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) l[r] = left[p * T + s0 + r];
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) {
+      const LaneVector x = right[p * T + t0 + c];
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) sum[r][c] += l[r] * x;
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) acc[(s0 + r) * T + t0 + c] = sum[r][c];
+  }
+}
+
+constexpr int kTileRows = 4, kTileCols = 4;  // 16 accumulators + 5 operands: 21 of 32 registers
+
+// lanes_rank_update_tile<rows, cols> for rows, cols at most kTileRows, kTileCols.
+template <int kRows>
+inline void lanes_rank_update_tile_of(int cols, const LaneVector* left, const LaneVector* right, int64_t count,
+                                      int64_t T, int64_t s0, int64_t t0, LaneVector* acc) {
+  switch (cols) {
+    case 1: return lanes_rank_update_tile<kRows, 1>(left, right, count, T, s0, t0, acc);
+    case 2: return lanes_rank_update_tile<kRows, 2>(left, right, count, T, s0, t0, acc);
+    case 3: return lanes_rank_update_tile<kRows, 3>(left, right, count, T, s0, t0, acc);
+    default: return lanes_rank_update_tile<kRows, kTileCols>(left, right, count, T, s0, t0, acc);
+  }
 }
 
 inline void lanes_rank_update(const LaneVector* left, const LaneVector* right, int64_t count,
                               int64_t T, LaneVector* acc) {
-  for (int64_t s = 0; s < T; ++s) {
-    int64_t t0 = 0;
-    for (; t0 + 8 <= T; t0 += 8) lanes_rank_update_block<8>(left, right, count, T, s, t0, acc);
-    switch (T - t0) {
-      case 1: lanes_rank_update_block<1>(left, right, count, T, s, t0, acc); break;
-      case 2: lanes_rank_update_block<2>(left, right, count, T, s, t0, acc); break;
-      case 3: lanes_rank_update_block<3>(left, right, count, T, s, t0, acc); break;
-      case 4: lanes_rank_update_block<4>(left, right, count, T, s, t0, acc); break;
-      case 5: lanes_rank_update_block<5>(left, right, count, T, s, t0, acc); break;
-      case 6: lanes_rank_update_block<6>(left, right, count, T, s, t0, acc); break;
-      case 7: lanes_rank_update_block<7>(left, right, count, T, s, t0, acc); break;
-      default: break;
+  static_assert(kTileRows == 4 && kTileCols == 4, "the switches below list the tile sizes");
+  for (int64_t s0 = 0; s0 < T; s0 += kTileRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, T - s0));
+    for (int64_t t0 = 0; t0 < T; t0 += kTileCols) {
+      const int cols = static_cast<int>(std::min<int64_t>(kTileCols, T - t0));
+      switch (rows) {
+        case 1: lanes_rank_update_tile_of<1>(cols, left, right, count, T, s0, t0, acc); break;
+        case 2: lanes_rank_update_tile_of<2>(cols, left, right, count, T, s0, t0, acc); break;
+        case 3: lanes_rank_update_tile_of<3>(cols, left, right, count, T, s0, t0, acc); break;
+        default: lanes_rank_update_tile_of<kTileRows>(cols, left, right, count, T, s0, t0, acc); break;
+      }
     }
   }
+}
+
+// sum_t rows[t] * v[t] per lane, for T lane vectors rows (t * kGroup) and v: four partial sums,
+// so that the chain of dependent multiply-adds is T / 4 long instead of T (perf showed the
+// backward's two single-chain sums taking 15% of lanes_backward at (256, 128, 37)).
+inline LaneVector lanes_dot(const double* rows, const LaneVector* v, int64_t T) {
+  LaneVector part[4] = {};
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) part[k] += load_lanes(rows + (t + k) * kGroup) * v[t + k];
+  }
+  for (; t < T; ++t) part[0] += load_lanes(rows + t * kGroup) * v[t];
+  return (part[0] + part[1]) + (part[2] + part[3]);
 }
 
 // One group of sentences. `sentence[j]` is the batch index of lane j (-1: empty lane),
@@ -164,7 +207,7 @@ struct LaneGroup {
 };
 
 // Per-thread work space of the lane scans (T lane vectors each).
-constexpr int64_t kPairBatch = 8;  // positions per batch of rank-one updates (pair_acc)
+constexpr int64_t kPairBatch = 16;  // positions per batch of rank-one updates (pair_acc)
 constexpr int64_t kTransposeChunk = 16;  // positions transposed at once (lanes_forward)
 
 struct ProbLaneWork {
@@ -328,8 +371,7 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
     if (i >= 2) prefetch_lane_vectors(rows_a + (i - 2) * T * kGroup, T);
     for (int64_t t = 0; t < T; ++t) b[t] = last ? zero + tab.end_w[t] : b[t];  // beta_{n-1}
     const double* a = rows_a + i * T * kGroup;
-    LaneVector total = zero;
-    for (int64_t t = 0; t < T; ++t) total += load_lanes(a + t * kGroup) * b[t];
+    const LaneVector total = lanes_dot(a, b, T);
     failed |= active & ~(total > zero);
     const LaneVector scale = active & (total > zero) ? g / total : zero;
     for (int64_t t = 0; t < T; ++t) mu[t] = load_lanes(a + t * kGroup) * b[t] * scale;
@@ -356,8 +398,7 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
     if (kPairwise) {
       // xi[s, t] = a_{i-1}[s] E[s, t] gw[t] / sum_s a_{i-1}[s] b_prev[s]; E is applied once at
       // the end (it is the same at every position).
-      LaneVector pair_total = zero;
-      for (int64_t s = 0; s < T; ++s) pair_total += load_lanes(a_prev + s * kGroup) * b_prev[s];
+      const LaneVector pair_total = lanes_dot(a_prev, b_prev, T);
       failed |= active & ~(pair_total > zero);
       const LaneVector pair_scale = active & (pair_total > zero) ? g / pair_total : zero;
       LaneVector* left = work.pair_left.data() + pending * T;
