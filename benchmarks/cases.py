@@ -197,7 +197,10 @@ def _check_viterbi(got, want, x: Inputs) -> Optional[str]:
 def _check_kbest(got, want, x: Inputs) -> Optional[str]:
     """Scores and log-probs close; paths equal in every row whose reference score is not tied
     (within TIE_TOL) with a neighbouring row, since tied rows may legitimately come in another
-    order; and every returned path really has its returned score (crfkit.reference.sequence_score)."""
+    order; and every returned path really has its returned score (crfkit.reference.sequence_score)
+    and differs from the sentence's other rows. The last row counts as tied: the first sequence
+    left out of the list may tie with it, and the lists cannot show that (a peer listing that
+    sequence instead was reported WRONG on long sentences at K = 15)."""
     paths, scores, log_probs = got
     ref_paths, ref_scores, ref_log_probs = want
     error = _close("k-best scores", scores, ref_scores, SCORE_TOL) or _close(
@@ -208,11 +211,16 @@ def _check_kbest(got, want, x: Inputs) -> Optional[str]:
     tied = torch.zeros_like(ref_scores, dtype=torch.bool)
     tied[:, 1:] |= near
     tied[:, :-1] |= near
+    tied[:, -1] = True
     differs = (paths != ref_paths).any(2) & ~tied
     if differs.any():
         b, r = (int(i) for i in differs.nonzero()[0])
         return f"k-best paths differ in {int(differs.sum())} untied rows (first: sentence {b}, row {r})"
     found = scores != float("-inf")
+    for b in range(paths.shape[0]):
+        rows = {tuple(p.tolist()) for p in paths[b][found[b]]}
+        if len(rows) < int(found[b].sum()):
+            return f"k-best paths repeat a path in sentence {b}"
     rescored = crfkit.reference.sequence_score(x.emissions, x.transitions, paths.clamp(min=0), x.lengths,
                                                x.start, x.end)
     return _close("k-best scores of the returned paths", rescored[found], scores[found], SCORE_TOL)
