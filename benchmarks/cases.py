@@ -194,6 +194,22 @@ def _check_viterbi(got, want, x: Inputs) -> Optional[str]:
     return None
 
 
+def repeated_paths(paths: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor) -> Optional[str]:
+    """Describe the sentences whose k-best rows (those with a finite score) repeat a path; None
+    if none do."""
+    dup = []
+    for b in range(paths.shape[0]):
+        rows = [tuple(p.tolist()) for p, s in zip(paths[b], scores[b]) if s != float("-inf")]
+        if len(set(rows)) < len(rows):
+            dup.append(b)
+    if not dup:
+        return None
+    L = paths.shape[-1]
+    short = sum(int(lengths[b]) < L for b in dup)
+    return (f"{len(dup)} of {paths.shape[0]} sentences get repeated paths (first: sentence {dup[0]}, length "
+            f"{int(lengths[dup[0]])} of L={L}; {short} of them shorter than L)")
+
+
 def _check_kbest(got, want, x: Inputs) -> Optional[str]:
     """Scores and log-probs close; paths equal in every row whose reference score is not tied
     (within TIE_TOL) with a neighbouring row, since tied rows may legitimately come in another
@@ -216,11 +232,10 @@ def _check_kbest(got, want, x: Inputs) -> Optional[str]:
     if differs.any():
         b, r = (int(i) for i in differs.nonzero()[0])
         return f"k-best paths differ in {int(differs.sum())} untied rows (first: sentence {b}, row {r})"
+    repeated = repeated_paths(paths, scores, x.lengths)
+    if repeated:
+        return repeated
     found = scores != float("-inf")
-    for b in range(paths.shape[0]):
-        rows = {tuple(p.tolist()) for p in paths[b][found[b]]}
-        if len(rows) < int(found[b].sum()):
-            return f"k-best paths repeat a path in sentence {b}"
     rescored = crfkit.reference.sequence_score(x.emissions, x.transitions, paths.clamp(min=0), x.lengths,
                                                x.start, x.end)
     return _close("k-best scores of the returned paths", rescored[found], scores[found], SCORE_TOL)
