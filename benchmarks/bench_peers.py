@@ -26,7 +26,7 @@ B * L/2 * T^3 floats, times K^2 for k-best) run in a subprocess under an address
 (--mem-cap-gb), so that running out of memory is reported ("failed: out of memory") instead of
 taking the machine down; they use the same seeded inputs.
 Peak memory (quick cells): each (library, op, cell) in a fresh subprocess: one warm-up call,
-crfkit's kept state buffers freed (crfkit.release_cached_memory), malloc_trim, the peak-RSS counter reset (/proc/self/clear_refs), one call; the increase of
+crfkit's kept buffers freed (crfkit.release_cached_memory), malloc_trim, the peak-RSS counter reset (/proc/self/clear_refs), one call; the increase of
 VmHWM over VmRSS before the call is reported.
 
 Writes <out>.md, <out>.json and <out>_speedup.png (default benchmarks/results/cpu, or cpu_full
@@ -274,8 +274,8 @@ def _child(task: dict) -> dict:
         out = fn()
         del out
         gc.collect()
-        # crfkit keeps freed saved-state buffers for the next call (crfkit.release_cached_memory):
-        # freed here, so that the measured call's state counts in its peak like any allocation.
+        # crfkit keeps freed buffers for the next call (crfkit.release_cached_memory): freed
+        # here, so that the measured call's buffers count in its peak like any allocation.
         crfkit.release_cached_memory()
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)

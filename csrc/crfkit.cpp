@@ -1,25 +1,25 @@
 // The crfkit operator library: one schema per op, nothing else. The kernels register
-// themselves per device in csrc/cpu/*.cpp (and csrc/cuda/*.cu); autograd and fake (meta)
-// implementations are registered from Python in crfkit/_ops.py.
+// themselves per device in csrc/cpu/*.cpp (and csrc/cuda/*.cu), the autograd formulas in
+// csrc/autograd.cpp, the fake (meta) implementations from Python in crfkit/backends/compiled.py.
 //
 // Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,);
 // lengths (B,) int64; tags (B, N, L) int64.
 #include <Python.h>
 #include <torch/library.h>
 
-#include "cpu/state_cache.h"
+#include "cpu/recycled_memory.h"
 
 namespace {
 
-// crfkit._C.release_cached_memory() -> int: frees the recycled state buffers
-// (csrc/cpu/state_cache.h) and returns the bytes freed.
+// crfkit._C.release_cached_memory() -> int: frees the recycled buffers
+// (csrc/cpu/recycled_memory.h) and returns the bytes freed.
 PyObject* release_cached_memory(PyObject*, PyObject*) {
-  return PyLong_FromLongLong(crfkit::cpu::release_cached_state());
+  return PyLong_FromLongLong(crfkit::cpu::release_recycled_memory());
 }
 
-// crfkit._C.cached_memory() -> int: the bytes the state cache holds now.
+// crfkit._C.cached_memory() -> int: the bytes kept now.
 PyObject* cached_memory(PyObject*, PyObject*) {
-  return PyLong_FromLongLong(crfkit::cpu::cached_state_bytes());
+  return PyLong_FromLongLong(crfkit::cpu::recycled_memory_bytes());
 }
 
 PyMethodDef methods[] = {
@@ -44,13 +44,12 @@ TORCH_LIBRARY(crfkit, m) {
         "Tensor lengths) -> Tensor");
   m.def("log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
         "Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
-  // log Z that keeps its forward state (B, 2, L, T) float64 and a status per sentence (B,)
-  // uint8, for a backward that does not rerun the forward (used when log Z is differentiated).
-  m.def("log_partition_saving(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-        "Tensor lengths) -> (Tensor log_z, Tensor state, Tensor status)");
-  m.def("log_partition_backward_saved(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
-        "Tensor start, Tensor end, Tensor lengths, Tensor state, Tensor status) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+  // log Z (B,) with its gradients for grad_log_z = 1: the marginals (B, L, T) and the expected
+  // transition counts (B, T, T) (used when log Z is differentiated; csrc/autograd.cpp).
+  m.def("log_partition_with_marginals(Tensor emissions, Tensor transitions, Tensor start, "
+        "Tensor end, Tensor lengths) -> (Tensor log_z, Tensor marginals, Tensor transition_counts)");
+  m.def("log_partition_backward_from_marginals(Tensor grad_log_z, Tensor marginals, "
+        "Tensor transition_counts, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
   // Pairwise marginals summed over positions, per sentence: (B, T, T).
   m.def("expected_transition_counts(Tensor emissions, Tensor transitions, Tensor start, "
         "Tensor end, Tensor lengths) -> Tensor");

@@ -3,7 +3,6 @@ to about 1e-10, float32 to about 1e-4 relative), gradcheck in float64, opcheck o
 registered op, torch.compile(fullgraph=True), and hypothesis property tests."""
 import functools
 import math
-import os
 
 import pytest
 import torch
@@ -105,86 +104,113 @@ def test_opcheck_every_op():
         (ops.sequence_score, (req[0], req[1], req[2], req[3], ln, tags)),
         (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64), em, tr, s, e, ln)),
         (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64), em, ln, tags)),
-        (ops.log_partition_saving, (req[0], req[1], req[2], req[3], ln)),
+        (ops.log_partition_with_marginals, (em, tr, s, e, ln)),
         (ops.expected_transition_counts, (em, tr, s, e, ln)),
     ]
-    _, state, status = ops.log_partition_saving(em, tr, s, e, ln)
-    cases.append((ops.log_partition_backward_saved, (torch.ones(3, dtype=torch.float64), em, tr, s, e, ln, state, status)))
+    _, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    cases.append((ops.log_partition_backward_from_marginals, (torch.ones(3, dtype=torch.float64), mu, counts, ln)))
     for op, args in cases:
         torch.library.opcheck(op, args)
 
 
-# Saved-state status codes (csrc/cpu/log_partition.cpp, SavedStatus)
-RECOMPUTE, FAST_STATE, NO_GRADIENT, LANE_STATE = 0, 1, 2, 3
-
-
-def _lanes_built() -> bool:
-    """Whether the extension was built for an AVX-512 CPU (the default -march=native on one):
-    only then do the log-partition kernels use lane groups (csrc/cpu/prob_lanes.h, use_lanes)."""
-    if os.environ.get("CRFKIT_ARCH", "native") != "native":
-        return False
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return " avx512f" in cpuinfo.read()
-    except OSError:
-        return False
+def _hard_cases(B, scale):
+    """Inputs with a forbidden transition, a sentence with nothing allowed (log Z = -inf), a
+    length-0 sentence and, from B = 8 on, a lane that leaves the fast path's range while the
+    others of its lane group stay."""
+    em, tr, ln, s, e = random_crf(B, 9, 5, scale=scale)
+    tr[1, 2] = -math.inf
+    em[2, :3] = -math.inf
+    if B > 6:
+        em[7] *= 1e4
+    return em, tr, ln, s, e
 
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
-@pytest.mark.parametrize("scale", [1.0, 1e4])  # 1e4: the exact log-space path (status "recompute")
+@pytest.mark.parametrize("scale", [1.0, 1e4])  # 1e4: the exact log-space path
 @pytest.mark.parametrize("B", [6, 21])  # 6: one sentence at a time; 21: lane groups of 8 (prob_lanes.h)
-def test_backward_from_saved_state_equals_the_plain_backward(scale, B):
-    em, tr, ln, s, e = random_crf(B, 9, 5, scale=scale)
-    tr[1, 2] = -math.inf
-    em[2, :3] = -math.inf  # sentence 2: nothing allowed (status "no gradient")
-    if B > 6:
-        em[7] *= 1e4  # a lane that leaves the fast path's range while the others of its group stay
+def test_log_partition_with_marginals_equals_the_separate_ops(scale, B):
+    # The op behind a differentiable log Z (csrc/autograd.cpp) computes log Z, the marginals and
+    # the expected transition counts in one pass: each must be what its own op gives, and its
+    # backward what the backward that reruns the forward gives, for any upstream gradient.
+    em, tr, ln, s, e = _hard_cases(B, scale)
     ops = torch.ops.crfkit
+    log_z, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    assert torch.equal(log_z, ops.log_partition(em, tr, s, e, ln))  # bit for bit
+    assert log_z[2] == -math.inf and log_z[1] == 0  # sentence 1 has length 0
+    assert torch.equal(counts, ops.expected_transition_counts(em, tr, s, e, ln))
+    torch.testing.assert_close(mu, ops.marginals(em, tr, s, e, ln), rtol=1e-12, atol=1e-12)
+    assert (mu[2] == 0).all() and (counts[2] == 0).all() and (mu[1] == 0).all()
     grad = torch.randn(B, dtype=torch.float64)
     grad[4] = 0
-    log_z, state, status = ops.log_partition_saving(em, tr, s, e, ln)
-    assert state.shape == (-(-B // 8) * 8, 2, 9, 8)
-    assert status[2] == NO_GRADIENT and status[1] == NO_GRADIENT  # sentence 1 has length 0
-    fast = LANE_STATE if B >= 8 and _lanes_built() else FAST_STATE
-    if scale == 1.0:
-        expected = ln > 0
-        expected[[2, 7] if B > 6 else [2]] = False
-        assert torch.equal(status == fast, expected)
-    if B > 6:
-        assert status[7] == RECOMPUTE
-    assert torch.equal(log_z, ops.log_partition(em, tr, s, e, ln))
-    saved = ops.log_partition_backward_saved(grad, em, tr, s, e, ln, state, status)
-    plain = ops.log_partition_backward(grad, em, tr, s, e, ln)
-    for a, b in zip(saved, plain):
-        assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="saved forward"):
-        ops.log_partition_backward_saved(grad, em, tr, s, e, ln, state.float(), status)
+    grad[3] = math.inf  # infinite upstream gradient: non-finite where used, 0 past the length
+    from_marginals = ops.log_partition_backward_from_marginals(grad, mu, counts, ln)
+    rerun = ops.log_partition_backward(grad, em, tr, s, e, ln)
+    assert (from_marginals[0][3, ln[3]:] == 0).all()
+    finite = grad.isfinite()
+    torch.testing.assert_close(from_marginals[0][finite], rerun[0][finite], rtol=1e-12, atol=1e-12)
+    grad[3] = 0
+    from_marginals = ops.log_partition_backward_from_marginals(grad, mu, counts, ln)
+    rerun = ops.log_partition_backward(grad, em, tr, s, e, ln)
+    for got, want in zip(from_marginals, rerun):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="transition_counts must be"):
+        ops.log_partition_backward_from_marginals(grad, mu, counts.float(), ln)
+    with pytest.raises(RuntimeError, match="grad_log_z must be"):
+        ops.log_partition_backward_from_marginals(grad[:-1], mu, counts, ln)
+    with pytest.raises(ValueError, match="lengths"):
+        ops.log_partition_backward_from_marginals(grad, mu, counts, ln + 10)
 
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 @pytest.mark.parametrize("B", [6, 21])
-def test_recycled_state_memory_leaves_no_trace(B):
-    # The saved state lives in recycled buffers (csrc/cpu/state_cache.h): a state computed in a
-    # buffer left full of NaN by an earlier call must equal, bit for bit, one computed in fresh
-    # memory, and so must the gradients; release_cached_memory() frees the kept buffers.
-    em, tr, ln, s, e = random_crf(B, 9, 5)
+def test_recycled_memory_leaves_no_trace(B):
+    # The marginals, counts and emissions gradient of a differentiable log Z live in recycled
+    # buffers (csrc/cpu/recycled_memory.h). Computed in buffers left full of NaN by an earlier
+    # call they must equal, bit for bit, those computed in fresh memory;
+    # release_cached_memory() frees the kept buffers.
+    em, tr, ln, s, e = random_crf(B, 2000, 5)  # the marginals: over the 64 KiB recycled from
     ops = torch.ops.crfkit
     crfkit.release_cached_memory()
-    _, state, _ = ops.log_partition_saving(em, tr, s, e, ln)
-    fresh_state = state.clone()
-    state.fill_(math.nan)
-    del state  # its buffer is kept, NaN-filled
-    assert crfkit.cached_memory() >= fresh_state.numel() * 8
-    log_z, reused_state, status = ops.log_partition_saving(em, tr, s, e, ln)
-    assert crfkit.cached_memory() == 0  # the kept buffer was taken
-    assert torch.equal(reused_state, fresh_state)
-    grad = torch.randn(B, dtype=torch.float64)
-    saved = ops.log_partition_backward_saved(grad, em, tr, s, e, ln, reused_state, status)
-    for got, want in zip(saved, ops.log_partition_backward(grad, em, tr, s, e, ln)):
+    fresh = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    fresh_copies = [x.clone() for x in fresh]
+    for x in fresh:
+        x.fill_(math.nan)
+    del fresh  # their buffers are kept, NaN-filled
+    assert crfkit.cached_memory() >= em.numel() * 8
+    reused = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    for got, want in zip(reused, fresh_copies):
         assert torch.equal(got, want)
-    del reused_state
+    grad = torch.randn(B, dtype=torch.float64)
+    first = [x.clone() for x in ops.log_partition_backward_from_marginals(grad, reused[1], reused[2], ln)]
+    crfkit.release_cached_memory()
+    for x in ops.log_partition_backward_from_marginals(grad, reused[1], reused[2], ln):
+        x.fill_(math.nan)  # freed at once: NaN in the cache again
+    for got, want in zip(ops.log_partition_backward_from_marginals(grad, reused[1], reused[2], ln), first):
+        assert torch.equal(got, want)
+    del reused
     assert crfkit.release_cached_memory() > 0
     assert crfkit.cached_memory() == 0
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+def test_log_partition_gradient_is_differentiable_once_only():
+    # The compiled backward scales marginals computed in the forward: a second derivative through
+    # it must raise, not come out silently without the marginals' own derivative.
+    em, tr, ln, s, e = random_crf(3, 5, 4)
+    em.requires_grad_()
+    log_z = crfkit.log_partition(em, tr, ln, s, e)
+    (grad,) = torch.autograd.grad((log_z ** 2).sum(), em, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once only"):
+        torch.autograd.grad(grad.sum(), em)
+    log_z = crfkit.log_partition(em, tr, ln, s, e)
+    (grad,) = torch.autograd.grad(log_z.sum(), em, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once only"):
+        (grad.sum() + em.sum()).backward()
+    with crfkit.use_backend("reference"):  # where second derivatives are wanted
+        log_z = crfkit.log_partition(em, tr, ln, s, e)
+        (grad,) = torch.autograd.grad(log_z.sum(), em, create_graph=True)
+        (hessian_row,) = torch.autograd.grad(grad[0, 0, 0], em)
+    assert hessian_row[0, 0, 0] > 0  # the variance of a tag indicator
 
 
 @pytest.mark.parametrize("T", [1, 3, 9, 16, 37, 64])

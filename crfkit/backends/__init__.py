@@ -110,11 +110,12 @@ def backend_info() -> dict:
 
 def release_cached_memory() -> int:
     """Free the CPU buffers the compiled backend keeps between calls and return their size in
-    bytes. It keeps the memory of the last few saved forward states of a differentiable
-    log_partition (at most 256 MiB in 4 buffers; csrc/cpu/state_cache.h), because a fresh block
-    of that size page-faults on every call of a training loop. 0 when nothing is kept or the
-    extension is not built. (Each thread that ran marginals or a log Z backward also keeps one
-    workspace of up to 16 MiB, freed with the thread.)"""
+    bytes. It keeps the last few freed buffers of a differentiable log_partition (its marginals,
+    expected transition counts and emissions gradient; at most 256 MiB in 8 buffers;
+    csrc/cpu/recycled_memory.h), because a fresh block of that size page-faults on every call
+    of a training loop. 0 when nothing is kept or the extension is not built. (Each thread that
+    ran marginals or a differentiable log Z also keeps one workspace of up to 16 MiB, freed
+    with the thread.)"""
     if "compiled" not in _available:
         return 0
     from .. import _C
@@ -123,7 +124,7 @@ def release_cached_memory() -> int:
 
 
 def cached_memory() -> int:
-    """Bytes of saved-state buffers the compiled backend keeps now (see release_cached_memory)."""
+    """Bytes of buffers the compiled backend keeps now (see release_cached_memory)."""
     if "compiled" not in _available:
         return 0
     from .. import _C

@@ -2,8 +2,8 @@
 a fake (meta) implementation so that torch.compile can trace it. The autograd formulas are
 registered in C++ (csrc/autograd.cpp), except the marginals' (below).
 
-The backward of every op is itself a registered op (log_partition_backward,
-sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module
+The backward of every op is itself a registered op (log_partition_backward_from_marginals on
+the CPU, log_partition_backward elsewhere, sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module
 raises ImportError when the extension is not built; crfkit.backends then falls back.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ EXPECTED_SCHEMAS = {
     "log_partition": "crfkit::log_partition(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
     "marginals": "crfkit::marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
     "log_partition_backward": "crfkit::log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)",
-    "log_partition_saving": "crfkit::log_partition_saving(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor log_z, Tensor state, Tensor status)",
-    "log_partition_backward_saved": "crfkit::log_partition_backward_saved(Tensor grad_log_z, Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, Tensor state, Tensor status) -> (Tensor, Tensor, Tensor, Tensor)",
+    "log_partition_with_marginals": "crfkit::log_partition_with_marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor log_z, Tensor marginals, Tensor transition_counts)",
+    "log_partition_backward_from_marginals": "crfkit::log_partition_backward_from_marginals(Tensor grad_log_z, Tensor marginals, Tensor transition_counts, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)",
     "expected_transition_counts": "crfkit::expected_transition_counts(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
     "viterbi": "crfkit::viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor scores, Tensor paths)",
     "kbest_viterbi": "crfkit::kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths)",
@@ -63,23 +63,16 @@ def _(grad_log_z, emissions, transitions, start, end, lengths):
     return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
 
 
-# The saved forward state pads the tag axis to whole SIMD vectors (kLanes, csrc/cpu/prob_space.h)
-# and the batch axis to whole lane groups (kGroup, csrc/cpu/prob_lanes.h).
-_STATE_LANES = 8
-
-
-@torch.library.register_fake("crfkit::log_partition_saving")
+@torch.library.register_fake("crfkit::log_partition_with_marginals")
 def _(emissions, transitions, start, end, lengths):
-    B, L, T = emissions.shape
-    stride = -(-T // _STATE_LANES) * _STATE_LANES
-    slots = -(-B // _STATE_LANES) * _STATE_LANES
-    return (emissions.new_empty(B), emissions.new_empty((slots, 2, L, stride), dtype=torch.float64),
-            emissions.new_empty(B, dtype=torch.uint8))
+    B, _L, T = emissions.shape
+    return emissions.new_empty(B), torch.empty_like(emissions), emissions.new_empty((B, T, T))
 
 
-@torch.library.register_fake("crfkit::log_partition_backward_saved")
-def _(grad_log_z, emissions, transitions, start, end, lengths, state, status):
-    return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
+@torch.library.register_fake("crfkit::log_partition_backward_from_marginals")
+def _(grad_log_z, marginals, transition_counts, lengths):
+    T = marginals.shape[2]
+    return torch.empty_like(marginals), marginals.new_empty((T, T)), marginals.new_empty(T), marginals.new_empty(T)
 
 
 @torch.library.register_fake("crfkit::expected_transition_counts")
@@ -112,7 +105,7 @@ def _(grad_scores, emissions, lengths, tags):
 
 
 # ---- autograd ---------------------------------------------------------------------------------
-# The formulas of log_partition, log_partition_saving, viterbi, kbest_viterbi and sequence_score
+# The formulas of log_partition, viterbi, kbest_viterbi and sequence_score
 # are registered in C++ (csrc/autograd.cpp), so that a call does not pass through Python's
 # autograd wrapper. The marginals' formula stays here: it differentiates the reference.
 def _save_crf_inputs(ctx, inputs, output):
@@ -150,10 +143,8 @@ def _has_kernel(op_name: str, tensor: Tensor) -> bool:
 
 
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:
-    # When log Z will be differentiated, keep the forward's state (16 B L T bytes) so that the
-    # backward does not rerun the forward recursion; otherwise O(T) working memory per thread.
-    if _needs_grad(emissions, transitions, start, end) and _has_kernel("log_partition_saving", emissions):
-        return ops.log_partition_saving(emissions, transitions, start, end, lengths)[0]
+    # Without gradient: O(T) working memory per thread. A differentiable call on the CPU also
+    # computes the marginals for its backward (csrc/autograd.cpp, LogPartition).
     return ops.log_partition(emissions, transitions, start, end, lengths)
 
 

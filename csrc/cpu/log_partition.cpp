@@ -17,7 +17,7 @@
 #include "log_space.h"
 #include "prob_lanes.h"
 #include "prob_space.h"
-#include "state_cache.h"
+#include "recycled_memory.h"
 
 namespace crfkit {
 namespace cpu {
@@ -48,8 +48,8 @@ double forward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t*
   return off + static_cast<double>(logsumexp_sum(row, 1, end, 1, T));
 }
 
-// Marginals of one sentence scaled by `g` into grad_emit (n, T); with kPairwise also
-// the transition / start / end gradients. alpha_hat / offset come from forward_scan(keep_rows).
+// Marginals of one sentence scaled by `g` into grad_emit (n, T); with kPairwise also the
+// transition gradients, and the start / end ones where those are not null. alpha_hat / offset come from forward_scan(keep_rows).
 template <typename scalar_t, bool kPairwise>
 void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* end,
                    const ScaledTransitions<scalar_t>& by_col,
@@ -76,8 +76,8 @@ void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* 
       const scalar_t scale = g / total;
       for (int64_t t = 0; t < T; ++t) mu[t] *= scale;
     }
-    if (kPairwise && i == n - 1) std::copy(mu, mu + T, grad_end);
-    if (kPairwise && i == 0) std::copy(mu, mu + T, grad_start);
+    if (grad_end != nullptr && i == n - 1) std::copy(mu, mu + T, grad_end);
+    if (grad_start != nullptr && i == 0) std::copy(mu, mu + T, grad_start);
     if (i == 0) break;
 
     for (int64_t t = 0; t < T; ++t) v[t] = emit[i * T + t] + beta_hat[t];
@@ -117,40 +117,17 @@ void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* 
   }
 }
 
-// kLogPartitionSaving is log Z that also keeps the forward pass's state for the backward
-// (kBackwardFromState), so that training runs the forward recursion once instead of twice.
-enum class Output { kLogPartition, kLogPartitionSaving, kMarginals, kBackward, kBackwardFromState };
+// kLogPartitionWithMarginals is log Z together with its gradients for an upstream gradient of 1
+// per sentence (the marginals and the expected transition counts), computed while each group's
+// forward rows are still in cache: the backward of a differentiable log Z is then only these
+// scaled by the upstream gradient (csrc/autograd.cpp).
+enum class Output { kLogPartition, kLogPartitionWithMarginals, kMarginals, kBackward };
 
-// What the saved state holds for sentence b (the `status` tensor).
-enum SavedStatus : uint8_t {
-  kRecompute = 0,   // the fast path left its range: the backward recomputes exactly
-  kFastState = 1,   // state[b] holds the scaled forward rows a (n, stride) and w (n, stride)
-  kNoGradient = 2,  // length 0, or log Z = -inf: every gradient is 0
-  kLaneState = 3,   // the rows are in its lane group's share of the state (prob_lanes.h)
-};
-
-// Forward state of the probability-space path: (B rounded up to kGroup, 2, L, stride) double,
-// where stride = T rounded up to a whole number of lanes (padded_tags). Per-sentence scans use
-// slot b: a rows (L, stride) then w rows (L, stride), zero padded. Lane groups (prob_lanes.h)
-// use the kGroup slots of group g together: a rows (L, T, kGroup) then w rows (L, T, kGroup),
-// which fit since stride >= T.
-struct ForwardState {
-  double* rows = nullptr;     // nullptr when the op keeps no state
-  uint8_t* status = nullptr;  // (B,) SavedStatus
-  int64_t L = 0, stride = 0;
-  double* a_rows(int64_t b) const { return rows + b * 2 * L * stride; }
-  double* w_rows(int64_t b) const { return rows + (b * 2 + 1) * L * stride; }
-  double* group_a_rows(int64_t g) const { return rows + g * kGroup * 2 * L * stride; }
-  double* group_w_rows(int64_t g, int64_t T) const { return group_a_rows(g) + L * T * kGroup; }
-};
-
-inline int64_t state_slots(int64_t B) { return (B + kGroup - 1) / kGroup * kGroup; }
-
-// Per-thread space for a lane group's rows when the op keeps no state (marginals, the backward
-// that recomputes the forward): kept between calls, because a fresh allocation of this size is
-// a fresh mapping whose page faults cost more than the scan itself (measured: 0.2 ms per call at
-// (32, 128, 9)). Uninitialised: a group writes every row it reads. Sizes above kMaxKept doubles
-// are not kept (they are freed when the thread's next call needs less).
+// Per-thread space for a lane group's rows (the ops other than log Z): kept between calls,
+// because a fresh allocation of this size is a fresh mapping whose page faults cost more than
+// the scan itself (measured: 0.2 ms per call at (32, 128, 9)). Uninitialised: a group writes
+// every row it reads. Sizes above kMaxKept doubles are not kept (they are freed when the
+// thread's next call needs less).
 inline double* lane_rows_workspace(int64_t size) {
   constexpr int64_t kMaxKept = int64_t(1) << 21;  // 16 MiB
   thread_local std::unique_ptr<double[]> buffer;
@@ -164,13 +141,13 @@ inline double* lane_rows_workspace(int64_t size) {
 
 // One driver for the ops: they share the scans, the per-thread buffers, the checks.
 // Each sentence runs the probability-space fast path (prob_space.h) and falls back to the exact
-// log-space scans above when that path reports a value out of its range.
+// log-space scans above when that path reports a value out of its range. Outputs that an op
+// does not have are null (start_out / end_out may be null in the pairwise ops too).
 template <typename scalar_t, Output kOut>
 void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
                    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                    const scalar_t* grad_log_z, scalar_t* log_z_out, scalar_t* emit_out,
-                   scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out,
-                   const ForwardState& state = {}) {
+                   scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out) {
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const scalar_t* emit = emissions.data_ptr<scalar_t>();
   const scalar_t* trans = transitions.data_ptr<scalar_t>();
@@ -178,26 +155,27 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   const scalar_t* en = end.data_ptr<scalar_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const ProbTables tables(trans, en, T);
-  constexpr bool saving = kOut == Output::kLogPartitionSaving;
-  constexpr bool from_state = kOut == Output::kBackwardFromState;
-  constexpr bool writes_log_z = kOut == Output::kLogPartition || saving;
+  const bool writes_log_z = log_z_out != nullptr;  // (expected_transition_counts has none)
   constexpr bool keep_rows = kOut != Output::kLogPartition;
-  constexpr bool pairwise = kOut == Output::kBackward || from_state;
+  constexpr bool pairwise = kOut == Output::kBackward || kOut == Output::kLogPartitionWithMarginals;
+  constexpr bool unit_gradient = kOut == Output::kMarginals || kOut == Output::kLogPartitionWithMarginals;
   const int64_t rows = keep_rows ? std::max<int64_t>(L, 1) : 2;
   std::vector<char> bad(B, 0);
 
   // Batch lanes first (prob_lanes.h), where the shape suits them; the sentences they do not
-  // finish (failed lanes, length 0, NaN) go on to the per-sentence loop below. The choice
-  // depends only on (B, T, transitions), so the backward from a saved state makes it again.
+  // finish (failed lanes, length 0, NaN) go on to the per-sentence loop below.
   const bool lanes = tables.usable && use_lanes(B, T);
   std::vector<char> done(B, 0);
+  // log Z of the sentences whose lane forward finished: the per-sentence loop leaves it as it is
+  // when only the lane backward failed, so that log Z does not depend on the gradients' path.
+  std::vector<char> has_log_z(B, 0);
   if (lanes) {
     const std::vector<int64_t> order = lane_order(len, B);
     const int64_t groups = static_cast<int64_t>(order.size()) / kGroup;
-    const bool own_rows = keep_rows && !(saving || from_state);
     // Groups come longest first; threads take them from a work queue (lanes.h for_each_group).
     for_each_group(groups, [&] { return ProbLaneWork(T, pairwise); }, [&](ProbLaneWork& work, int64_t grp) {
-      double* own_rows_buffer = own_rows ? lane_rows_workspace(2 * L * T * kGroup) : nullptr;
+      double* rows_a = keep_rows ? lane_rows_workspace(2 * L * T * kGroup) : nullptr;
+      double* rows_w = keep_rows ? rows_a + L * T * kGroup : nullptr;
       LaneGroup group(order.data() + grp * kGroup, len);
       for (int64_t j = 0; j < kGroup; ++j) {
         const int64_t b = group.sentence[j];
@@ -207,54 +185,37 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
         if (has_nan_or_posinf(emit + b * L * T, len[b] * T)) group.length[j] = 0;
         if (len[b] == 0) {  // the empty sequence: log Z = 0, nothing to differentiate
           if (writes_log_z) log_z_out[b] = 0;
-          if (saving) state.status[b] = kNoGradient;
           done[b] = 1;
         }
       }
-      if (saving) {  // lanes_forward writes the rows before n_max; the rest must not be leftovers
-        std::fill(state.group_a_rows(grp) + group.n_max * T * kGroup, state.group_w_rows(grp, T), 0.0);
-        std::fill(state.group_w_rows(grp, T) + group.n_max * T * kGroup, state.group_a_rows(grp + 1), 0.0);
-      }
       if (group.n_max == 0) return;  // only empty sentences: the per-sentence loop
-      double* rows_a = from_state || saving ? state.group_a_rows(grp) : own_rows_buffer;
-      double* rows_w = from_state || saving ? state.group_w_rows(grp, T) : own_rows_buffer + L * T * kGroup;
       const LaneVector zero = {};
-      LaneMask finished = {};  // forward done (or, from a saved state, valid)
-      if (from_state) {
-        for (int64_t j = 0; j < kGroup; ++j) {
-          const int64_t b = group.sentence[j];
-          finished[j] = b >= 0 && group.length[j] > 0 && state.status[b] == kLaneState;
+      LaneVector log_z = zero;
+      const LaneMask finished = ~lanes_forward(emit, L, st, tables, group, work, rows_a, rows_w, log_z) &
+                                (zero < group.length);
+      LaneVector g = zero;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        if (!finished[j]) continue;
+        const int64_t b = group.sentence[j];
+        if (writes_log_z) {
+          log_z_out[b] = static_cast<scalar_t>(log_z[j]);
+          has_log_z[b] = 1;
         }
-      } else {
-        LaneVector log_z = zero;
-        finished = ~lanes_forward(emit, L, st, tables, group, work, keep_rows ? rows_a : nullptr,
-                                  rows_w, log_z) &
-                   (zero < group.length);
-        for (int64_t j = 0; j < kGroup; ++j) {
-          if (!finished[j]) continue;
-          const int64_t b = group.sentence[j];
-          if (writes_log_z) {
-            log_z_out[b] = static_cast<scalar_t>(log_z[j]);
-            done[b] = 1;
-          }
-          if (saving) state.status[b] = kLaneState;
-        }
+        g[j] = unit_gradient ? 1.0 : static_cast<double>(grad_log_z[b]);
       }
-      if constexpr (!writes_log_z) {
-        LaneVector g = zero;
-        for (int64_t j = 0; j < kGroup; ++j) {
-          if (finished[j]) g[j] = kOut == Output::kMarginals ? 1.0 : static_cast<double>(grad_log_z[group.sentence[j]]);
-        }
-        const LaneMask failed = lanes_backward<scalar_t, pairwise>(
-            tables, group, work, rows_a, rows_w, g, ~finished, L, emit_out, trans_out,
-            start_out, end_out);
+      if constexpr (keep_rows) {
+        const LaneMask failed = lanes_backward<scalar_t, pairwise>(tables, group, work, rows_a, rows_w, g,
+                                                                   ~finished, L, emit_out, trans_out,
+                                                                   start_out, end_out);
         for (int64_t j = 0; j < kGroup; ++j) {
           if (finished[j] && !failed[j]) done[group.sentence[j]] = 1;
         }
+      } else {
+        for (int64_t j = 0; j < kGroup; ++j) {
+          if (finished[j]) done[group.sentence[j]] = 1;
+        }
       }
     });
-  } else if (saving) {  // the slots past B (B rounded up to kGroup) are not a sentence's
-    std::fill(state.a_rows(B), state.a_rows(state_slots(B)), 0.0);
   }
 
   // The sentences left for one-at-a-time scans (all of them without lanes).
@@ -272,13 +233,10 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   const ScaledTransitions<scalar_t> by_col(trans, T, /*by_column=*/true);
   const ScaledTransitions<scalar_t> by_row(trans, T, /*by_column=*/false);
   at::parallel_for(0, static_cast<int64_t>(left.size()), 1, [&](int64_t l_begin, int64_t l_end) {
-    // Fast path: scaled probabilities in double (in the saved state when there is one).
-    // Exact path: normalised log space. After the lanes, a sentence keeps nothing in the
-    // state (its slot belongs to its group): saving marks it for an exact recompute.
-    const bool own_rows = !(saving || from_state) || lanes;
+    // Fast path: scaled probabilities in double. Exact path: normalised log space.
     const int64_t stride = tables.stride;
-    std::vector<double> prob_a(own_rows ? rows * stride : 0);
-    std::vector<double> prob_w(own_rows && keep_rows ? rows * stride : 0);
+    std::vector<double> prob_a(rows * stride);
+    std::vector<double> prob_w(keep_rows ? rows * stride : 0);
     std::vector<double> prob_work(3 * stride + (pairwise ? T * stride : 0));
     std::vector<scalar_t> alpha_hat(rows * T), work(4 * T + (pairwise ? T * T : 0));
     std::vector<double> offset(rows);
@@ -290,63 +248,46 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
       // here, in the thread that then writes it, so fresh pages are touched once, in parallel,
       // instead of by a separate serial zero fill first.
       if (emit_out != nullptr) std::fill(emit_out + b * L * T, emit_out + (b + 1) * L * T, scalar_t(0));
-      if (saving && !lanes) std::fill(state.a_rows(b), state.a_rows(b + 1), 0.0);
       if (has_nan_or_posinf(emit_b, n * T)) {
         bad[b] = 1;
         continue;
       }
       if (n == 0) {  // the empty sequence: log Z = 0, nothing to differentiate
         if (writes_log_z) log_z_out[b] = 0;
-        if (saving) state.status[b] = kNoGradient;
         continue;
       }
-      double* a_rows = own_rows ? prob_a.data() : state.a_rows(b);
-      double* w_rows = own_rows ? prob_w.data() : state.w_rows(b);
+      scalar_t* grad_trans_b = pairwise ? trans_out + b * T * T : nullptr;
       auto exact_forward = [&] {
         return forward_scan(emit_b, trans, st, en, by_col, n, T, keep_rows, alpha_hat.data(),
                             offset.data(), work.data());
       };
       double log_z = 0;
-      bool fast = false;
-      if (from_state) {  // the forward already ran: its state says what is left to do
-        TORCH_CHECK(state.status[b] <= (lanes ? kLaneState : kNoGradient),
-                    "crfkit: invalid saved forward state");
-        if (state.status[b] == kNoGradient) continue;
-        fast = state.status[b] == kFastState && !lanes;  // kLaneState here: the lanes failed
-        if (!fast) log_z = exact_forward();
-      } else {
-        fast = tables.usable && prob_forward(emit_b, st, tables, n, keep_rows, a_rows, w_rows,
-                                             prob_work.data(), &log_z);
-        if (!fast) log_z = exact_forward();
-      }
-      if (writes_log_z) {
-        log_z_out[b] = static_cast<scalar_t>(log_z);
-        if (saving) {
-          state.status[b] = log_z == kNegInfD ? kNoGradient : fast && !lanes ? kFastState : kRecompute;
+      const bool fast = tables.usable && prob_forward(emit_b, st, tables, n, keep_rows, prob_a.data(),
+                                                      prob_w.data(), prob_work.data(), &log_z);
+      if (!fast) log_z = exact_forward();
+      if (writes_log_z && !has_log_z[b]) log_z_out[b] = static_cast<scalar_t>(log_z);
+      if constexpr (keep_rows) {
+        // Every sequence forbidden: log Z = -inf and all gradients / marginals stay 0.
+        if (log_z == kNegInfD) continue;
+        const scalar_t g = unit_gradient ? scalar_t(1) : grad_log_z[b];
+        if (g == 0) continue;
+        scalar_t* grad_emit_b = emit_out + b * L * T;
+        scalar_t* grad_start_b = start_out != nullptr ? start_out + b * T : nullptr;
+        scalar_t* grad_end_b = end_out != nullptr ? end_out + b * T : nullptr;
+        if (fast && prob_backward<scalar_t, pairwise>(tables, n, prob_a.data(), prob_w.data(), g,
+                                                      grad_emit_b, grad_trans_b, grad_start_b,
+                                                      grad_end_b, prob_work.data())) {
+          continue;
         }
-        continue;
+        if (fast) {  // the backward left its range: discard its partial sums, redo exactly
+          if (pairwise) std::fill(grad_trans_b, grad_trans_b + T * T, scalar_t(0));
+          log_z = exact_forward();
+        }
+        backward_scan<scalar_t, pairwise>(
+            emit_b, trans, en, by_col, by_row, n, T, alpha_hat.data(), offset.data(), log_z, g,
+            grad_emit_b, grad_trans_b, grad_start_b, grad_end_b, work.data(), work.data() + T,
+            work.data() + 2 * T, work.data() + 3 * T, pairwise ? work.data() + 4 * T : nullptr);
       }
-      // Every sequence forbidden: log Z = -inf and all gradients / marginals stay 0.
-      if (log_z == kNegInfD) continue;
-      const scalar_t g = kOut == Output::kMarginals ? scalar_t(1) : grad_log_z[b];
-      if (g == 0) continue;
-      scalar_t* grad_emit_b = emit_out + b * L * T;
-      scalar_t* grad_trans_b = pairwise ? trans_out + b * T * T : nullptr;
-      scalar_t* grad_start_b = pairwise ? start_out + b * T : nullptr;
-      scalar_t* grad_end_b = pairwise ? end_out + b * T : nullptr;
-      if (fast && prob_backward<scalar_t, pairwise>(tables, n, a_rows, w_rows, g,
-                                                    grad_emit_b, grad_trans_b, grad_start_b,
-                                                    grad_end_b, prob_work.data())) {
-        continue;
-      }
-      if (fast) {  // the backward left its range: discard its partial sums, redo exactly
-        if (pairwise) std::fill(grad_trans_b, grad_trans_b + T * T, scalar_t(0));
-        log_z = exact_forward();
-      }
-      backward_scan<scalar_t, pairwise>(
-          emit_b, trans, en, by_col, by_row, n, T, alpha_hat.data(), offset.data(), log_z, g,
-          grad_emit_b, grad_trans_b, grad_start_b, grad_end_b, work.data(), work.data() + T,
-          work.data() + 2 * T, work.data() + 3 * T, pairwise ? work.data() + 4 * T : nullptr);
     }
   });
   raise_if_bad_emissions(bad);
@@ -407,67 +348,90 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
 }
 
-// log Z (B,) plus the state its backward needs: the scaled forward rows (slots, 2, L, stride)
-// double (slots: B rounded up to 8, stride: T rounded up to 8; see ForwardState) and a status per
-// sentence (B,) uint8 (SavedStatus). Used when log Z will be differentiated, so that the backward
-// does not run the forward recursion again; costs 16 * slots * L * stride bytes.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_saving_cpu(
+// log Z (B,) and its gradients for grad_log_z = 1: the marginals (B, L, T), which are also the
+// gradients with respect to emissions, start (marginals[:, 0]) and end (each sentence's last
+// row), and the expected transition counts (B, T, T), the per-sentence gradients with respect to
+// transitions. Used when log Z will be differentiated (csrc/autograd.cpp): the backward for any
+// upstream gradient is then these scaled, and the forward recursion runs once per step, its
+// rows never leaving the cache (the backward is linear in the upstream gradient).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cpu(
     const at::Tensor& emissions_in, const at::Tensor& transitions_in, const at::Tensor& start_in,
     const at::Tensor& end_in, const at::Tensor& lengths_in) {
   const auto [emissions, transitions, start, end, lengths] =
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
-  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  const int64_t B = emissions.size(0), T = emissions.size(2);
   auto log_z = at::empty({B}, emissions.options());
-  // Zeroed per sentence by the kernel: rows past a sentence's length are never written, and an
-  // op's outputs must not depend on leftover memory (torch.compile and opcheck compare runs).
-  const int64_t stride = padded_tags(T);
-  // Recycled memory (state_cache.h): a fresh block this size would page-fault on every call.
-  auto rows = recycled_double_tensor({state_slots(B), 2, L, stride});
-  auto status = at::empty({B}, emissions.options().dtype(at::kByte));
-  const ForwardState state{rows.data_ptr<double>(), status.data_ptr<uint8_t>(), L, stride};
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_saving", [&] {
-    run_sentences<scalar_t, Output::kLogPartitionSaving>(emissions, transitions, start, end, lengths,
-                                                         nullptr, log_z.data_ptr<scalar_t>(), nullptr,
-                                                         nullptr, nullptr, nullptr, state);
+  // Recycled memory (recycled_memory.h): fresh blocks this size would page-fault on every step.
+  auto marginals = recycled_tensor(emissions.sizes(), emissions.scalar_type());  // zeroed per sentence by the kernel
+  auto counts = recycled_tensor({B, T, T}, emissions.scalar_type()).zero_();
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_with_marginals", [&] {
+    run_sentences<scalar_t, Output::kLogPartitionWithMarginals>(
+        emissions, transitions, start, end, lengths, nullptr, log_z.data_ptr<scalar_t>(),
+        marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(), nullptr, nullptr);
   });
-  return {log_z, rows, status};
+  return {log_z, marginals, counts};
 }
 
-// log_partition_backward from the state of log_partition_saving (same inputs, same results).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_saved_cpu(
-    const at::Tensor& grad_log_z_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-    const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in,
-    const at::Tensor& rows_in, const at::Tensor& status_in) {
-  const at::Tensor grad_log_z = grad_log_z_in.contiguous();
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
-  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
-  TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
-                  grad_log_z.scalar_type() == emissions.scalar_type(),
-              "crfkit: grad_log_z must be (batch,) with the dtype of emissions");
-  TORCH_CHECK(rows_in.scalar_type() == at::kDouble && rows_in.dim() == 4 &&
-                  rows_in.size(0) == state_slots(B) &&
-                  rows_in.size(1) == 2 && rows_in.size(2) == L && rows_in.size(3) == padded_tags(T),
-              "crfkit: saved forward rows must be (batch rounded up to 8, 2, seq_len, num_tags "
-              "rounded up to 8) float64");
-  TORCH_CHECK(status_in.scalar_type() == at::kByte && status_in.dim() == 1 && status_in.size(0) == B,
-              "crfkit: saved forward status must be (batch,) uint8");
-  const at::Tensor rows = rows_in.contiguous(), status = status_in.contiguous();
-  auto grad_emissions = at::empty_like(emissions);  // zeroed per sentence by the kernel
-  auto grad_trans = at::zeros({B, T, T}, emissions.options());
-  auto grad_start = at::zeros({B, T}, emissions.options());
-  auto grad_end = at::zeros({B, T}, emissions.options());
-  // The kernel only reads the state; ForwardState has mutable pointers for the saving op.
-  const ForwardState state{const_cast<double*>(rows.data_ptr<double>()),
-                           const_cast<uint8_t*>(status.data_ptr<uint8_t>()), L,
-                           padded_tags(T)};
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward_saved", [&] {
-    run_sentences<scalar_t, Output::kBackwardFromState>(
-        emissions, transitions, start, end, lengths, grad_log_z.data_ptr<scalar_t>(), nullptr,
-        grad_emissions.data_ptr<scalar_t>(), grad_trans.data_ptr<scalar_t>(),
-        grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>(), state);
+// The backward of log_partition_with_marginals: the gradients of sum_b grad_log_z[b] log Z[b]
+// with respect to emissions (B, L, T), transitions (T, T), start (T,) and end (T,), from that
+// op's marginals (B, L, T) and expected transition counts (B, T, T). d/d start is the marginals
+// at position 0, d/d end those at each sentence's last position. One pass over the marginals;
+// the sums over sentences run in sentence order (deterministic).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_from_marginals_cpu(
+    const at::Tensor& grad_log_z_in, const at::Tensor& marginals_in, const at::Tensor& counts_in,
+    const at::Tensor& lengths_in) {
+  const at::Tensor grad_log_z = grad_log_z_in.contiguous(), marginals = marginals_in.contiguous(),
+                   counts = counts_in.contiguous(), lengths = lengths_in.contiguous();
+  TORCH_CHECK(marginals.dim() == 3 && at::isFloatingType(marginals.scalar_type()),
+              "crfkit: marginals must be (batch, seq_len, num_tags) floating point");
+  const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
+  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == B && counts.size(1) == T && counts.size(2) == T &&
+                  counts.scalar_type() == marginals.scalar_type(),
+              "crfkit: transition_counts must be (batch, num_tags, num_tags) with the dtype of marginals");
+  TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B && grad_log_z.scalar_type() == marginals.scalar_type(),
+              "crfkit: grad_log_z must be (batch,) with the dtype of marginals");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong,
+              "crfkit: lengths must be (batch,) int64");
+  check_lengths_cpu(lengths, L);
+  // Recycled memory (recycled_memory.h), as the marginals: a fresh block page-faults every step.
+  auto grad_emissions = recycled_tensor(marginals.sizes(), marginals.scalar_type());
+  auto grad_trans = at::empty({T, T}, marginals.options());
+  auto grad_start = at::zeros({T}, marginals.options());
+  auto grad_end = at::zeros({T}, marginals.options());
+  AT_DISPATCH_FLOATING_TYPES(marginals.scalar_type(), "crfkit_log_partition_backward_from_marginals", [&] {
+    const scalar_t* g = grad_log_z.data_ptr<scalar_t>();
+    const scalar_t* mu = marginals.data_ptr<scalar_t>();
+    const scalar_t* cnt = counts.data_ptr<scalar_t>();
+    const int64_t* len = lengths.data_ptr<int64_t>();
+    scalar_t* out = grad_emissions.data_ptr<scalar_t>();
+    // Positions past a sentence's length stay exactly 0 (also for an infinite g).
+    at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+      for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t used = len[b] * T;
+        for (int64_t k = 0; k < used; ++k) out[b * L * T + k] = g[b] * mu[b * L * T + k];
+        std::fill(out + b * L * T + used, out + (b + 1) * L * T, scalar_t(0));
+      }
+    });
+    scalar_t* trans_out = grad_trans.data_ptr<scalar_t>();
+    at::parallel_for(0, T * T, 256, [&](int64_t k_begin, int64_t k_end) {
+      for (int64_t k = k_begin; k < k_end; ++k) trans_out[k] = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t k = k_begin; k < k_end; ++k) trans_out[k] += g[b] * cnt[b * T * T + k];
+      }
+    });
+    scalar_t* start_out = grad_start.data_ptr<scalar_t>();
+    scalar_t* end_out = grad_end.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      if (len[b] == 0) continue;
+      const scalar_t* first = mu + b * L * T;
+      const scalar_t* last = first + (len[b] - 1) * T;
+      for (int64_t t = 0; t < T; ++t) {
+        start_out[t] += g[b] * first[t];
+        end_out[t] += g[b] * last[t];
+      }
+    }
   });
-  return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
+  return {grad_emissions, grad_trans, grad_start, grad_end};
 }
 
 // E[number of s -> t transitions] per sentence: (B, T, T). The per-sentence partial sums of
@@ -478,16 +442,12 @@ at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions_in, const 
   const auto [emissions, transitions, start, end, lengths] =
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
-  auto ones = at::ones({B}, emissions.options());
-  auto grad_emissions = at::empty_like(emissions);  // zeroed per sentence by the kernel
+  auto marginals = at::empty_like(emissions);  // computed on the way (zeroed per sentence)
   auto counts = at::zeros({B, T, T}, emissions.options());
-  auto grad_start = at::zeros({B, T}, emissions.options());
-  auto grad_end = at::zeros({B, T}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_expected_transition_counts", [&] {
-    run_sentences<scalar_t, Output::kBackward>(
-        emissions, transitions, start, end, lengths, ones.data_ptr<scalar_t>(), nullptr,
-        grad_emissions.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(),
-        grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>());
+    run_sentences<scalar_t, Output::kLogPartitionWithMarginals>(
+        emissions, transitions, start, end, lengths, nullptr, nullptr,
+        marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(), nullptr, nullptr);
   });
   return counts;
 }
@@ -496,10 +456,10 @@ at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions_in, const 
 
 TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
   m.impl("log_partition", &log_partition_cpu);
-  m.impl("log_partition_saving", &log_partition_saving_cpu);
+  m.impl("log_partition_with_marginals", &log_partition_with_marginals_cpu);
+  m.impl("log_partition_backward_from_marginals", &log_partition_backward_from_marginals_cpu);
   m.impl("marginals", &marginals_cpu);
   m.impl("log_partition_backward", &log_partition_backward_cpu);
-  m.impl("log_partition_backward_saved", &log_partition_backward_saved_cpu);
   m.impl("expected_transition_counts", &expected_transition_counts_cpu);
 }
 

@@ -333,7 +333,7 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
 
 // Backward scan of a group after lanes_forward(rows): the marginals times g (per lane; 0 for
 // lanes to skip) into grad_emit (B, L, T); with kPairwise also the per-sentence transition
-// (B, T, T, added), start and end (B, T) gradients. Lanes in `skip` (and g = 0) are left alone.
+// (B, T, T, added) gradients, and start and end (B, T) ones where those are not null. Lanes in `skip` (and g = 0) are left alone.
 // Returns the lanes that failed: their outputs are partial and must be redone by the caller
 // (the transition gradient of a failed lane is never written).
 // Not inlined: once per group, and inlined into run_sentences' lambda GCC 12's SLP vectoriser
@@ -381,10 +381,8 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
     const LaneVector scale = active & (total > zero) ? g / total : zero;
     for (int64_t t = 0; t < T; ++t) mu[t] = load_lanes(a + t * kGroup) * b[t] * scale;
     scatter(mu, active, grad_emit, L * T, i * T);
-    if (kPairwise) {
-      scatter(mu, last, grad_end, T, 0);
-      if (i == 0) scatter(mu, active, grad_start, T, 0);
-    }
+    if (grad_end != nullptr) scatter(mu, last, grad_end, T, 0);
+    if (grad_start != nullptr && i == 0) scatter(mu, active, grad_start, T, 0);
     if (i == 0) break;
 
     const double* w = rows_w + i * T * kGroup;

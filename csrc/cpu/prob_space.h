@@ -266,10 +266,10 @@ bool prob_forward(const scalar_t* emit, const scalar_t* start, const ProbTables&
 }
 
 // Scaled backward pass of one sentence after prob_forward(keep_rows) with finite log Z:
-// marginals scaled by g into grad_emit (n, T); with kPairwise the transition (T, T, added),
-// start and end gradients too. Returns false if the sentence needs the exact path (the caller
-// then discards everything written here). scratch: 3 * tab.stride doubles, plus T * stride
-// for the pairwise sums (kPairwise).
+// marginals scaled by g into grad_emit (n, T); with kPairwise the transition gradients too
+// (T, T, added); the start and end ones where those are not null. Returns false if the
+// sentence needs the exact path (the caller then discards everything written here).
+// scratch: 3 * tab.stride doubles, plus T * stride for the pairwise sums (kPairwise).
 template <typename scalar_t, bool kPairwise>
 bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const double* w_rows,
                    scalar_t g, scalar_t* grad_emit, scalar_t* grad_trans, scalar_t* grad_start,
@@ -292,8 +292,8 @@ bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const
     const double scale = static_cast<double>(g) / total;
     scalar_t* mu = grad_emit + i * T;
     for (int64_t t = 0; t < T; ++t) mu[t] = static_cast<scalar_t>(a[t] * b[t] * scale);
-    if (kPairwise && i == n - 1) std::copy(mu, mu + T, grad_end);
-    if (kPairwise && i == 0) std::copy(mu, mu + T, grad_start);
+    if (grad_end != nullptr && i == n - 1) std::copy(mu, mu + T, grad_end);
+    if (grad_start != nullptr && i == 0) std::copy(mu, mu + T, grad_start);
     if (i == 0) {
       if (kPairwise) {
         for (int64_t s = 0; s < T; ++s) {

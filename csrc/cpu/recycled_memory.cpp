@@ -1,5 +1,5 @@
-// The recycled state buffers of state_cache.h.
-#include "state_cache.h"
+// The recycled buffers of recycled_memory.h.
+#include "recycled_memory.h"
 
 #include <cstdlib>
 #include <c10/util/accumulate.h>
@@ -14,7 +14,7 @@ namespace {
 // 64-byte aligned (whole cache lines, aligned vector loads); capacity is a multiple of kRounding.
 void* checked_aligned_alloc(int64_t capacity) {
   void* data = std::aligned_alloc(64, static_cast<size_t>(capacity));
-  TORCH_CHECK(data != nullptr, "crfkit: out of memory allocating ", capacity, " bytes for the saved forward state");
+  TORCH_CHECK(data != nullptr, "crfkit: out of memory allocating ", capacity, " bytes");
   return data;
 }
 
@@ -25,12 +25,12 @@ struct KeptBuffer {
   int64_t bytes;
 };
 
-class StateCache {
+class BufferCache {
  public:
   // Never destroyed: a tensor that outlives static destruction (freed at interpreter exit) still
   // hands its buffer back here.
-  static StateCache& instance() {
-    static StateCache* cache = new StateCache;
+  static BufferCache& instance() {
+    static BufferCache* cache = new BufferCache;
     return *cache;
   }
 
@@ -50,7 +50,7 @@ class StateCache {
         return found;
       }
     }
-    // Rounded up so that states of nearby sizes (another batch's longest sentence) fit each
+    // Rounded up so that tensors of nearby sizes (another batch's longest sentence) fit each
     // other's buffers.
     const int64_t capacity = (bytes + kRounding - 1) / kRounding * kRounding;
     return {checked_aligned_alloc(capacity), capacity};
@@ -97,19 +97,19 @@ class StateCache {
 
 }  // namespace
 
-at::Tensor recycled_double_tensor(at::IntArrayRef sizes) {
-  const int64_t numel = c10::multiply_integers(sizes);
-  const KeptBuffer buffer = StateCache::instance().take(std::max<int64_t>(numel, 1) * sizeof(double));
+at::Tensor recycled_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
+  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+  if (bytes < kRounding) return at::empty(sizes, options);
+  const KeptBuffer buffer = BufferCache::instance().take(bytes);
   const int64_t capacity = buffer.bytes;
   return at::from_blob(
-      buffer.data, sizes,
-      [capacity](void* data) { StateCache::instance().give_back({data, capacity}); },
-      at::TensorOptions().dtype(at::kDouble).device(at::kCPU));
+      buffer.data, sizes, [capacity](void* data) { BufferCache::instance().give_back({data, capacity}); }, options);
 }
 
-int64_t release_cached_state() { return StateCache::instance().release(); }
+int64_t release_recycled_memory() { return BufferCache::instance().release(); }
 
-int64_t cached_state_bytes() { return StateCache::instance().kept_bytes(); }
+int64_t recycled_memory_bytes() { return BufferCache::instance().kept_bytes(); }
 
 }  // namespace cpu
 }  // namespace crfkit
