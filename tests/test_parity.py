@@ -162,6 +162,28 @@ def test_log_partition_with_marginals_equals_the_separate_ops(scale, B):
 
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+def test_log_z_is_the_lane_value_when_only_the_lane_backward_fails():
+    # State 0 at position 3 is reachable, but its backward probability is e^-110 of the largest
+    # (its only way on is to tag 1, at -20, whose emission is -90): the lanes' forward keeps
+    # its range, their backward does not, and the sentences are redone one at a time. log Z
+    # must still be the lanes' value, as log_partition gives it (the two differ in the last
+    # bits), and the marginals the reference's.
+    g = torch.Generator().manual_seed(5)
+    em = torch.randn(8, 6, 3, dtype=torch.float64, generator=g)
+    em[:, 4] = torch.tensor([0.0, -90.0, 0.0])
+    tr = torch.randn(3, 3, dtype=torch.float64, generator=g)
+    tr[0] = torch.tensor([-math.inf, -20.0, -math.inf])
+    s, e = torch.randn(3, dtype=torch.float64, generator=g), torch.randn(3, dtype=torch.float64, generator=g)
+    ln = torch.full((8,), 6)
+    ops = torch.ops.crfkit
+    log_z, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    assert torch.equal(log_z, ops.log_partition(em, tr, s, e, ln))
+    torch.testing.assert_close(mu, crfkit.reference.marginals(em, tr, ln, s, e), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(counts, crfkit.reference.expected_transition_counts(em, tr, ln, s, e),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 @pytest.mark.parametrize("B", [6, 21])
 def test_recycled_memory_leaves_no_trace(B):
     # The marginals, counts and emissions gradient of a differentiable log Z live in recycled
