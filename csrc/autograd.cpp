@@ -144,12 +144,13 @@ Grads4 once_differentiable(Grads4 grads, const variable_list& inputs) {
   if (!at::GradMode::is_enabled()) return grads;
   torch::autograd::tensor_list outputs = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
                                           std::get<3>(grads)};
-  const variable_list out = torch::autograd::wrap_outputs(inputs, std::move(outputs), [](torch::autograd::edge_list&& edges) {
+  auto error_node = [](torch::autograd::edge_list&& edges) {
     return c10::make_intrusive<torch::autograd::Error>(
         "crfkit: the gradient of log Z is differentiable once only; for second derivatives use "
         "the reference backend (crfkit.use_backend(\"reference\"))",
         std::move(edges));
-  });
+  };
+  const variable_list out = torch::autograd::wrap_outputs(inputs, std::move(outputs), error_node);
   return {out[0], out[1], out[2], out[3]};
 }
 
@@ -160,7 +161,8 @@ struct LogPartition : torch::autograd::Function<LogPartition> {
     if (computes_marginals_in_forward(emissions)) {
       auto [log_z, marginals, counts] =
           log_partition_with_marginals_op().call(emissions, transitions, start, end, lengths);
-      // The score tensors only for the edges of once_differentiable's node.
+      // The score tensors serve only as the edges of once_differentiable's node (and, like any
+      // saved input, make an in-place change of them before the backward an error).
       ctx->save_for_backward({emissions, transitions, start, end, lengths, marginals, counts});
       return log_z;
     }
@@ -176,7 +178,8 @@ struct LogPartition : torch::autograd::Function<LogPartition> {
         at::AutoDispatchBelowADInplaceOrView below_autograd;  // not differentiable: see once_differentiable
         from_marginals = log_partition_backward_from_marginals_op().call(g, saved[5], saved[6], saved[4]);
       }
-      return with_no_grad_for(once_differentiable(std::move(from_marginals), {g, saved[0], saved[1], saved[2], saved[3]}), 1);
+      const variable_list differentiated = {g, saved[0], saved[1], saved[2], saved[3]};
+      return with_no_grad_for(once_differentiable(std::move(from_marginals), differentiated), 1);
     }
     static const auto op =
         op_handle<Grads4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -49,7 +49,8 @@ double forward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t*
 }
 
 // Marginals of one sentence scaled by `g` into grad_emit (n, T); with kPairwise also the
-// transition gradients, and the start / end ones where those are not null. alpha_hat / offset come from forward_scan(keep_rows).
+// transition gradients, and the start / end ones where those are not null. alpha_hat / offset
+// come from forward_scan(keep_rows).
 template <typename scalar_t, bool kPairwise>
 void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* end,
                    const ScaledTransitions<scalar_t>& by_col,
@@ -166,8 +167,9 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   // finish (failed lanes, length 0, NaN) go on to the per-sentence loop below.
   const bool lanes = tables.usable && use_lanes(B, T);
   std::vector<char> done(B, 0);
-  // log Z of the sentences whose lane forward finished: the per-sentence loop leaves it as it is
-  // when only the lane backward failed, so that log Z does not depend on the gradients' path.
+  // Whether a sentence's log Z came from its lane group's forward. If only the group's backward
+  // failed, the per-sentence loop keeps that value (log_partition's), so that log Z does not
+  // depend on which path computed the gradients.
   std::vector<char> has_log_z(B, 0);
   if (lanes) {
     const std::vector<int64_t> order = lane_order(len, B);
