@@ -196,7 +196,11 @@ def log_partition(emissions, transitions, lengths=None, start=None, end=None) ->
     """log Z(x) = logsumexp over all tag sequences of their score: (B,).
 
     Differentiable in emissions, transitions, start and end; the gradient with respect to
-    emissions is the marginals, computed by an analytic forward-backward kernel.
+    emissions is the marginals, computed by an analytic forward-backward kernel. In the compiled
+    backend on the CPU a differentiable call computes those gradients in its forward (the
+    backward then only scales them), so evaluation should run under torch.no_grad(); the
+    gradient is not differentiable again there (a second derivative raises; the reference
+    backend has them).
     """
     return backends.current().log_partition(*_prepare(emissions, transitions, lengths, start, end))
 
