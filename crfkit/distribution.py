@@ -117,8 +117,11 @@ class LinearChainCRF:
         score that `other` gives each sequence. Linear in other's emissions, transitions, start
         and end, so its gradient with respect to them is this distribution's marginals."""
         self._check_compatible(other)
-        mu = self.marginals  # (B, L, T)
-        counts = self.expected_transition_counts()  # (B, T, T)
+        if self._marginals is None:  # both from one forward-backward where the backend can
+            self._marginals, counts = F._marginals_and_transition_counts(*self._args())
+        else:
+            counts = self.expected_transition_counts()
+        mu = self._marginals  # (B, L, T); counts (B, T, T)
         o_emissions, o_transitions, _, o_start, o_end = other._compute_args
         B, L, T = mu.shape
 

@@ -211,6 +211,16 @@ def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Ten
     return backends.current().marginals(*_prepare(emissions, transitions, lengths, start, end))
 
 
+def _marginals_and_transition_counts(emissions, transitions, lengths=None, start=None, end=None):
+    """(marginals(...), expected_transition_counts(...)), from one forward-backward where the
+    backend can (crfkit.distribution's exact entropy, cross entropy and KL need both)."""
+    both = getattr(backends.current(), "marginals_and_transition_counts", None)
+    if both is None:
+        return (marginals(emissions, transitions, lengths, start, end),
+                expected_transition_counts(emissions, transitions, lengths, start, end))
+    return both(*_prepare(emissions, transitions, lengths, start, end))
+
+
 def expected_transition_counts(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
     """Expected number of s -> t transitions per sentence: (B, T, T), i.e. the pairwise
     marginals P(y_{i-1} = s, y_i = t | x) summed over positions. With marginals() it gives

@@ -159,6 +159,17 @@ def marginals(emissions, transitions, lengths, start, end) -> Tensor:
     return ops.marginals(emissions, transitions, start, end, lengths)
 
 
+def marginals_and_transition_counts(emissions, transitions, lengths, start, end):
+    # Both from one forward-backward where a kernel gives both (CPU, no gradient): the exact
+    # entropy, cross entropy and KL of crfkit.distribution need both, and each alone costs a
+    # whole forward-backward.
+    if _needs_grad(emissions, transitions, start, end) or not _has_kernel("log_partition_with_marginals", emissions):
+        return (marginals(emissions, transitions, lengths, start, end),
+                expected_transition_counts(emissions, transitions, lengths, start, end))
+    _, mu, counts = ops.log_partition_with_marginals(emissions, transitions, start, end, lengths)
+    return mu, counts
+
+
 def viterbi(emissions, transitions, lengths, start, end):
     scores, paths = ops.viterbi(emissions, transitions, start, end, lengths)
     return paths, scores
