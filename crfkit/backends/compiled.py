@@ -3,8 +3,9 @@ a fake (meta) implementation so that torch.compile can trace it. The autograd fo
 registered in C++ (csrc/autograd.cpp), except the marginals' (below).
 
 The backward of every op is itself a registered op (log_partition_backward_from_marginals on
-the CPU, log_partition_backward elsewhere, sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module
-raises ImportError when the extension is not built; crfkit.backends then falls back.
+the CPU, log_partition_backward elsewhere, sequence_score_backward), as PyTorch recommends for
+custom kernels. Importing this module raises ImportError when the extension is not built;
+crfkit.backends then falls back.
 """
 from __future__ import annotations
 

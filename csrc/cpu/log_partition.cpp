@@ -156,7 +156,7 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
   const scalar_t* en = end.data_ptr<scalar_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const ProbTables tables(trans, en, T);
-  const bool writes_log_z = log_z_out != nullptr;  // (expected_transition_counts has none)
+  constexpr bool writes_log_z = kOut == Output::kLogPartition || kOut == Output::kLogPartitionWithMarginals;
   constexpr bool keep_rows = kOut != Output::kLogPartition;
   constexpr bool pairwise = kOut == Output::kBackward || kOut == Output::kLogPartitionWithMarginals;
   constexpr bool unit_gradient = kOut == Output::kMarginals || kOut == Output::kLogPartitionWithMarginals;
@@ -437,21 +437,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
 }
 
 // E[number of s -> t transitions] per sentence: (B, T, T). The per-sentence partial sums of
-// the transitions' gradient of log Z (grad_log_z = 1), left unreduced.
-at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                                          const at::Tensor& start_in, const at::Tensor& end_in,
-                                          const at::Tensor& lengths_in) {
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
-  const int64_t B = emissions.size(0), T = emissions.size(2);
-  auto marginals = at::empty_like(emissions);  // computed on the way (zeroed per sentence)
-  auto counts = at::zeros({B, T, T}, emissions.options());
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_expected_transition_counts", [&] {
-    run_sentences<scalar_t, Output::kLogPartitionWithMarginals>(
-        emissions, transitions, start, end, lengths, nullptr, nullptr,
-        marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(), nullptr, nullptr);
-  });
-  return counts;
+// the transitions' gradient of log Z (grad_log_z = 1), left unreduced: the same scan as
+// log_partition_with_marginals, whose log Z and marginals are dropped.
+at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
+                                          const at::Tensor& start, const at::Tensor& end,
+                                          const at::Tensor& lengths) {
+  return std::get<2>(log_partition_with_marginals_cpu(emissions, transitions, start, end, lengths));
 }
 
 }  // namespace
