@@ -419,3 +419,60 @@ def test_kbest_lane_groups_equal_the_reference_exactly(monkeypatch, dtype, T, ke
         if k > T:  # a length-1 sentence has T sequences: the rows after them are missing
             assert (best.scores[[2, 11, 25], T:] == -math.inf).all()
             assert torch.isfinite(best.scores[[2, 11, 25], :T]).all()
+
+
+def _pruned_kbest_case(dtype, T, scores, L=24, B=6, seed=0):
+    """Inputs for the per-sentence k-best's pruned merge (kbest_step_pruned in
+    csrc/cpu/viterbi.cpp): 'spread' scores (continuous, wide) leave one list per tag almost
+    everywhere; 'steps' (multiples of 1/4 in a narrow range) leave two or more lists and make
+    exact ties at the pruning bound; 'flat' (-1, 0, 1) makes so many ties that the step falls back
+    to the full merge rounds. Tag 1 is forbidden after every tag (no list survives for it) and
+    sentence 2 has no allowed path at one position."""
+    gen = torch.Generator().manual_seed(seed + 31 * T)
+    def draw(*shape):
+        if scores == "spread":
+            return torch.randn(*shape, generator=gen, dtype=torch.float64).mul(3).to(dtype)
+        if scores == "steps":
+            return torch.randint(-6, 7, shape, generator=gen).to(dtype) / 4
+        return torch.randint(-1, 2, shape, generator=gen).to(dtype)
+    em, tr, start, end = draw(B, L, T), draw(T, T), draw(T), draw(T)
+    if T > 2:
+        tr[:, 1] = -math.inf
+    ln = torch.randint(1, L + 1, (B,), generator=gen)
+    ln[0] = L
+    if B > 2:
+        em[2, 0] = -math.inf
+    return em, tr, ln, start, end
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T", [3, 16, 17, 37])  # whole and partial vectors of 16 predecessors
+@pytest.mark.parametrize("scores", ["spread", "steps", "flat"])
+def test_pruned_kbest_merge_equals_the_reference_exactly(monkeypatch, dtype, T, scores):
+    # The per-sentence k-best merges only the lists that can still reach a tag's K best (those
+    # whose head is at least the K-th entry of the best list), with fast paths for one and two
+    # lists and a general merge for more. k = 2, 5, 16, 17 and 30 cover lists within one and
+    # across two vectors of 16 (the masked copy of a whole list), and T * k above 256 needs
+    # two-byte backpointers. Paths and scores must equal the reference's, bit for bit.
+    monkeypatch.setenv("CRFKIT_VITERBI_LANES", "0")
+    em, tr, ln, start, end = _pruned_kbest_case(dtype, T, scores)
+    for k in (2, 5, 16, 17, 30):
+        with crfkit.use_backend("compiled"):
+            best = crfkit.kbest_viterbi(em, tr, k, ln, start, end)
+        with crfkit.use_backend("reference"):
+            want = crfkit.kbest_viterbi(em, tr, k, ln, start, end)
+        assert torch.equal(best.paths, want.paths), k
+        assert torch.equal(best.scores, want.scores), k
+        assert (best.scores[2] == -math.inf).all() and (best.paths[2] == -1).all()
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+def test_kbest_with_four_byte_backpointers_equals_the_reference():
+    # T * k > 65536 codes need four-byte backpointers (the widest type of backpointers.h).
+    em, tr, ln, start, end = _pruned_kbest_case(torch.float32, 260, "spread", L=3, B=2)
+    best = crfkit.kbest_viterbi(em, tr, 256, ln, start, end)
+    with crfkit.use_backend("reference"):
+        want = crfkit.kbest_viterbi(em, tr, 256, ln, start, end)
+    assert torch.equal(best.paths, want.paths)
+    assert torch.equal(best.scores, want.scores)

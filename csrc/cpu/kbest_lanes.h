@@ -403,27 +403,30 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
 
 // ---- the batch -----------------------------------------------------------------------------------
 // The cost of one position of a lane group, in positions of one sentence of the per-sentence
-// kernel (kbest_sentence). Measured with one thread, 4 full groups of equal lengths (L = 32 or
-// 64), on a 2-core AVX-512 VM (time of a group over time per sentence, random scores):
-//                    merge state in registers      | in memory
-//     T               1    2    5    9    12   16  | 17   24   37   64   | 5    9    16
-//     K                                            |                     | 30   30   30
-//     float   K = 2  5.3  2.1  2.3  2.4  2.9  4.4  | 6.1  9.8  11.5 17.5 | 3.7  4.1  7.8
-//             K = 5  5.4  1.9  2.6  3.3  3.9  5.8  | 7.6  10.8 15.3 26.3 |
-//             K = 15 6.0  1.8  3.1  3.7  4.9  7.4  | 8.7  12.0 17.5 26.0 |
-//     double  K = 2  4.6  2.1  1.8  2.2       4.3  | 6.4  8.6  10.3 15.4 |
-//             K = 5  4.6  1.4  2.5  2.7       4.9  | 7.6  9.7  13.7 14.7 |
-//             K = 15 4.7  1.7  2.8  2.8       5.5  | 8.6  12.1 15.5 22.1 |
+// kernel (kbest_sentence, with its pruned merge). Measured with one thread, 4 full groups of
+// equal lengths (L = 64), on a 2-core AVX-512 VM (time of a group over time per sentence,
+// random scores; the merge state is in registers where T <= 16 and T (K + 1) <= 256):
+//     T               1    2    5    9    12   16   17   24   37   64
+//     float   K = 2   2.8  2.1  3.4  2.9  3.6  5.0  7.1  9.4  13.1 25.2
+//             K = 5   2.5  3.6  4.5  4.6  5.9  7.0  10.3 13.3 21.2 37.4
+//             K = 15  2.9  5.4  6.0  5.9  8.3  9.8  13.5 18.9 27.9 54.4
+//             K = 30  3.3  4.3  6.2  8.2  11.2 13.9 15.8 20.5 29.5 57.2
+//     double  K = 2   2.3  1.9  2.4  2.3  2.9  3.9  6.2  9.1  11.3 18.0
+//             K = 5   2.2  2.6  4.9  4.6  5.0  6.3  9.6  12.8 17.4 26.3
+//             K = 15  2.7  3.9  5.8  5.4  6.5  8.7  12.7 18.5 23.9 41.5
+//             K = 30  3.0  3.7  5.4  7.6  9.5  14.3 15.1 20.2 28.2 43.4
 // A group decodes kCount (16 / 8) sentences, so lanes pay off below those values: in float up
-// to T = 24 - 37, in double up to T = 16 - 17. Modelled (on the safe side, except T = 16, K = 15
-// in registers, 5% under) as 1.3 + 0.27 T in registers and 1.3 + 0.45 T in memory, times
-// 0.75 + K / 20 up to 1.25 (longer lists, more rounds per merge, each with a gather), and 6 at
-// T = 1, where the per-sentence kernel's merges are trivial.
+// to T = 24 - 37 (less far for larger K, where the pruned merge gains most), in double up to
+// T = 12 - 17. Modelled as 1.3 + 0.27 T with the merge state in registers and 1.3 + 0.45 T in
+// memory, times 0.65 + K / 10 up to 1.6, and 6 at T = 1 (where the per-sentence kernel's merges
+// are trivial). It picks the faster kernel in every cell above but one near-tie: double T = 9,
+// K = 30 (per sentence, 5% slower than lanes).
 template <typename scalar_t>
 double kbest_lane_group_cost(int64_t T, int64_t K) {
   if (T == 1) return 6.0;
   const double per_tag = kbest_lanes_in_registers(T, K) ? 0.27 : 0.45;
-  return (1.3 + per_tag * static_cast<double>(T)) * std::min(1.25, 0.75 + static_cast<double>(K) / 20.0);
+  const double longer_lists = std::min(1.6, 0.65 + static_cast<double>(K) / 10.0);
+  return (1.3 + per_tag * static_cast<double>(T)) * longer_lists;
 }
 
 // Bytes per slot code of the lane decoder's backpointers (the narrowest type that holds the
