@@ -476,3 +476,61 @@ def test_kbest_with_four_byte_backpointers_equals_the_reference():
         want = crfkit.kbest_viterbi(em, tr, 256, ln, start, end)
     assert torch.equal(best.paths, want.paths)
     assert torch.equal(best.scores, want.scores)
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("seed", range(8))
+def test_random_constrained_cases_equal_the_reference(monkeypatch, seed):
+    # Seeded random cases across the kernels' branches at once: batch sizes around the lane
+    # groups, T around whole vectors, k beyond the number of sequences, integer (tie-heavy),
+    # normal and wide scores, and random -inf masks on transitions, start and end, with the lane
+    # or per-sentence decoders forced or chosen by the cost models. Decoders must equal the
+    # reference bit for bit; log Z, marginals and (float64) its gradients to the usual tolerances.
+    rng = torch.Generator().manual_seed(seed)
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+    for case in range(12):
+        dtype = pick([torch.float32, torch.float64])
+        B, L, T, k = pick([1, 3, 17, 33]), pick([1, 2, 5, 20]), pick([2, 3, 9, 16, 17, 37]), pick([2, 5, 15, 40])
+        kind = pick(["integer", "normal", "wide"])
+        def draw(*shape):
+            if kind == "integer":
+                return torch.randint(-2, 3, shape, generator=rng).to(dtype)
+            scale = 3 if kind == "normal" else 40
+            return torch.randn(*shape, generator=rng, dtype=torch.float64).mul(scale).to(dtype)
+        em, tr, start, end = draw(B, L, T), draw(T, T), draw(T), draw(T)
+        tr[torch.rand(T, T, generator=rng) < pick([0.0, 0.3, 0.8])] = -math.inf
+        start[torch.rand(T, generator=rng) < pick([0.0, 0.5])] = -math.inf
+        end[torch.rand(T, generator=rng) < pick([0.0, 0.5])] = -math.inf
+        ln = torch.randint(0, L + 1, (B,), generator=rng)
+        monkeypatch.setenv("CRFKIT_VITERBI_LANES", pick(["", "0", "1"]))
+        context = f"case {case}: B={B} L={L} T={T} k={k} {dtype} {kind}"
+        outs = {}
+        for name in ("compiled", "reference"):
+            with crfkit.use_backend(name), torch.no_grad():
+                outs[name] = (crfkit.log_partition(em, tr, ln, start, end),
+                              crfkit.marginals(em, tr, ln, start, end),
+                              *crfkit.viterbi(em, tr, ln, start, end),
+                              *crfkit.kbest_viterbi(em, tr, k, ln, start, end))
+        got, want = outs["compiled"], outs["reference"]
+        tol = dict(TOL[dtype])
+        if kind == "wide":  # log Z of scores in the hundreds: the absolute error grows with them
+            tol["atol"] = 1e-2 if dtype == torch.float32 else 1e-8
+        torch.testing.assert_close(got[0], want[0], **tol, msg=context)  # log Z
+        marginal_atol = 1e-4 if dtype == torch.float32 else 1e-9
+        torch.testing.assert_close(got[1], want[1], atol=marginal_atol, rtol=1e-3, msg=context)
+        names = ("viterbi paths", "viterbi scores", "kbest paths", "kbest scores")
+        for a, b, what in zip(got[2:6], want[2:6], names):
+            assert torch.equal(a, b), f"{context}: {what}"
+        torch.testing.assert_close(got[6], want[6], **tol, msg=context)  # k-best log-probs
+        if dtype == torch.float64 and B > 0:
+            grads = {}
+            for name in ("compiled", "reference"):
+                em_req, tr_req = em.clone().requires_grad_(), tr.clone().requires_grad_()
+                with crfkit.use_backend(name):
+                    log_z = crfkit.log_partition(em_req, tr_req, ln, start, end)
+                finite = torch.isfinite(log_z)
+                g = torch.autograd.grad(log_z[finite].sum(), (em_req, tr_req), allow_unused=True)
+                grads[name] = [torch.zeros_like(x) if d is None else d for d, x in zip(g, (em, tr))]
+            for a, b in zip(grads["compiled"], grads["reference"]):
+                torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9, msg=context)
