@@ -39,11 +39,13 @@ template <typename scalar_t>
 struct PaddedTransitions {
   int64_t T, stride;
   std::vector<scalar_t> rows;     // [s][t], T x stride
-  std::vector<scalar_t> columns;  // [t][s], T x T: the transpose, for k-best's scans over s
-  PaddedTransitions(const scalar_t* trans, int64_t num_tags)
+  std::vector<scalar_t> columns;  // [t][s], T x T: the transpose (k-best's scans over s), or empty
+  PaddedTransitions(const scalar_t* trans, int64_t num_tags, bool with_columns = false)
       : T(num_tags), stride(padded_to_lanes<scalar_t>(num_tags)),
-        rows(num_tags * stride, neg_inf<scalar_t>()), columns(num_tags * num_tags) {
+        rows(num_tags * stride, neg_inf<scalar_t>()),
+        columns(with_columns ? num_tags * num_tags : 0) {
     for (int64_t s = 0; s < T; ++s) std::copy(trans + s * T, trans + (s + 1) * T, &rows[s * stride]);
+    if (!with_columns) return;
     for (int64_t s = 0; s < T; ++s) {
       for (int64_t t = 0; t < T; ++t) columns[t * T + s] = trans[s * T + t];
     }
@@ -85,18 +87,33 @@ void column_argmax_in_registers(const scalar_t* offsets, const scalar_t* rows, i
   std::memcpy(arg_out, arg, sizeof arg);
 }
 
+// For the column reductions over predecessors (column_argmax, column_count_at_least): calls
+// f(std::integral_constant<int, V>{}) with V = stride / lanes per vector where V <= 8, so that
+// the reduction's V accumulators stay in registers, and returns whether it did (otherwise the
+// caller runs its loop over memory).
+template <typename scalar_t, typename F>
+bool with_vectors_in_registers(int64_t stride, F&& f) {
+  switch (stride / Lanes<scalar_t>::kCount) {
+#define CRFKIT_VECTORS_CASE(V)          \
+  case V:                               \
+    f(std::integral_constant<int, V>{}); \
+    return true;
+    CRFKIT_VECTORS_CASE(1) CRFKIT_VECTORS_CASE(2) CRFKIT_VECTORS_CASE(3) CRFKIT_VECTORS_CASE(4)
+    CRFKIT_VECTORS_CASE(5) CRFKIT_VECTORS_CASE(6) CRFKIT_VECTORS_CASE(7) CRFKIT_VECTORS_CASE(8)
+#undef CRFKIT_VECTORS_CASE
+    default: return false;
+  }
+}
+
 template <typename scalar_t, bool kOffsets>
 void column_argmax(const scalar_t* offsets, const scalar_t* rows, int64_t stride, int64_t T,
                    scalar_t* __restrict__ best, typename Lanes<scalar_t>::Index* __restrict__ arg) {
-  switch (stride / Lanes<scalar_t>::kCount) {
-#define CRFKIT_COLUMN_ARGMAX_CASE(V) \
-  case V: return column_argmax_in_registers<scalar_t, kOffsets, V>(offsets, rows, stride, T, best, arg);
-    CRFKIT_COLUMN_ARGMAX_CASE(1) CRFKIT_COLUMN_ARGMAX_CASE(2) CRFKIT_COLUMN_ARGMAX_CASE(3)
-    CRFKIT_COLUMN_ARGMAX_CASE(4) CRFKIT_COLUMN_ARGMAX_CASE(5) CRFKIT_COLUMN_ARGMAX_CASE(6)
-    CRFKIT_COLUMN_ARGMAX_CASE(7) CRFKIT_COLUMN_ARGMAX_CASE(8)
-#undef CRFKIT_COLUMN_ARGMAX_CASE
-    default: break;  // more tags than registers: the same loop over memory
-  }
+  const bool done = with_vectors_in_registers<scalar_t>(stride, [&](auto vectors) {
+    constexpr int kVectors = decltype(vectors)::value;
+    column_argmax_in_registers<scalar_t, kOffsets, kVectors>(offsets, rows, stride, T, best, arg);
+  });
+  if (done) return;
+  // More tags than registers: the same loop over memory.
   for (int64_t t = 0; t < stride; ++t) {
     best[t] = rows[t];
     if constexpr (kOffsets) best[t] = offsets[0] + best[t];
@@ -253,16 +270,12 @@ void column_count_at_least_in_registers(const scalar_t* offsets, const scalar_t*
 template <typename scalar_t>
 void column_count_at_least(const scalar_t* offsets, const scalar_t* rows, int64_t stride, int64_t T,
                            const scalar_t* bound, typename Lanes<scalar_t>::Index* counts) {
-  switch (stride / Lanes<scalar_t>::kCount) {
-#define CRFKIT_COLUMN_COUNT_CASE(V) \
-  case V:                            \
-    return column_count_at_least_in_registers<scalar_t, V>(offsets, rows, stride, T, bound, counts);
-    CRFKIT_COLUMN_COUNT_CASE(1) CRFKIT_COLUMN_COUNT_CASE(2) CRFKIT_COLUMN_COUNT_CASE(3)
-    CRFKIT_COLUMN_COUNT_CASE(4) CRFKIT_COLUMN_COUNT_CASE(5) CRFKIT_COLUMN_COUNT_CASE(6)
-    CRFKIT_COLUMN_COUNT_CASE(7) CRFKIT_COLUMN_COUNT_CASE(8)
-#undef CRFKIT_COLUMN_COUNT_CASE
-    default: break;  // more tags than registers: the same loop over memory
-  }
+  const bool done = with_vectors_in_registers<scalar_t>(stride, [&](auto vectors) {
+    constexpr int kVectors = decltype(vectors)::value;
+    column_count_at_least_in_registers<scalar_t, kVectors>(offsets, rows, stride, T, bound, counts);
+  });
+  if (done) return;
+  // More tags than registers: the same loop over memory.
   std::fill(counts, counts + stride, 0);
   for (int64_t s = 0; s < T; ++s) {
     for (int64_t t = 0; t < stride; ++t) counts[t] += offsets[s] + rows[s * stride + t] >= bound[t];
@@ -352,7 +365,7 @@ inline void copy_list_shifted(const scalar_t* __restrict__ list, scalar_t offset
 // K argmax rounds over all T heads. 1 thread, (64, 128, 37): K = 5 1.55x, K = 15 2.0x faster.
 // Returns false, having written nothing, where pruning does not apply or does not pay: a list
 // s1 with fewer than K finite entries (the first positions) or more than 3 T surviving lists in
-// all (many ties); the caller then runs kbest_step.
+// all (many ties); the caller then runs kbest_step. `trans` must be built with_columns.
 template <typename scalar_t, typename bp_t>
 bool kbest_step_pruned(const scalar_t* __restrict__ lists, const PaddedTransitions<scalar_t>& trans,
                        const scalar_t* __restrict__ emit, int64_t K, scalar_t* __restrict__ next,
@@ -579,7 +592,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
     }
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
-      const PaddedTransitions<scalar_t> padded_trans(trans, T);
+      const PaddedTransitions<scalar_t> padded_trans(trans, T, /*with_columns=*/true);
       at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
         KBestWork<scalar_t, bp_t> work(L, T, padded_trans.stride, K);
         for (int64_t b = b_begin; b < b_end; ++b) {
