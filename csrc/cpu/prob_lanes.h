@@ -213,16 +213,18 @@ struct LaneGroup {
 // accumulators once. 16 was 9% faster than 8 in the backward at (256, 128, 37) (1 thread); 32
 // measured the same as 16.
 constexpr int64_t kPairBatch = 16;
-constexpr int64_t kTransposeChunk = 16;  // positions transposed at once (lanes_forward)
+constexpr int64_t kTransposeChunk = 16;  // positions transposed at once (scores in, marginals out)
 
 struct ProbLaneWork {
   std::vector<LaneVector> x, a, d, b, gw, pair_acc;
   std::vector<LaneVector> pair_left, pair_right;  // (kPairBatch, T): the pending rank-one terms
-  std::vector<double> transposed;  // (kTransposeChunk, T, kGroup) scores, or one position's outputs
+  // kTransposeChunk * T lane vectors (rounded up to a whole 8 x 8 block): the forward's scores,
+  // the backward's marginals
+  std::vector<LaneVector> transposed;
   ProbLaneWork(int64_t T, bool pairwise)
       : x(T), a(T), d(T), b(T), gw(T), pair_acc(pairwise ? T * T : 0),
         pair_left(pairwise ? kPairBatch * T : 0), pair_right(pairwise ? kPairBatch * T : 0),
-        transposed(kTransposeChunk * T * kGroup) {}
+        transposed(padded_to_lanes<double>(kTransposeChunk * T)) {}
 };
 
 // Forward scan of a group. Lanes with length 0 are inactive. With rows_a / rows_w (not null)
@@ -238,28 +240,30 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
   LaneVector* x = work.x.data();
   LaneVector* a = work.a.data();
   LaneVector* d = work.d.data();
-  // x[t] = scores of position i, transposed from the sentences' rows; 0 past a lane's length.
-  // The transpose is done kTransposeChunk positions ahead: a vector load right after the
-  // scalar stores that wrote its lanes would stall (no store-to-load forwarding from 8 stores).
+  // x[t] = scores of position i, in lanes; 0 past a lane's length. kTransposeChunk positions
+  // are transposed at once, 8 x 8 blocks in registers (emissions_to_lanes in lanes.h): the
+  // scalar transpose it replaces, a load, conversion and store per score, took about a tenth of
+  // the forward at T = 9 in perf.
   auto load_position = [&](int64_t i) {
-    double* tr = work.transposed.data();
+    LaneVector* chunk = work.transposed.data();
     const int64_t first = i % kTransposeChunk;
     if (first == 0) {
       const int64_t count = std::min(kTransposeChunk, group.n_max - i);
+      const scalar_t* source[kGroup];
+      int64_t limit[kGroup];
       for (int64_t j = 0; j < kGroup; ++j) {
         const int64_t n = static_cast<int64_t>(group.length[j]);
-        for (int64_t p = 0; p < count; ++p) {
-          double* out = tr + p * T * kGroup + j;
-          if (i + p < n) {
-            const scalar_t* row = emit + (group.sentence[j] * L + i + p) * T;
-            for (int64_t t = 0; t < T; ++t) out[t * kGroup] = static_cast<double>(row[t]);
-          } else {
-            for (int64_t t = 0; t < T; ++t) out[t * kGroup] = 0.0;
-          }
-        }
+        source[j] = n > i ? emit + (group.sentence[j] * L + i) * T : nullptr;
+        limit[j] = std::clamp<int64_t>(n - i, 0, count) * T;
       }
+      emissions_to_lanes<double>(source, limit, chunk);
+      // rows that no lane reaches (emissions_to_lanes writes whole vectors of rows up to the
+      // longest limit; a lane group may be shorter than n_max when its longest sentence was
+      // left out for NaN)
+      const int64_t written = padded_to_lanes<double>(*std::max_element(limit, limit + kGroup));
+      if (written < count * T) std::fill(chunk + written, chunk + count * T, LaneVector{});
     }
-    for (int64_t t = 0; t < T; ++t) x[t] = load_lanes(tr + (first * T + t) * kGroup);
+    for (int64_t t = 0; t < T; ++t) x[t] = chunk[first * T + t];
   };
   auto max_over_tags = [&](const LaneVector* v) {
     LaneVector m = v[0];
@@ -355,18 +359,31 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
   std::fill(work.b.begin(), work.b.end(), zero);
   const LaneMask used = (zero < group.length) & ~skip & (g != zero);
   LaneMask failed = {};
-  double* tr = work.transposed.data();
-  // Writes v[t] (t < T) of the lanes in `mask` to out + sentence * sentence_stride + offset.
-  auto scatter = [&](const LaneVector* v, LaneMask mask, scalar_t* out, int64_t sentence_stride,
-                     int64_t offset) {
-    for (int64_t t = 0; t < T; ++t) store_lanes(tr + t * kGroup, v[t]);
+  // Writes v[t] (t < T) of the lanes in `mask` to out + sentence * sentence_stride.
+  auto scatter = [&](const LaneVector* v, LaneMask mask, scalar_t* out, int64_t sentence_stride) {
     for (int64_t j = 0; j < kGroup; ++j) {
       if (!mask[j]) continue;
-      scalar_t* dst = out + group.sentence[j] * sentence_stride + offset;
-      for (int64_t t = 0; t < T; ++t) dst[t] = static_cast<scalar_t>(tr[t * kGroup + j]);
+      scalar_t* dst = out + group.sentence[j] * sentence_stride;
+      for (int64_t t = 0; t < T; ++t) dst[t] = static_cast<scalar_t>(v[t][j]);
     }
   };
-  LaneVector* mu = work.x.data();
+  // The marginals of kTransposeChunk positions are kept, mu of position i at
+  // chunk[(i % kTransposeChunk) * T ..], and written to grad_emit when the chunk's first
+  // position is done, 8 x 8 blocks transposed in registers (lanes_to_rows, lanes.h) instead of a
+  // scalar store per score (about 15% of the backward at T = 9 in perf).
+  LaneVector* chunk = work.transposed.data();
+  auto write_chunk = [&](int64_t first) {
+    const int64_t count = std::min(kTransposeChunk, group.n_max - first);
+    scalar_t* dest[kGroup];
+    int64_t limit[kGroup];
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const int64_t n = static_cast<int64_t>(group.length[j]);
+      const bool writes = used[j] && n > first;
+      dest[j] = writes ? grad_emit + (group.sentence[j] * L + first) * T : nullptr;
+      limit[j] = writes ? std::min(n - first, count) * T : 0;
+    }
+    lanes_to_rows<double>(chunk, limit, dest);
+  };
   for (int64_t i = group.n_max - 1; i >= 0; --i) {
     const LaneVector position = zero + static_cast<double>(i);
     const LaneMask active = used & (position < group.length);
@@ -379,10 +396,11 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
     const LaneVector total = lanes_dot(a, b, T);
     failed |= active & ~(total > zero);
     const LaneVector scale = active & (total > zero) ? g / total : zero;
+    LaneVector* mu = chunk + (i % kTransposeChunk) * T;
     for (int64_t t = 0; t < T; ++t) mu[t] = load_lanes(a + t * kGroup) * b[t] * scale;
-    scatter(mu, active, grad_emit, L * T, i * T);
-    if (grad_end != nullptr) scatter(mu, last, grad_end, T, 0);
-    if (grad_start != nullptr && i == 0) scatter(mu, active, grad_start, T, 0);
+    if (i % kTransposeChunk == 0) write_chunk(i);
+    if (grad_end != nullptr) scatter(mu, last, grad_end, T);
+    if (grad_start != nullptr && i == 0) scatter(mu, active, grad_start, T);
     if (i == 0) break;
 
     const double* w = rows_w + i * T * kGroup;
