@@ -216,13 +216,13 @@ constexpr int64_t kPairBatch = 16;
 constexpr int64_t kTransposeChunk = 16;  // positions transposed at once (scores in, marginals out)
 
 struct ProbLaneWork {
-  std::vector<LaneVector> x, a, d, b, gw, pair_acc;
+  std::vector<LaneVector> a, d, b, gw, pair_acc;
   std::vector<LaneVector> pair_left, pair_right;  // (kPairBatch, T): the pending rank-one terms
   // kTransposeChunk * T lane vectors (rounded up to a whole 8 x 8 block): the forward's scores,
   // the backward's marginals
   std::vector<LaneVector> transposed;
   ProbLaneWork(int64_t T, bool pairwise)
-      : x(T), a(T), d(T), b(T), gw(T), pair_acc(pairwise ? T * T : 0),
+      : a(T), d(T), b(T), gw(T), pair_acc(pairwise ? T * T : 0),
         pair_left(pairwise ? kPairBatch * T : 0), pair_right(pairwise ? kPairBatch * T : 0),
         transposed(padded_to_lanes<double>(kTransposeChunk * T)) {}
 };
@@ -237,13 +237,13 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
   const int64_t T = tab.T, stride = tab.stride;
   const double neg_inf = -std::numeric_limits<double>::infinity();
   const LaneVector zero = {}, min_scaled = zero + kMinScaled, v_neg_inf = zero + neg_inf;
-  LaneVector* x = work.x.data();
   LaneVector* a = work.a.data();
   LaneVector* d = work.d.data();
-  // x[t] = scores of position i, in lanes; 0 past a lane's length. kTransposeChunk positions
-  // are transposed at once, 8 x 8 blocks in registers (emissions_to_lanes in lanes.h): the
-  // scalar transpose it replaces, a load, conversion and store per score, took about a tenth of
-  // the forward at T = 9 in perf.
+  // The scores of position i in lanes: T vectors (0 past a lane's length) in the chunk buffer,
+  // which the scan then overwrites with their exponentials. kTransposeChunk positions are
+  // transposed at once, 8 x 8 blocks in registers (emissions_to_lanes in lanes.h): the scalar
+  // transpose it replaces, a load, conversion and store per score, took about a tenth of the
+  // forward at T = 9 in perf.
   auto load_position = [&](int64_t i) {
     LaneVector* chunk = work.transposed.data();
     const int64_t first = i % kTransposeChunk;
@@ -263,7 +263,7 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
       const int64_t written = padded_to_lanes<double>(*std::max_element(limit, limit + kGroup));
       if (written < count * T) std::fill(chunk + written, chunk + count * T, LaneVector{});
     }
-    for (int64_t t = 0; t < T; ++t) x[t] = chunk[first * T + t];
+    return chunk + first * T;
   };
   auto max_over_tags = [&](const LaneVector* v) {
     LaneVector m = v[0];
@@ -273,7 +273,7 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
 
   LaneMask failed = {}, lost = {};
   LaneMask is_active = zero < group.length;
-  load_position(0);
+  LaneVector* x = load_position(0);
   for (int64_t t = 0; t < T; ++t) x[t] += static_cast<double>(start[t]);
   LaneVector log_scale = max_over_tags(x);
   failed |= is_active & (log_scale == v_neg_inf);
@@ -291,7 +291,7 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
   LaneVector exponents = zero;
   for (int64_t i = 1; i < group.n_max; ++i) {
     is_active = (zero + static_cast<double>(i)) < group.length;
-    load_position(i);
+    x = load_position(i);
     const LaneVector emit_max = max_over_tags(x);
     failed |= is_active & (emit_max == v_neg_inf);  // every tag forbidden here
     const LaneVector shift = is_active & (emit_max != v_neg_inf) ? emit_max : zero;
