@@ -13,17 +13,55 @@
 
 namespace crfkit {
 
+// emissions (B, L, T), float32 or float64 (the dtypes the kernels are built for).
+inline void check_emissions_argument(const at::Tensor& emissions) {
+  TORCH_CHECK_VALUE(emissions.dim() == 3, "crfkit: emissions must be (batch, seq_len, num_tags), got ",
+                    emissions.dim(), " dimensions");
+  TORCH_CHECK_TYPE(emissions.scalar_type() == at::kFloat || emissions.scalar_type() == at::kDouble,
+                   "crfkit: the compiled ops take float32 or float64 emissions, got ",
+                   emissions.scalar_type(), " (crfkit.functional upcasts float16/bfloat16)");
+}
+
+// tags (B, N, L) int64 on the device of emissions (B, L, T); the values are checked by the
+// kernels, which read them.
+inline void check_tags(const at::Tensor& tags, const at::Tensor& emissions) {
+  TORCH_CHECK_VALUE(tags.dim() == 3 && tags.size(0) == emissions.size(0) && tags.size(2) == emissions.size(1),
+                    "crfkit: tags must be (batch, num_sequences, seq_len) = (", emissions.size(0), ", N, ",
+                    emissions.size(1), "), got ", tags.sizes());
+  TORCH_CHECK_TYPE(tags.scalar_type() == at::kLong, "crfkit: tags must be int64, got ", tags.scalar_type());
+  TORCH_CHECK(tags.device() == emissions.device(), "crfkit: tags must be on the device of emissions");
+}
+
+// lengths (B,) int64 on the device of `like` (the op's emissions, or its marginals).
+inline void check_lengths_argument(const at::Tensor& lengths, int64_t B, const at::Tensor& like) {
+  TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == B, "crfkit: lengths must be (batch,) = (",
+                    B, ",), got ", lengths.sizes());
+  TORCH_CHECK_TYPE(lengths.scalar_type() == at::kLong, "crfkit: lengths must be int64, got ",
+                   lengths.scalar_type());
+  TORCH_CHECK(lengths.device() == like.device(), "crfkit: lengths must be on the device of the scores (",
+              like.device(), "), got ", lengths.device());
+}
+
+// The extra tensors of the backward ops (an upstream gradient, saved marginals or counts):
+// exactly `sizes` (ValueError; `layout` names the dimensions), the dtype of `like` (TypeError),
+// its device (RuntimeError).
+inline void check_argument_like(const at::Tensor& x, const char* name, const char* layout,
+                                at::IntArrayRef sizes, const at::Tensor& like, const char* like_name) {
+  TORCH_CHECK_VALUE(x.sizes() == sizes, "crfkit: ", name, " must be ", layout, " = ", sizes, ", got ",
+                    x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == like.scalar_type(), "crfkit: ", name, " must have the dtype of ",
+                   like_name, " (", like.scalar_type(), "), got ", x.scalar_type());
+  TORCH_CHECK(x.device() == like.device(), "crfkit: ", name, " must be on the device of ", like_name, " (",
+              like.device(), "), got ", x.device());
+}
+
 // Shapes every op agrees on: emissions (B, L, T), transitions (T, T), start (T,),
 // end (T,), lengths (B,) int64. Raises with the argument's name (TypeError for a wrong dtype,
-// ValueError for a wrong value, RuntimeError for a wrong shape or device).
+// ValueError for a wrong shape or value, RuntimeError for a wrong device).
 inline void check_crf_inputs(const at::Tensor& emissions, const at::Tensor& transitions,
                              const at::Tensor& start, const at::Tensor& end,
                              const at::Tensor& lengths) {
-  TORCH_CHECK_VALUE(emissions.dim() == 3, "crfkit: emissions must be (batch, seq_len, num_tags), got ",
-              emissions.dim(), " dimensions");
-  TORCH_CHECK_TYPE(emissions.scalar_type() == at::kFloat || emissions.scalar_type() == at::kDouble,
-              "crfkit: the compiled ops take float32 or float64 emissions, got ",
-              emissions.scalar_type(), " (crfkit.functional upcasts float16/bfloat16)");
+  check_emissions_argument(emissions);
   const int64_t B = emissions.size(0);
   const int64_t T = emissions.size(2);
   TORCH_CHECK_VALUE(T >= 1, "crfkit: emissions must have at least one tag (num_tags >= 1)");
@@ -34,10 +72,7 @@ inline void check_crf_inputs(const at::Tensor& emissions, const at::Tensor& tran
               ",), got ", start.sizes());
   TORCH_CHECK_VALUE(end.dim() == 1 && end.size(0) == T, "crfkit: end must be (num_tags,) = (", T,
               ",), got ", end.sizes());
-  TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == B, "crfkit: lengths must be (batch,) = (",
-              B, ",), got ", lengths.sizes());
-  TORCH_CHECK_TYPE(lengths.scalar_type() == at::kLong, "crfkit: lengths must be int64, got ",
-              lengths.scalar_type());
+  check_lengths_argument(lengths, B, emissions);
   for (const auto* t : {&transitions, &start, &end}) {
     TORCH_CHECK_TYPE(t->scalar_type() == emissions.scalar_type(),
                 "crfkit: transitions, start and end must have the dtype of emissions (",

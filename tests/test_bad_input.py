@@ -127,6 +127,84 @@ def test_raw_ops_reject_bad_arguments_without_crashing():
                                ops.log_partition(em, tr, s, e, ln))
 
 
+# The ops that autograd and crfkit.distribution call internally are registered in torch.ops.crfkit
+# too, so they are checked like the public ones: each wrong argument raises the exception of its
+# kind (ValueError shape or value, TypeError dtype) naming it, never a crash or a silent result.
+def _internal_op_calls():
+    ops = torch.ops.crfkit
+    B, L, T = 2, 4, 3
+    em, tr, ln, s, e = random_crf(B, L, T)
+    f64 = {"dtype": torch.float64}  # random_crf's dtype; the dtype cases pass float32 instead
+    g, marginals, counts = torch.ones(B, **f64), torch.rand(B, L, T, **f64), torch.rand(B, T, T, **f64)
+    tags, grad_scores = torch.zeros(B, 1, L, dtype=torch.long), torch.ones(B, 1, **f64)
+    return {
+        "backward: grad_log_z shape": (lambda: ops.log_partition_backward(torch.ones(3, **f64), em, tr, s, e, ln),
+                                       ValueError, r"grad_log_z must be \(batch,\) = \[2\], got \[3\]"),
+        "backward: grad_log_z dtype": (lambda: ops.log_partition_backward(g.float(), em, tr, s, e, ln),
+                                       TypeError, r"grad_log_z must have the dtype of emissions"),
+        "backward: lengths": (lambda: ops.log_partition_backward(g, em, tr, s, e, torch.tensor([9, 1])),
+                              ValueError, r"lengths\[0\] = 9 is outside"),
+        "with_marginals: NaN": (lambda: ops.log_partition_with_marginals(em * float("nan"), tr, s, e, ln),
+                                ValueError, r"emissions\[0\] contains NaN"),
+        "with_marginals: dtype": (lambda: ops.log_partition_with_marginals(em.half(), tr.half(), s.half(), e.half(), ln),
+                                  TypeError, r"float32 or float64 emissions"),
+        "from_marginals: marginals dims": (
+            lambda: ops.log_partition_backward_from_marginals(g, marginals[0], counts, ln),
+            ValueError, r"marginals must be \(batch, seq_len, num_tags\), got 2 dimensions"),
+        "from_marginals: marginals dtype": (
+            lambda: ops.log_partition_backward_from_marginals(g, marginals.long(), counts.long(), ln),
+            TypeError, r"marginals must be float32 or float64"),
+        "from_marginals: counts shape": (
+            lambda: ops.log_partition_backward_from_marginals(g, marginals, counts[:, :, :2], ln),
+            ValueError, r"transition_counts must be \(batch, num_tags, num_tags\) = \[2, 3, 3\]"),
+        "from_marginals: counts dtype": (
+            lambda: ops.log_partition_backward_from_marginals(g, marginals, counts.float(), ln),
+            TypeError, r"transition_counts must have the dtype of marginals"),
+        "from_marginals: grad_log_z shape": (
+            lambda: ops.log_partition_backward_from_marginals(torch.ones(5, **f64), marginals, counts, ln),
+            ValueError, r"grad_log_z must be \(batch,\)"),
+        "from_marginals: lengths batch": (
+            lambda: ops.log_partition_backward_from_marginals(g, marginals, counts, ln[:1]),
+            ValueError, r"lengths must be \(batch,\) = \(2,\), got \[1\]"),
+        "from_marginals: lengths dtype": (
+            lambda: ops.log_partition_backward_from_marginals(g, marginals, counts, ln.int()),
+            TypeError, r"lengths must be int64"),
+        "from_marginals: lengths value": (
+            lambda: ops.log_partition_backward_from_marginals(g, marginals, counts, torch.tensor([9, 1])),
+            ValueError, r"lengths\[0\] = 9 is outside"),
+        "transition_counts: transitions": (lambda: ops.expected_transition_counts(em, tr[:2], s, e, ln),
+                                           ValueError, r"transitions must be \(num_tags, num_tags\)"),
+        "sequence_score_backward: emissions dims": (
+            lambda: ops.sequence_score_backward(grad_scores, em[0], ln, tags),
+            ValueError, r"emissions must be \(batch, seq_len, num_tags\)"),
+        "sequence_score_backward: grad shape": (
+            lambda: ops.sequence_score_backward(torch.ones(3, 1, **f64), em, ln, tags),
+            ValueError, r"grad_scores must be \(batch, num_sequences\) = \[2, 1\], got \[3, 1\]"),
+        "sequence_score_backward: grad dtype": (
+            lambda: ops.sequence_score_backward(grad_scores.float(), em, ln, tags),
+            TypeError, r"grad_scores must have the dtype of emissions"),
+        "sequence_score_backward: tags shape": (
+            lambda: ops.sequence_score_backward(grad_scores, em, ln, tags[:, 0]),
+            ValueError, r"tags must be \(batch, num_sequences, seq_len\)"),
+        "sequence_score_backward: tags dtype": (
+            lambda: ops.sequence_score_backward(grad_scores, em, ln, tags.float()),
+            TypeError, r"tags must be int64"),
+        "sequence_score_backward: tag value": (
+            lambda: ops.sequence_score_backward(grad_scores, em, ln, torch.full((B, 1, L), -5)),
+            ValueError, r"tags\[0, 0, 0\] = -5 is not a tag index"),
+        "sequence_score_backward: lengths": (
+            lambda: ops.sequence_score_backward(grad_scores, em, torch.tensor([9, 1]), tags),
+            ValueError, r"lengths\[0\] = 9 is outside"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_internal_op_calls()) if "compiled" in crfkit.backends.available() else [])
+def test_internal_ops_reject_bad_arguments(case):
+    call, error, message = _internal_op_calls()[case]
+    with pytest.raises(error, match=message):
+        call()
+
+
 def test_lengths_from_mask():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
     assert crfkit.lengths_from_mask(mask).tolist() == [2, 1, 0]

@@ -333,9 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   const auto [emissions, transitions, start, end, lengths] =
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
-  TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
-                  grad_log_z.scalar_type() == emissions.scalar_type(),
-              "crfkit: grad_log_z must be (batch,) with the dtype of emissions");
+  check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, emissions, "emissions");
   auto grad_emissions = at::empty_like(emissions);  // zeroed per sentence by the kernel
   // Per-sentence partial sums, reduced in a fixed order afterwards: deterministic.
   auto grad_trans = at::zeros({B, T, T}, emissions.options());
@@ -384,16 +382,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
     const at::Tensor& lengths_in) {
   const at::Tensor grad_log_z = grad_log_z_in.contiguous(), marginals = marginals_in.contiguous(),
                    counts = counts_in.contiguous(), lengths = lengths_in.contiguous();
-  TORCH_CHECK(marginals.dim() == 3 && at::isFloatingType(marginals.scalar_type()),
-              "crfkit: marginals must be (batch, seq_len, num_tags) floating point");
+  TORCH_CHECK_VALUE(marginals.dim() == 3, "crfkit: marginals must be (batch, seq_len, num_tags), got ",
+                    marginals.dim(), " dimensions");
+  TORCH_CHECK_TYPE(marginals.scalar_type() == at::kFloat || marginals.scalar_type() == at::kDouble,
+                   "crfkit: marginals must be float32 or float64, got ", marginals.scalar_type());
   const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
-  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == B && counts.size(1) == T && counts.size(2) == T &&
-                  counts.scalar_type() == marginals.scalar_type(),
-              "crfkit: transition_counts must be (batch, num_tags, num_tags) with the dtype of marginals");
-  TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B && grad_log_z.scalar_type() == marginals.scalar_type(),
-              "crfkit: grad_log_z must be (batch,) with the dtype of marginals");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong,
-              "crfkit: lengths must be (batch,) int64");
+  check_argument_like(counts, "transition_counts", "(batch, num_tags, num_tags)", {B, T, T}, marginals,
+                      "marginals");
+  check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, marginals, "marginals");
+  check_lengths_argument(lengths, B, marginals);
   check_lengths_cpu(lengths, L);
   // Recycled memory (recycled_memory.h), as the marginals: a fresh block page-faults every step.
   auto grad_emissions = recycled_tensor(marginals.sizes(), marginals.scalar_type());

@@ -13,16 +13,6 @@ namespace crfkit {
 namespace cpu {
 namespace {
 
-void check_tags(const at::Tensor& tags, const at::Tensor& emissions) {
-  TORCH_CHECK_VALUE(tags.dim() == 3 && tags.size(0) == emissions.size(0) &&
-                  tags.size(2) == emissions.size(1),
-              "crfkit: tags must be (batch, num_sequences, seq_len) = (", emissions.size(0),
-              ", N, ", emissions.size(1), "), got ", tags.sizes());
-  TORCH_CHECK_TYPE(tags.scalar_type() == at::kLong, "crfkit: tags must be int64, got ",
-              tags.scalar_type());
-  TORCH_CHECK(tags.device() == emissions.device(), "crfkit: tags must be on the device of emissions");
-}
-
 // Raises unless every tag of row (b, j) within its length is in [0, T).
 void check_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
   for (int64_t i = 0; i < n; ++i) {
@@ -84,14 +74,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backwa
   const at::Tensor grad_scores = grad_scores_in.contiguous();
   const at::Tensor lengths = lengths_in.contiguous();
   const at::Tensor tags = tags_in.contiguous();
+  check_emissions_argument(emissions);
   check_tags(tags, emissions);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const int64_t N = tags.size(1);
-  TORCH_CHECK(grad_scores.dim() == 2 && grad_scores.size(0) == B && grad_scores.size(1) == N &&
-                  grad_scores.scalar_type() == emissions.scalar_type(),
-              "crfkit: grad_scores must be (batch, num_sequences) with the dtype of emissions");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong,
-              "crfkit: lengths must be (batch,) int64");
+  check_argument_like(grad_scores, "grad_scores", "(batch, num_sequences)", {B, N}, emissions, "emissions");
+  check_lengths_argument(lengths, B, emissions);
   check_lengths_cpu(lengths, L);
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* tag = tags.data_ptr<int64_t>();

@@ -534,10 +534,7 @@ FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const 
   at::Tensor grad_log_z;
   if (kOut == Output::kBackward) {
     grad_log_z = grad_log_z_in.contiguous();
-    TORCH_CHECK(grad_log_z.dim() == 1 && grad_log_z.size(0) == B &&
-                    grad_log_z.scalar_type() == a.emissions.scalar_type() &&
-                    grad_log_z.device() == a.emissions.device(),
-                "crfkit: grad_log_z must be (batch,) with the dtype and device of emissions");
+    check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, a.emissions, "emissions");
   }
   Status status(a.emissions);
   launch_validate_inputs(a.lengths, L, a.transitions, a.start, a.end, status);

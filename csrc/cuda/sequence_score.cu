@@ -95,14 +95,6 @@ __global__ void sequence_score_backward_kernel(const scalar_t* grad_scores, cons
   }
 }
 
-void check_tags(const at::Tensor& tags, const at::Tensor& emissions) {
-  TORCH_CHECK_VALUE(tags.dim() == 3 && tags.size(0) == emissions.size(0) && tags.size(2) == emissions.size(1),
-                    "crfkit: tags must be (batch, num_sequences, seq_len) = (", emissions.size(0), ", N, ",
-                    emissions.size(1), "), got ", tags.sizes());
-  TORCH_CHECK_TYPE(tags.scalar_type() == at::kLong, "crfkit: tags must be int64, got ", tags.scalar_type());
-  TORCH_CHECK(tags.device() == emissions.device(), "crfkit: tags must be on the device of emissions");
-}
-
 // (B, N): score of each sequence; 0 for a length-0 sentence.
 at::Tensor sequence_score_cuda(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
                                const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in,
@@ -140,20 +132,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backwa
   const at::Tensor grad_scores = grad_scores_in.contiguous();
   const at::Tensor lengths = lengths_in.contiguous();
   const at::Tensor tags = tags_in.contiguous();
-  TORCH_CHECK(emissions.is_cuda() && emissions.dim() == 3, "crfkit: emissions must be a (batch, seq_len, num_tags) ",
-              "CUDA tensor here, got ", emissions.sizes(), " on ", emissions.device());
-  TORCH_CHECK_TYPE(emissions.scalar_type() == at::kFloat || emissions.scalar_type() == at::kDouble,
-                   "crfkit: the compiled ops take float32 or float64 emissions, got ", emissions.scalar_type());
+  check_emissions_argument(emissions);
+  TORCH_CHECK(emissions.is_cuda(), "crfkit: emissions must be a CUDA tensor here, got one on ", emissions.device());
   check_tags(tags, emissions);
   const c10::cuda::CUDAGuard guard(emissions.device());
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const int64_t N = tags.size(1);
-  TORCH_CHECK(grad_scores.dim() == 2 && grad_scores.size(0) == B && grad_scores.size(1) == N &&
-                  grad_scores.scalar_type() == emissions.scalar_type() && grad_scores.device() == emissions.device(),
-              "crfkit: grad_scores must be (batch, num_sequences) with the dtype and device of emissions");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong &&
-                  lengths.device() == emissions.device(),
-              "crfkit: lengths must be (batch,) int64 on the device of emissions");
+  check_argument_like(grad_scores, "grad_scores", "(batch, num_sequences)", {B, N}, emissions, "emissions");
+  check_lengths_argument(lengths, B, emissions);
   Status status(emissions);
   launch_validate_inputs(lengths, L, at::Tensor(), at::Tensor(), at::Tensor(), status);
   auto grad_emissions = at::zeros(emissions.sizes(), emissions.options().memory_format(at::MemoryFormat::Contiguous));
