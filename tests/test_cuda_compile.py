@@ -34,3 +34,20 @@ def test_every_cuda_source_compiles(capsys, record_property):
     ours = [line for _, _, _, output in results for line in output.splitlines()
             if "csrc/cuda/" in line and "warning" in line]
     assert not ours, "nvcc warnings in csrc/cuda:\n" + "\n".join(ours)
+
+
+def test_cuda_emulator_python_side_matches_the_backend():
+    """The CPU emulator of the kernels (CRFKIT_CUDA_TESTS_EMULATED=1, tests/test_cuda.py) is not
+    run in CI (it builds for minutes), so its Python side is checked here: every name it takes
+    from crfkit.backends.compiled must exist there. (Moving the autograd formulas to C++ once
+    broke it without any test failing.)"""
+    import ast
+
+    compiled = pytest.importorskip("crfkit.backends.compiled", reason="the compiled extension is not built")
+    tree = ast.parse((ROOT / "tools" / "cuda_compile_check" / "emulator" / "emulated.py").read_text())
+    # Attributes of the names it binds to the module: `c` and `compiled`.
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id in ("c", "compiled")}
+    assert used, "no reference to compiled.py found: the emulator binds it under another name now"
+    missing = sorted(name for name in used if not hasattr(compiled, name))
+    assert not missing, f"tools/cuda_compile_check/emulator/emulated.py uses compiled.{missing}, which do not exist"

@@ -5,8 +5,10 @@
     with emulated_kernels():     # crfkit's compiled backend now calls crfkit_emu (CPU tensors)
         crfkit.log_partition(...)
 
-The fake (meta) and autograd registrations are crfkit.backends.compiled's own, applied to the
-crfkit_emu ops: the backward formulas call `compiled.ops`, which emulated_kernels() swaps.
+The fake (meta) registrations mirror crfkit.backends.compiled's. The autograd formulas of the
+crfkit ops live in C++ (csrc/autograd.cpp, registered for crfkit:: only), so the crfkit_emu ops
+get the same formulas here in Python: each backward calls the emulated backward kernel
+(log_partition_backward, sequence_score_backward); the marginals take compiled.py's formula.
 """
 from __future__ import annotations
 
@@ -42,12 +44,46 @@ def _register_python_side() -> None:
     fake("sequence_score", lambda em, tr, s, e, ln, tags: em.new_empty(tags.shape[:2]))
     fake("sequence_score_backward", lambda g, em, ln, tags: (torch.empty_like(em), em.new_empty((em.shape[2], em.shape[2])),
                                                              em.new_empty(em.shape[2]), em.new_empty(em.shape[2])))
+    emu = torch.ops.crfkit_emu
+
+    def save_crf_inputs(ctx, inputs, output):  # emissions, transitions, start, end, lengths
+        ctx.save_for_backward(*inputs[:5])
+
+    def log_partition_backward(ctx, grad_log_z):
+        emissions, transitions, start, end, lengths = ctx.saved_tensors
+        grads = emu.log_partition_backward(grad_log_z.contiguous(), emissions, transitions, start, end, lengths)
+        return (*grads, None)
+
+    # Decoders and sequence_score: their scores are sums of the scores the paths use.
+    def save_paths(ctx, inputs, output):  # decoders: output = (scores, paths)
+        ctx.save_for_backward(inputs[0], inputs[4], output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    def save_tags(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[4], inputs[5])
+
+    def path_score_grads(grad_scores, emissions, lengths, tags, undefined):
+        grads = emu.sequence_score_backward(grad_scores.contiguous(), emissions, lengths, tags)
+        return (*grads, *[None] * undefined)
+
+    def viterbi_backward(ctx, grad_scores, grad_paths):
+        emissions, lengths, paths = ctx.saved_tensors  # paths (B, L)
+        return path_score_grads(grad_scores.unsqueeze(1), emissions, lengths, paths.unsqueeze(1), 1)
+
+    def kbest_backward(ctx, grad_scores, grad_paths):
+        emissions, lengths, paths = ctx.saved_tensors  # paths (B, K, L)
+        return path_score_grads(grad_scores, emissions, lengths, paths, 2)
+
+    def sequence_score_backward(ctx, grad_scores):
+        emissions, lengths, tags = ctx.saved_tensors
+        return path_score_grads(grad_scores, emissions, lengths, tags, 2)
+
     reg = torch.library.register_autograd
-    reg("crfkit_emu::log_partition", c._log_partition_backward, setup_context=c._save_crf_inputs)
+    reg("crfkit_emu::log_partition", log_partition_backward, setup_context=save_crf_inputs)
     reg("crfkit_emu::marginals", c._marginals_backward, setup_context=c._save_crf_inputs)
-    reg("crfkit_emu::viterbi", c._viterbi_backward, setup_context=c._save_for_decode)
-    reg("crfkit_emu::kbest_viterbi", c._kbest_backward, setup_context=c._save_for_decode)
-    reg("crfkit_emu::sequence_score", c._sequence_score_backward, setup_context=c._save_for_sequence_score)
+    reg("crfkit_emu::viterbi", viterbi_backward, setup_context=save_paths)
+    reg("crfkit_emu::kbest_viterbi", kbest_backward, setup_context=save_paths)
+    reg("crfkit_emu::sequence_score", sequence_score_backward, setup_context=save_tags)
 
 
 def load(sanitize: Optional[str] = None) -> str:
