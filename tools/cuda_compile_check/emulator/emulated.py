@@ -46,10 +46,7 @@ def _register_python_side() -> None:
                                                              em.new_empty(em.shape[2]), em.new_empty(em.shape[2])))
     emu = torch.ops.crfkit_emu
 
-    def save_crf_inputs(ctx, inputs, output):  # emissions, transitions, start, end, lengths
-        ctx.save_for_backward(*inputs[:5])
-
-    def log_partition_backward(ctx, grad_log_z):
+    def log_partition_backward(ctx, grad_log_z):  # saved by compiled._save_crf_inputs
         emissions, transitions, start, end, lengths = ctx.saved_tensors
         grads = emu.log_partition_backward(grad_log_z.contiguous(), emissions, transitions, start, end, lengths)
         return (*grads, None)
@@ -79,7 +76,7 @@ def _register_python_side() -> None:
         return path_score_grads(grad_scores, emissions, lengths, tags, 2)
 
     reg = torch.library.register_autograd
-    reg("crfkit_emu::log_partition", log_partition_backward, setup_context=save_crf_inputs)
+    reg("crfkit_emu::log_partition", log_partition_backward, setup_context=c._save_crf_inputs)
     reg("crfkit_emu::marginals", c._marginals_backward, setup_context=c._save_crf_inputs)
     reg("crfkit_emu::viterbi", viterbi_backward, setup_context=save_paths)
     reg("crfkit_emu::kbest_viterbi", kbest_backward, setup_context=save_paths)
