@@ -45,6 +45,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -402,6 +403,18 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
 }
 
 // ---- the batch -----------------------------------------------------------------------------------
+// Whether the per-sentence kernel merges surviving K-lists in vectors (viterbi.cpp,
+// merge_surviving_lists): float, K <= 16 (a list in one 512-bit vector), AVX-512 builds.
+template <typename scalar_t>
+constexpr bool kbest_merges_in_vectors(int64_t K) {
+#if defined(__AVX512F__)
+  return sizeof(scalar_t) == 4 && K <= 16;
+#else
+  (void)K;
+  return false;
+#endif
+}
+
 // The cost of one position of a lane group, in positions of one sentence of the per-sentence
 // kernel (kbest_sentence, with its pruned merge). Measured with one thread, 4 full groups of
 // equal lengths (L = 64), on a 2-core AVX-512 VM (time of a group over time per sentence,
@@ -415,18 +428,28 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
 //             K = 5   2.2  2.6  4.9  4.6  5.0  6.3  9.6  12.8 17.4 26.3
 //             K = 15  2.7  3.9  5.8  5.4  6.5  8.7  12.7 18.5 23.9 41.5
 //             K = 30  3.0  3.7  5.4  7.6  9.5  14.3 15.1 20.2 28.2 43.4
+// The float rows for K <= 16 were measured again once the per-sentence kernel merged in vectors
+// (kbest_merges_in_vectors), which made it faster where lists merge (up to 1.6x at T = 37,
+// K = 15) and lanes comparatively dearer (/tmp script, same setup):
+//     T               2    5    9    12   16   17   24   37
+//     float   K = 2   1.9  3.0  2.9  3.7  4.9  7.2  10.3 14.8
+//             K = 5   3.3  5.7  6.4  7.9  10.1 13.5 19.2 27.0
+//             K = 15  5.9  9.2  10.6 14.8 18.6 27.3 34.4 48.3
 // A group decodes kCount (16 / 8) sentences, so lanes pay off below those values: in float up
-// to T = 24 - 37 (less far for larger K, where the pruned merge gains most), in double up to
+// to T = 12 - 37 (less far for larger K, where the pruned merge gains most), in double up to
 // T = 12 - 17. Modelled as 1.3 + 0.27 T with the merge state in registers and 1.3 + 0.45 T in
-// memory, times 0.65 + K / 10 up to 1.6, and 6 at T = 1 (where the per-sentence kernel's merges
-// are trivial). It picks the faster kernel in every cell above but one near-tie: double T = 9,
-// K = 30 (per sentence, 5% slower than lanes).
+// memory, times a factor for the list length: 0.84 (K / 2)^0.63 where the per-sentence kernel
+// merges in vectors, else 0.65 + K / 10 up to 1.6; and 6 at T = 1 (where the per-sentence
+// kernel's merges are trivial). It picks the faster kernel in every cell above but one near-tie:
+// double T = 9, K = 30 (per sentence, 5% slower than lanes).
 template <typename scalar_t>
 double kbest_lane_group_cost(int64_t T, int64_t K) {
   if (T == 1) return 6.0;
   const double per_tag = kbest_lanes_in_registers(T, K) ? 0.27 : 0.45;
-  const double longer_lists = std::min(1.6, 0.65 + static_cast<double>(K) / 10.0);
-  return (1.3 + per_tag * static_cast<double>(T)) * longer_lists;
+  const double list_factor = kbest_merges_in_vectors<scalar_t>(K)
+                                 ? 0.84 * std::pow(static_cast<double>(K) / 2.0, 0.63)
+                                 : std::min(1.6, 0.65 + static_cast<double>(K) / 10.0);
+  return (1.3 + per_tag * static_cast<double>(T)) * list_factor;
 }
 
 // Bytes per slot code of the lane decoder's backpointers (the narrowest type that holds the
