@@ -282,6 +282,28 @@ void column_count_at_least(const scalar_t* offsets, const scalar_t* rows, int64_
   }
 }
 
+#if defined(__AVX512F__)
+// The 16 int32 lane indices 0 .. 15 (k-best's 16-float vectors of list entries and tags).
+inline __m512i lane_indices() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// The first min(n, 16) of 16 lanes.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// Stores the lanes of `codes` in `mask` as backpointers (1, 2 or 4 bytes each).
+template <typename bp_t>
+inline void store_codes(bp_t* backpointers, __mmask16 mask, __m512i codes) {
+  if constexpr (sizeof(bp_t) == 1) {
+    _mm512_mask_cvtepi32_storeu_epi8(backpointers, mask, codes);
+  } else if constexpr (sizeof(bp_t) == 2) {
+    _mm512_mask_cvtepi32_storeu_epi16(backpointers, mask, codes);
+  } else {
+    _mm512_mask_storeu_epi32(backpointers, mask, codes);
+  }
+}
+#endif
+
 // The predecessors s < T with heads[s] + column[s] >= bound, in increasing order, into
 // survivors (which has room for T + 16); returns how many. In AVX-512 builds 16 at a time: a
 // compare and a compress of the indices that pass (the compress into a register and a full
@@ -292,10 +314,10 @@ inline int64_t lists_at_least(const scalar_t* heads, const scalar_t* column, int
 #if defined(__AVX512F__)
   if constexpr (sizeof(scalar_t) == 4) {
     const __m512 bounds = _mm512_set1_ps(bound);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i iota = lane_indices();
     int64_t found = 0;
     for (int64_t s = 0; s < T; s += 16) {
-      const __mmask16 m = T - s >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (T - s)) - 1);
+      const __mmask16 m = first_lanes(T - s);
       const __m512 values =
           _mm512_add_ps(_mm512_maskz_loadu_ps(m, heads + s), _mm512_maskz_loadu_ps(m, column + s));
       const __mmask16 pass = _mm512_mask_cmp_ps_mask(m, values, bounds, _CMP_GE_OQ);
@@ -314,20 +336,6 @@ inline int64_t lists_at_least(const scalar_t* heads, const scalar_t* column, int
   return found;
 }
 
-#if defined(__AVX512F__)
-// Stores the lanes of `codes` in `mask` as backpointers (1, 2 or 4 bytes each).
-template <typename bp_t>
-inline void store_codes(bp_t* backpointers, __mmask16 mask, __m512i codes) {
-  if constexpr (sizeof(bp_t) == 1) {
-    _mm512_mask_cvtepi32_storeu_epi8(backpointers, mask, codes);
-  } else if constexpr (sizeof(bp_t) == 2) {
-    _mm512_mask_cvtepi32_storeu_epi16(backpointers, mask, codes);
-  } else {
-    _mm512_mask_storeu_epi32(backpointers, mask, codes);
-  }
-}
-#endif
-
 // A list taken whole and in order, the usual case of kbest_step_pruned:
 //     next[r] = (list[r] + offset) + emit,   backpointers[r] = first_code + r   for r < K.
 // In AVX-512 builds 16 floats at a time with a mask for the tail (K is often 2 - 15), the same
@@ -339,9 +347,9 @@ inline void copy_list_shifted(const scalar_t* __restrict__ list, scalar_t offset
 #if defined(__AVX512F__)
   if constexpr (sizeof(scalar_t) == 4) {
     const __m512 offsets = _mm512_set1_ps(offset), emits = _mm512_set1_ps(emit);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i iota = lane_indices();
     for (int64_t r = 0; r < K; r += 16) {
-      const __mmask16 m = K - r >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - r)) - 1);
+      const __mmask16 m = first_lanes(K - r);
       const __m512 values =
           _mm512_add_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(m, list + r), offsets), emits);
       _mm512_mask_storeu_ps(next + r, m, values);
@@ -365,9 +373,8 @@ struct ListInVector {
 };
 
 inline ListInVector list_in_vector(const float* list, float offset, int64_t code, __mmask16 first_k) {
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   return {_mm512_add_ps(_mm512_maskz_loadu_ps(first_k, list), _mm512_set1_ps(offset)),
-          _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(code)))};
+          _mm512_add_epi32(lane_indices(), _mm512_set1_epi32(static_cast<int32_t>(code)))};
 }
 
 // The K (<= 16) best of a list in a vector and a list b (K entries from memory, plus offset_b,
@@ -379,9 +386,9 @@ inline ListInVector list_in_vector(const float* list, float offset, int64_t code
 // the per-sentence k-best at (256, 128, 37), K = 5, in perf.
 inline ListInVector merge_top_k_in_vectors(const ListInVector& a, const float* b, float offset_b,
                                            int64_t code_b, int64_t K) {
-  const __mmask16 first_k = __mmask16((1u << K) - 1);
+  const __mmask16 first_k = first_lanes(K);
   const __m512i one = _mm512_set1_epi32(1);
-  __m512i place_a = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i place_a = lane_indices();
   for (int64_t j = 0; j < K; ++j) {
     const __mmask16 before = _mm512_cmp_ps_mask(_mm512_set1_ps(b[j] + offset_b), a.values, _CMP_GT_OQ);
     place_a = _mm512_mask_add_epi32(place_a, before, place_a, one);
@@ -416,7 +423,7 @@ inline void merge_surviving_lists(const scalar_t* __restrict__ lists, const scal
 #if defined(__AVX512F__)
   if constexpr (sizeof(scalar_t) == 4) {
     if (kbest_merges_in_vectors<scalar_t>(K)) {
-      const __mmask16 first_k = __mmask16((1u << K) - 1);
+      const __mmask16 first_k = first_lanes(K);
       const int64_t s0 = survivors[0];
       ListInVector merged = list_in_vector(lists + s0 * K, rows[s0 * stride + t], s0 * K, first_k);
       for (int64_t j = 1; j < count; ++j) {
@@ -464,7 +471,8 @@ inline void merge_surviving_lists(const scalar_t* __restrict__ lists, const scal
     const int64_t s = survivors[taken], rank = w.merge_ranks[taken]++;
     next[r] = w.merge_heads[taken] + emit;
     backpointers[r] = static_cast<bp_t>(s * K + rank);
-    w.merge_heads[taken] = rank + 1 < K ? lists[s * K + rank + 1] + rows[s * stride + t] : neg_inf<scalar_t>();
+    w.merge_heads[taken] =
+        rank + 1 < K ? lists[s * K + rank + 1] + rows[s * stride + t] : neg_inf<scalar_t>();
   }
 }
 
