@@ -17,7 +17,9 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace crfkit {
@@ -140,12 +142,27 @@ const auto& log_partition_backward_from_marginals_op() {
 // raises as soon as a second derivative passes through it, instead of a silently incomplete
 // one: its edges lead to the upstream gradient and to the score tensors, so any derivative
 // that depends on them reaches it.
+//
+// torch 2.13 holds autograd nodes in c10::intrusive_ptr, earlier versions (2.11 on the GPU
+// machine) in std::shared_ptr: the node is made in whichever handle wrap_outputs' constructor
+// returns. (NodeT is a template parameter so that the branch not taken is never instantiated.)
+using NodeHandle = torch::autograd::function_constructor::result_type;
+
+template <class NodeT, class... Args>
+NodeHandle make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodeHandle, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<NodeT>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<NodeT>(std::forward<Args>(args)...);
+  }
+}
+
 Grads4 once_differentiable(Grads4 grads, const variable_list& inputs) {
   if (!at::GradMode::is_enabled()) return grads;
   torch::autograd::tensor_list outputs = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
                                           std::get<3>(grads)};
   auto error_node = [](torch::autograd::edge_list&& edges) {
-    return c10::make_intrusive<torch::autograd::Error>(
+    return make_node<torch::autograd::Error>(
         "crfkit: the gradient of log Z is differentiable once only; for second derivatives use "
         "the reference backend (crfkit.use_backend(\"reference\"))",
         std::move(edges));
