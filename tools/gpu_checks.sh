@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Everything issue 5 needs from a GPU machine, in one command (the device tool's machines are
+# lent for minutes: few, full calls). Run from the repository root on a machine with a CUDA GPU:
+#
+#     bash tools/gpu_checks.sh [STAGES]      # STAGES: comma list of env,build,test,sanitize,bench
+#                                            # (default: all, in that order)
+#
+# Each stage is time-boxed so the whole run ends inside one device call (10 minutes); a stage
+# that fails or runs out of time is reported and the next one still runs. Logs and results go to
+# $OUT (the device tool's folder; ./gpu_out elsewhere). Environment:
+#   CRFKIT_PREBUILT=path.so   use this build of crfkit._C instead of building (same torch only)
+#   GPU_TEST_ARGS             extra pytest arguments for the test stage (e.g. -k kbest)
+#   BENCH_ARGS                arguments for benchmarks/bench_gpu.py (default --quick)
+#   BUDGET_S                  seconds the whole run may take (default 560)
+# Peer libraries for the benchmark: wheels in .whl/ (and pure packages in .whl/pure/) are put
+# on PYTHONPATH first, as the device tool's README describes; without them the peers are
+# reported "not installed".
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+STAGES=${1:-env,build,test,sanitize,bench}
+BUDGET_S=${BUDGET_S:-560}
+START=$(date +%s)
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+left() { echo $((BUDGET_S - ($(date +%s) - START))); }
+note() { echo "$*" | tee -a "$SUMMARY"; }
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+# stage NAME SHARE_OF_REMAINING(percent) COMMAND...: run with a timeout, log to $OUT/NAME.log
+stage() {
+    local name=$1 share=$2; shift 2
+    local limit=$(( $(left) * share / 100 ))
+    if (( limit < 10 )); then note "$name: skipped, no time left"; return 0; fi
+    local t0=$(date +%s)
+    timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    note "$name: rc $rc in $(( $(date +%s) - t0 )) s (limit $limit s)"
+    return $rc
+}
+
+if [ -d .whl ]; then
+    mkdir -p /tmp/site
+    ls .whl/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --ignore-requires-python --upgrade --target /tmp/site .whl/*.whl
+    [ -d .whl/pure ] && cp -r .whl/pure/* /tmp/site/
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+if has env; then
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+        nvcc --version | tail -2
+        $PY -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+        nproc
+    } 2>&1 | tee "$OUT/env.log" | tee -a "$SUMMARY"
+fi
+
+if has build; then
+    if [ -n "${CRFKIT_PREBUILT:-}" ]; then
+        cp "$CRFKIT_PREBUILT" crfkit/ && note "build: using $CRFKIT_PREBUILT"
+    else
+        # The visible GPU's architecture only (setup.py leaves TORCH_CUDA_ARCH_LIST to torch when
+        # a GPU is visible); -j from the cores.
+        MAX_JOBS=$(nproc) stage build 60 $PY setup.py build_ext --inplace || tail -40 "$OUT/build.log"
+        # An extension must use the process's shared libstdc++ (torch's). The GPU image's
+        # default compiler (CC/CXX = /opt/gcc/bin/gcc, g++: wrapper scripts) linked libstdc++
+        # into crfkit._C statically, and the first error message that formats a number then
+        # crashed the process (a second copy of the iostream locale state, never initialised;
+        # seen 2026-11-22 on the H100 machine). Rebuild with the system compiler if so.
+        if ! ldd crfkit/_C*.so 2>/dev/null | grep -q libstdc++ && [ -x /usr/bin/g++ ]; then
+            note "build: crfkit._C has no dynamic libstdc++ (CXX=${CXX:-unset}): rebuilding with /usr/bin/g++"
+            rm -rf build crfkit/_C*.so
+            CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=$(nproc) stage build 60 $PY setup.py build_ext --inplace \
+                || tail -40 "$OUT/build.log"
+        fi
+        grep -E "warning|error" "$OUT/build.log" | grep -v -E "project.license|SetuptoolsDeprecation" | head -20
+        cp crfkit/_C*.so "$OUT/" 2>/dev/null
+    fi
+    $PY -c "import crfkit; print(crfkit.backend_info())" 2>&1 | tee -a "$SUMMARY"
+fi
+
+if has test; then
+    # shellcheck disable=SC2086
+    stage test 55 $PY -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_cuda.py ${GPU_TEST_ARGS:-}
+    tail -25 "$OUT/test.log"
+    grep -E "passed|failed" "$OUT/test.log" | tail -1 >>"$SUMMARY"
+fi
+
+if has sanitize; then
+    # memcheck over the CUDA tests (torch.compile excluded: it only adds host-side compilation).
+    # The python under the sanitizer is slow to start; the tool's report goes to the log.
+    stage sanitize 45 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+        $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "not compile" ${GPU_TEST_ARGS:-}
+    tail -15 "$OUT/sanitize.log"
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -2 >>"$SUMMARY"
+fi
+
+if has bench; then
+    # shellcheck disable=SC2086
+    stage bench 95 $PY benchmarks/bench_gpu.py ${BENCH_ARGS:---quick} --out "$OUT/gpu_bench"
+    tail -40 "$OUT/bench.log"
+fi
+
+echo "==== summary ($(( $(date +%s) - START )) s)"
+cat "$SUMMARY"
