@@ -60,6 +60,9 @@ def main() -> int:
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--k", type=int, default=5)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_gpu: needs a CUDA device", file=sys.stderr)
+        return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| op | B | L | T | call ms | kernels ms | host ms | kernels (ms each) |")
     print("|---|---|---|---|---|---|---|---|")
