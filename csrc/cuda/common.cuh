@@ -227,12 +227,24 @@ inline SharedPlan plan_shared(int64_t num_tags, size_t arena_bytes, size_t accum
   return plan;
 }
 
+// A kernel runs in one of two variants, chosen on the host by all_in_shared(plan):
+//   kAllShared = true   every buffer the plan places is in shared memory (small T: the common
+//                       case). The helpers below then never select a global pointer, so the
+//                       compiler knows each buffer pointer is a shared one and emits shared-memory
+//                       loads with 32-bit addresses (LDS) instead of generic loads with 64-bit
+//                       address arithmetic: the per-position loops are mostly such loads.
+//   kAllShared = false  buffers may be in global memory (per plan flag); generic pointers.
+inline bool all_in_shared(const SharedPlan& plan, bool has_accumulator) {
+  return plan.arena_in_shared && plan.tables_in_shared && (!has_accumulator || plan.accumulator_in_shared);
+}
+
 // Device side of a SharedPlan: the group's arena (in shared memory or its slice of the global
 // workspace); `cursor` moves past the block's arenas when they are in shared memory.
+template <bool kAllShared>
 __device__ __forceinline__ unsigned char* group_arena(unsigned char*& cursor, const SharedPlan& plan,
                                                       size_t arena_bytes, unsigned char* workspace,
                                                       int group, int64_t slot) {
-  if (!plan.arena_in_shared) return workspace + slot * arena_bytes;
+  if (!kAllShared && !plan.arena_in_shared) return workspace + slot * arena_bytes;
   unsigned char* arena = cursor + group * arena_bytes;
   cursor += plan.groups_per_block * arena_bytes;
   return arena;
@@ -240,10 +252,10 @@ __device__ __forceinline__ unsigned char* group_arena(unsigned char*& cursor, co
 
 // A read-only table for the whole block: copied to shared memory at `cursor` when the plan
 // says so (the caller then needs one __syncthreads), else read where it is.
-template <typename scalar_t>
+template <bool kAllShared, typename scalar_t>
 __device__ __forceinline__ const scalar_t* stage_table(unsigned char*& cursor, bool in_shared,
                                                        const scalar_t* table, int64_t count) {
-  if (!in_shared) return table;
+  if (!kAllShared && !in_shared) return table;
   scalar_t* copy = reinterpret_cast<scalar_t*>(cursor);
   for (int64_t k = threadIdx.x; k < count; k += blockDim.x) copy[k] = table[k];
   cursor += align_up(count * sizeof(scalar_t));

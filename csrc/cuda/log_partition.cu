@@ -137,7 +137,7 @@ __device__ scalar_t pairwise_column(int t, int T, scalar_t v_t, scalar_t shift, 
   return sum;
 }
 
-template <typename scalar_t, Output kOut>
+template <typename scalar_t, Output kOut, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(const FbParams<scalar_t> p) {
   constexpr bool kKeepRows = kOut != Output::kLogPartition;
   constexpr bool kPairwise = kOut == Output::kBackward;
@@ -153,11 +153,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
 
   // Shared memory in plan order: arenas, accumulators, tables.
   unsigned char* cursor = shared_raw;
-  unsigned char* arena_bytes = group_arena(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
+  unsigned char* arena_bytes = group_arena<kAllShared>(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
   const int64_t accumulator_elements = (int64_t)T * T + 2 * T;
   scalar_t* acc = nullptr;  // [s * T + t] transitions, then start (T), then end (T)
   if (kPairwise) {
-    if (!p.plan.accumulator_in_shared) {
+    if (!kAllShared && !p.plan.accumulator_in_shared) {
       acc = p.partials + slot * accumulator_elements;  // zero-initialised by the host
     } else {
       acc = reinterpret_cast<scalar_t*>(cursor + group * p.accumulator_bytes);
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
       }
     }
   }
-  const scalar_t* tables = stage_table(cursor, p.plan.tables_in_shared, p.tables, table_elements(T));
+  const scalar_t* tables = stage_table<kAllShared>(cursor, p.plan.tables_in_shared, p.tables, table_elements(T));
   __syncthreads();  // the only block-wide barrier: tables are ready
   const scalar_t* e_col = tables;
   const scalar_t* col_max = tables + T * T;
@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
       __syncwarp();  // everyone done reading vbuf, qbuf, pbuf, alpha_prev of this step
     }
   }
-  if (kPairwise && p.plan.accumulator_in_shared) {  // own entries to the group's slice
+  if (kPairwise && (kAllShared || p.plan.accumulator_in_shared)) {  // own entries to the group's slice
     scalar_t* out = p.partials + slot * accumulator_elements;
     for (int t = lane; t < T; t += G) {
       for (int s = 0; s < T; ++s) out[s * T + t] = acc[s * T + t];
@@ -475,7 +475,8 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   const size_t accumulator_bytes = align_up(accumulator_elements * sizeof(scalar_t));
   const size_t table_bytes = align_up(table_elements(T) * sizeof(scalar_t));
   const SharedPlan plan = plan_shared(T, arena_bytes, accumulator_bytes, table_bytes);
-  auto kernel = forward_backward_kernel<scalar_t, kOut>;
+  auto kernel = all_in_shared(plan, kPairwise) ? forward_backward_kernel<scalar_t, kOut, true>
+                                               : forward_backward_kernel<scalar_t, kOut, false>;
   const int64_t blocks = persistent_blocks(kernel, plan, B);
   const int64_t slots = blocks * plan.groups_per_block;
 

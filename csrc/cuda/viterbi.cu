@@ -98,7 +98,7 @@ __device__ __forceinline__ Sentence next_sentence(int64_t first, int group, cons
   return s;
 }
 
-template <typename scalar_t, typename bp_t>
+template <typename scalar_t, typename bp_t, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const DecodeParams<scalar_t, bp_t> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const int T = p.num_tags;
@@ -111,8 +111,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const Deco
 
   unsigned char* cursor = shared_raw;
   scalar_t* const arena =
-      reinterpret_cast<scalar_t*>(group_arena(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot));
-  const scalar_t* trans = stage_table(cursor, p.plan.tables_in_shared, p.transitions, (int64_t)T * T);
+      reinterpret_cast<scalar_t*>(group_arena<kAllShared>(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot));
+  const scalar_t* trans = stage_table<kAllShared>(cursor, p.plan.tables_in_shared, p.transitions, (int64_t)T * T);
   __syncthreads();  // the only block-wide barrier: the transitions are staged
   scalar_t* const delta_a = arena;
   scalar_t* const delta_b = arena + T;
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const Deco
   }
 }
 
-template <typename scalar_t, typename bp_t>
+template <typename scalar_t, typename bp_t, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const DecodeParams<scalar_t, bp_t> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const int T = p.num_tags;
@@ -214,8 +214,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const Decode
   const scalar_t kNegInf = neg_inf<scalar_t>();
 
   unsigned char* cursor = shared_raw;
-  unsigned char* const arena = group_arena(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
-  const scalar_t* trans = stage_table(cursor, p.plan.tables_in_shared, p.transitions, (int64_t)T * T);
+  unsigned char* const arena = group_arena<kAllShared>(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
+  const scalar_t* trans = stage_table<kAllShared>(cursor, p.plan.tables_in_shared, p.transitions, (int64_t)T * T);
   __syncthreads();  // the only block-wide barrier: the transitions are staged
   const KbestArena layout = kbest_arena<scalar_t>(T, K, G);
   scalar_t* const lists_a = reinterpret_cast<scalar_t*>(arena + layout.lists_a);  // [t * K + r]
@@ -355,12 +355,14 @@ int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
 // L * T * K does not allocate gigabytes (fewer groups then run at once; results are the same).
 constexpr int64_t kBackpointerBudget = int64_t{256} << 20;
 
+// shared_kernel / generic_kernel: the decoder's kAllShared = true / false variants.
 template <typename scalar_t, typename bp_t, typename Kernel>
-void launch_decoder(Kernel kernel, const CrfArgs& a, int64_t rows, int64_t K, size_t arena_bytes,
-                    at::Tensor& scores, at::Tensor& paths, Status& status) {
+void launch_decoder(Kernel shared_kernel, Kernel generic_kernel, const CrfArgs& a, int64_t rows, int64_t K,
+                    size_t arena_bytes, at::Tensor& scores, at::Tensor& paths, Status& status) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   if (B == 0) return;
   const SharedPlan plan = plan_shared(T, arena_bytes, 0, align_up(T * T * sizeof(scalar_t)));
+  const Kernel kernel = all_in_shared(plan, false) ? shared_kernel : generic_kernel;
   const int64_t per_block = std::max<int64_t>(1, plan.groups_per_block * L * T * K * (int64_t)sizeof(bp_t));
   const int64_t blocks = persistent_blocks(kernel, plan, B, std::max<int64_t>(1, kBackpointerBudget / per_block));
   const int64_t slots = blocks * plan.groups_per_block;
@@ -412,8 +414,8 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cuda(const at::Tensor& emissions_in, 
   AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_viterbi_cuda", [&] {
     dispatch_backpointer_type(T, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
-      launch_decoder<scalar_t, bp_t>(viterbi_kernel<scalar_t, bp_t>, a, 1, 1, align_up(2 * T * sizeof(scalar_t)),
-                                     scores, paths, status);
+      launch_decoder<scalar_t, bp_t>(viterbi_kernel<scalar_t, bp_t, true>, viterbi_kernel<scalar_t, bp_t, false>, a,
+                                     1, 1, align_up(2 * T * sizeof(scalar_t)), scores, paths, status);
     });
   });
   status.raise_if_bad(a.lengths, L);
@@ -445,7 +447,8 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emission
     const size_t arena_bytes = kbest_arena<scalar_t>(T, K, G).bytes;
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
-      launch_decoder<scalar_t, bp_t>(kbest_kernel<scalar_t, bp_t>, a, k, K, arena_bytes, scores, paths, status);
+      launch_decoder<scalar_t, bp_t>(kbest_kernel<scalar_t, bp_t, true>, kbest_kernel<scalar_t, bp_t, false>, a, k,
+                                     K, arena_bytes, scores, paths, status);
     });
   });
   status.raise_if_bad(a.lengths, L);
