@@ -45,6 +45,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,7 +89,7 @@ inline typename Lanes<scalar_t>::Vector gather_lanes(const scalar_t* base,
 }
 
 template <typename scalar_t>
-inline constexpr int kLaneShift = sizeof(scalar_t) == 4 ? 4 : 3;  // log2(kCount)
+inline constexpr int kLaneShift = std::countr_zero(static_cast<uint64_t>(Lanes<scalar_t>::kCount));  // log2(kCount)
 
 // Up to this many tags (with T a template argument) merge_lanes keeps each list's next entry
 // in registers beside its head (kNextAhead), which takes the gather out of the dependency chain

@@ -51,8 +51,8 @@ inline double exp_shifted(const scalar_t* x, int64_t n, double* __restrict__ out
   return x_max;
 }
 
-// Tag vectors in the fast path are handled kLanes doubles at a time (one 512-bit vector, or two
-// 256-bit ones where AVX-512 is missing); tables are padded to a multiple of it with zeros.
+// Tag vectors in the fast path are handled kLanes doubles at a time (one register: 8 doubles
+// with AVX-512, 4 with AVX2, 2 otherwise); tables are padded to a multiple of it with zeros.
 constexpr int64_t kLanes = Lanes<double>::kCount;
 inline int64_t padded_tags(int64_t T) { return padded_to_lanes<double>(T); }
 
