@@ -73,11 +73,6 @@ MARGINALS_BANDWIDTH_TARGET = 3.0  # crfkit's marginals at most this many times t
 
 
 # ---- inputs and devices -----------------------------------------------------------------------------
-def on(x: cases.Inputs, device) -> cases.Inputs:
-    return cases.Inputs(x.emissions.to(device), x.transitions.to(device), x.lengths.to(device),
-                        x.start.to(device), x.end.to(device), x.k)
-
-
 def to_cpu(value):
     """Peer outputs (tensors, lists, tuples, nested) on the CPU."""
     if isinstance(value, torch.Tensor):
@@ -190,7 +185,7 @@ def run_peer(peer, case: cases.Case, x_cpu: cases.Inputs, wants: Dict[bool, tupl
         entry["status"] = "unsupported"
         return entry
     xp_cpu = bench_peers.peer_inputs(peer, x_cpu)
-    xp = on(xp_cpu, "cuda")
+    xp = xp_cpu.to("cuda")
     try:
         if peer.has_start_end not in wants:
             wants[peer.has_start_end] = bench_peers.crfkit_result(case, xp_cpu)
@@ -223,7 +218,7 @@ def run_peer(peer, case: cases.Case, x_cpu: cases.Inputs, wants: Dict[bool, tupl
 
 def run_cell(case: cases.Case, loaded, bandwidth: float, args) -> dict:
     x_cpu = cases.inputs_for(case)
-    x = on(x_cpu, "cuda")
+    x = x_cpu.to("cuda")
     row = {"op": case.op, "B": case.B, "L": case.L, "T": case.T, "K": case.K,
            "crfkit": {"status": None, "ms": None}, "peers": {}, "fastest_peer": None, "fastest_peer_ms": None,
            "speedup": None}

@@ -90,6 +90,11 @@ class Inputs:
         """B * L: the positions of the padded batch (what tokens/s counts)."""
         return self.emissions.shape[0] * self.emissions.shape[1]
 
+    def to(self, device) -> "Inputs":
+        """The same inputs on `device`."""
+        return Inputs(self.emissions.to(device), self.transitions.to(device), self.lengths.to(device),
+                      self.start.to(device), self.end.to(device), self.k)
+
     def with_k(self, k: Optional[int]) -> "Inputs":
         return Inputs(self.emissions, self.transitions, self.lengths, self.start, self.end, k)
 

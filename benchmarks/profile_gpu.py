@@ -24,10 +24,6 @@ import cases  # noqa: E402
 OPS = ["log_partition", "log_partition_fwd_bwd", "marginals", "viterbi", "kbest"]
 
 
-def on_gpu(x: cases.Inputs) -> cases.Inputs:
-    return cases.Inputs(*(t.cuda() for t in (x.emissions, x.transitions, x.lengths, x.start, x.end)), x.k)
-
-
 def wall_ms(fn, repeats: int = 20) -> float:
     times = []
     for _ in range(repeats):
@@ -68,7 +64,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         B, L, T = (int(v) for v in shape.split("x"))
-        x = on_gpu(cases.make_inputs(B, L, T))
+        x = cases.make_inputs(B, L, T).to("cuda")
         for op in args.ops.split(","):
             xi = x.with_k(args.k if op == "kbest" else None)
             fn = lambda: cases.OPS[op].run(xi, "compiled")  # noqa: E731
