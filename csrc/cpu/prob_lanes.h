@@ -53,9 +53,10 @@ inline void prefetch_lane_vectors(const double* p, int64_t n) {
 
 // Whether the log-partition ops run on batch lanes for this shape: a group costs about what
 // two or three single-sentence scans cost (measured at T = 9 and 37 on AVX-512), so lanes pay
-// from one full group on. Only in AVX-512 builds: without it GCC turns the comparisons and
-// selects on 64-byte vectors into scalar code (seen in the Viterbi lanes, viterbi_lanes.h), and
-// the per-sentence scans stay the faster choice there.
+// from one full group on. Only in AVX-512 builds: without it, when the vectors were 64 bytes
+// everywhere (before cb849dc), GCC turned their comparisons and selects into scalar code (seen
+// in the Viterbi lanes, viterbi_lanes.h), and the per-sentence scans stayed the faster choice;
+// not re-measured with the native-width vectors since.
 inline bool use_lanes(int64_t B, int64_t T) {
 #if defined(__AVX512F__)
   return T <= kMaxLaneTags && B >= kGroup;

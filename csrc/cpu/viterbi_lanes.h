@@ -34,8 +34,9 @@ namespace cpu {
 // How many tags one register block updates at once: each tag needs two vector registers (running
 // max and arg max) for the whole loop over predecessors. AVX-512 has 32 of them (one per
 // Vector): blocks of 8, 12 and 14 measured the same within 5% (the loop is bound by vector
-// throughput once 8 chains interleave), and 8 leaves registers to spare. With narrower registers
-// a Vector takes 2 (AVX2) or 4 (SSE / NEON) of 16, so blocks must be small to avoid spills.
+// throughput once 8 chains interleave), and 8 leaves registers to spare. AVX2 and SSE / NEON
+// have 16 registers; the blocks below were sized when a Vector took 2 or 4 of them (64-byte
+// vectors everywhere, before cb849dc) and have not been re-measured since (lanes are off there).
 #if defined(__AVX512F__)
 inline constexpr int kLaneTagBlock = 8;
 #elif defined(__AVX__)
@@ -272,10 +273,11 @@ double lane_group_cost(int64_t T) {
   return T <= kPerSentenceMaxTags ? 1.0 + T / 8.0 : 3.0;
 }
 
-// The cost model holds for AVX-512 builds only. Without AVX-512, GCC turns the comparisons and
-// selects on the 64-byte vectors of lanes.h into scalar code (in both kernels), and the lane
-// decoder measured 0.4x - 2x the time of the per-sentence kernel (-march=x86-64-v3 and the
-// portable default): there the per-sentence kernel stays the default.
+// The cost model holds for AVX-512 builds only. Without AVX-512 the lane decoder measured 0.4x -
+// 2x the time of the per-sentence kernel (-march=x86-64-v3 and the portable default), when the
+// vectors of lanes.h were 64 bytes everywhere and GCC turned their comparisons and selects into
+// scalar code; there the per-sentence kernel stays the default. Since cb849dc the vectors are
+// one native register there too (8 floats with AVX2); the lanes have not been measured with them.
 #if defined(__AVX512F__)
 inline constexpr bool kLaneCostModelHolds = true;
 #else
