@@ -127,7 +127,7 @@ def _hard_cases(B, scale):
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 @pytest.mark.parametrize("scale", [1.0, 1e4])  # 1e4: the exact log-space path
-@pytest.mark.parametrize("B", [6, 21])  # 6: one sentence at a time; 21: lane groups of 8 (prob_lanes.h)
+@pytest.mark.parametrize("B", [6, 21])  # 6: under one lane group of 8 (AVX-512); 21: lane groups (prob_lanes.h)
 def test_log_partition_with_marginals_equals_the_separate_ops(scale, B):
     # The op behind a differentiable log Z (csrc/autograd.cpp) computes log Z, the marginals and
     # the expected transition counts in one pass: each must be what its own op gives, and its
@@ -159,6 +159,41 @@ def test_log_partition_with_marginals_equals_the_separate_ops(scale, B):
         ops.log_partition_backward_from_marginals(grad[:-1], mu, counts, ln)
     with pytest.raises(ValueError, match="lengths"):
         ops.log_partition_backward_from_marginals(grad, mu, counts, ln + 10)
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T", [1, 2, 9, 37, 64, 65])  # 65: above kMaxLaneTags, never lanes
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: scores far apart, some lanes leave the fast path
+@pytest.mark.parametrize("kernel", ["lanes", "per_sentence"])
+def test_log_partition_lanes_match_the_reference(monkeypatch, dtype, T, scale, kernel):
+    # log Z, marginals and the gradients run on batch lanes (prob_lanes.h: groups of 8 doubles
+    # with AVX-512, 4 with AVX2) or one sentence at a time; CRFKIT_LOG_PARTITION_LANES forces
+    # either, so both are checked on every build whatever its default. 37 sentences, 3 of
+    # length 0: full groups and a partial one, lanes that end at different positions, a
+    # forbidden transition and a sentence with no allowed path (log Z = -inf).
+    monkeypatch.setenv("CRFKIT_LOG_PARTITION_LANES", "1" if kernel == "lanes" else "0")
+    em, tr, ln, start, end = _lane_case(dtype, T, L=20, seed=300 + T)
+    em = em * scale
+    em[3, 4] = -math.inf
+
+    def outputs():
+        params = [x.clone().requires_grad_() for x in (em, tr, start, end)]
+        log_z = crfkit.log_partition(params[0], params[1], ln, params[2], params[3])
+        finite = log_z.isfinite()
+        weights = torch.linspace(0.5, 1.5, log_z.shape[0], dtype=dtype)
+        grads = torch.autograd.grad((log_z[finite] * weights[finite]).sum(), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        return [log_z, crfkit.marginals(em, tr, ln, start, end), *grads]
+
+    with crfkit.use_backend("compiled"):
+        got = outputs()
+    with crfkit.use_backend("reference"):
+        want = outputs()
+    assert got[0][3] == -math.inf and (got[1][3] == 0).all()
+    assert (got[0][[1, 10, 20]] == 0).all()
+    for name, g, w in zip(["log_z", "marginals", "grad_emissions", "grad_transitions", "grad_start", "grad_end"], got, want):
+        torch.testing.assert_close(g, w, **TOL[dtype], msg=name)
 
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")

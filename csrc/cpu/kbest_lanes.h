@@ -443,6 +443,12 @@ constexpr bool kbest_merges_in_vectors(int64_t K) {
 // merges in vectors, else 0.65 + K / 10 up to 1.6; and 6 at T = 1 (where the per-sentence
 // kernel's merges are trivial). It picks the faster kernel in every cell above but one near-tie:
 // double T = 9, K = 30 (per sentence, 5% slower than lanes).
+// AVX2 builds use the same model (kCount is 8 floats / 4 doubles there, and the per-sentence
+// kernel merges without vectors). Checked on a 2-core AVX2-only EPYC, 2 threads, K = 5 and 15,
+// (B, L, T) = (32, 128, 9 | 37), (256, 128, 9 | 37), (1024, 32, 9): it picks the faster kernel
+// (lanes at T = 9 in float, 0.45 - 0.78 of the per-sentence time; per sentence at T = 37,
+// where lanes take 1.25 - 2.9 times as long) in all but three cells of double at T = 9, where it
+// keeps the per-sentence kernel though lanes take 0.68 - 0.92 of its time.
 template <typename scalar_t>
 double kbest_lane_group_cost(int64_t T, int64_t K) {
   if (T == 1) return 6.0;

@@ -34,13 +34,15 @@ namespace cpu {
 // How many tags one register block updates at once: each tag needs two vector registers (running
 // max and arg max) for the whole loop over predecessors. AVX-512 has 32 of them (one per
 // Vector): blocks of 8, 12 and 14 measured the same within 5% (the loop is bound by vector
-// throughput once 8 chains interleave), and 8 leaves registers to spare. AVX2 and SSE / NEON
-// have 16 registers; the blocks below were sized when a Vector took 2 or 4 of them (64-byte
-// vectors everywhere, before cb849dc) and have not been re-measured since (lanes are off there).
+// throughput once 8 chains interleave), and 8 leaves registers to spare. AVX2 has 16 (one per
+// Vector since cb849dc): blocks of 4 measured best of 3, 4 and 6 (Viterbi lanes at B = 256,
+// L = 128, T = 9 - 100, 2 threads: 4 against 3 up to 1.4x faster at T = 24 and 100 and never
+// slower beyond noise; 6 slower than 3, up to 1.6x at T = 64, out of registers).
+// SSE / NEON: 1, sized when a Vector took 4 registers there, not re-measured.
 #if defined(__AVX512F__)
 inline constexpr int kLaneTagBlock = 8;
 #elif defined(__AVX__)
-inline constexpr int kLaneTagBlock = 3;
+inline constexpr int kLaneTagBlock = 4;
 #else
 inline constexpr int kLaneTagBlock = 1;
 #endif
@@ -264,21 +266,36 @@ struct LanePlan {
 //     float    2.1  3.9  5.2  6.2  7.3  10.3 10.2 13
 //     double   1.8            5.0       5.9  2.0  2.1
 // About 1 + T / 8 while the per-sentence kernel holds its tags in registers (up to 8 vectors:
-// 128 floats, 64 doubles); past that it loops over memory and the ratio falls to 2 - 4. (A lane
+// 128 floats, 64 doubles); past that it looped over memory and the ratio fell to 2 - 4. (It
+// has since kept blocks of 8 vectors in registers at any T, viterbi.cpp for_each_register_block,
+// which made it 1.8 - 2.7x faster past 8 vectors on AVX2; the AVX-512 values past 8 vectors
+// predate that and were not re-measured, so there lanes may now be chosen where they lose.) (A lane
 // group does T * T max-plus updates of kCount sentences per position; the per-sentence kernel
 // T * ceil(T / kCount) of one sentence, but as chains of dependent steps.)
 template <typename scalar_t>
 double lane_group_cost(int64_t T) {
+#if defined(__AVX512F__)
   constexpr int64_t kPerSentenceMaxTags = 8 * Lanes<scalar_t>::kCount;
   return T <= kPerSentenceMaxTags ? 1.0 + T / 8.0 : 3.0;
+#else
+  // AVX2 (8 floats, 4 doubles per vector), measured as above on a 2-core AVX2-only EPYC VM but
+  // with 2 threads, B = 256 (ratio of the two kernels' call times, times kCount):
+  //     T         9    16   24   37   50   64   100
+  //     float    2.8  5.5  5.2  7.4  5.6  6.0  7.0
+  //     double   2.4  3.6  2.5  2.7  2.5  3.1  3.2
+  // that is, 0.35 - 0.92 of a group's kCount sentences at every T, without a trend in T that
+  // stands out of the noise of that VM: modelled as 3/4 of them, so that lanes are chosen where
+  // groups are mostly full and the threads stay busy.
+  (void)T;
+  return 0.75 * static_cast<double>(Lanes<scalar_t>::kCount);
+#endif
 }
 
-// The cost model holds for AVX-512 builds only. Without AVX-512 the lane decoder measured 0.4x -
-// 2x the time of the per-sentence kernel (-march=x86-64-v3 and the portable default), when the
-// vectors of lanes.h were 64 bytes everywhere and GCC turned their comparisons and selects into
-// scalar code; there the per-sentence kernel stays the default. Since cb849dc the vectors are
-// one native register there too (8 floats with AVX2); the lanes have not been measured with them.
-#if defined(__AVX512F__)
+// The cost models hold for AVX-512 and AVX2 builds (measured on both). Elsewhere (SSE, NEON)
+// the lane decoders were last measured when the vectors of lanes.h were 64 bytes everywhere and
+// GCC turned their comparisons and selects into scalar code (0.4x - 2x the time of the
+// per-sentence kernel); there the per-sentence kernel stays the default.
+#if defined(__AVX512F__) || defined(__AVX2__)
 inline constexpr bool kLaneCostModelHolds = true;
 #else
 inline constexpr bool kLaneCostModelHolds = false;
