@@ -279,7 +279,8 @@ double lane_group_cost(int64_t T) {
   return T <= kPerSentenceMaxTags ? 1.0 + T / 8.0 : 3.0;
 #else
   // AVX2 (8 floats, 4 doubles per vector), measured as above on a 2-core AVX2-only EPYC VM but
-  // with 2 threads, B = 256 (ratio of the two kernels' call times, times kCount):
+  // with 2 threads, B = 256, tag blocks of 3 (ratio of the two kernels' call times, times kCount;
+  // blocks of 4, kLaneTagBlock now, made the lanes faster still, so the model is conservative):
   //     T         9    16   24   37   50   64   100
   //     float    2.8  5.5  5.2  7.4  5.6  6.0  7.0
   //     double   2.4  3.6  2.5  2.7  2.5  3.1  3.2
