@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -42,6 +43,15 @@ template <typename scalar_t>
 inline int64_t padded_to_lanes(int64_t n) {
   constexpr int64_t k = Lanes<scalar_t>::kCount;
   return (n + k - 1) / k * k;
+}
+
+// A variable that forces a choice between a batch-lane kernel and its per-sentence twin
+// (CRFKIT_LOG_PARTITION_LANES, CRFKIT_VITERBI_LANES): 1 when it starts with '1', 0 when set to
+// anything else, -1 when unset or empty (the kernel's own rule decides).
+inline int forced_by_environment(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || value[0] == '\0') return -1;
+  return value[0] == '1' ? 1 : 0;
 }
 
 // The sentences b with lengths[b] >= min_length, longest first; equal lengths keep batch order

@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -57,11 +56,7 @@ inline void prefetch_lane_vectors(const double* p, int64_t n) {
 // lanes); =0 forces the per-sentence scans. Tests run both on the same inputs, so every build
 // checks both paths whatever its default; benchmarks time both with one build. Unset or empty:
 // use_lanes's default rule.
-inline int forced_log_partition_lanes() {
-  const char* value = std::getenv("CRFKIT_LOG_PARTITION_LANES");
-  if (value == nullptr || value[0] == '\0') return -1;
-  return value[0] == '1' ? 1 : 0;
-}
+inline int forced_log_partition_lanes() { return forced_by_environment("CRFKIT_LOG_PARTITION_LANES"); }
 
 // Whether the log-partition ops run on batch lanes for this shape: a group costs about what
 // two or three single-sentence scans cost (measured at T = 9 and 37 on AVX-512), so lanes pay

@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <utility>
@@ -310,11 +309,7 @@ inline constexpr int64_t kLaneMaxBufferBytes = int64_t{256} << 20;
 // (kbest_lanes.h), where they can run (see plan_lanes); =0 forces the per-sentence kernels of
 // both. Tests compare the two on the same inputs, benchmarks time both with one build. Unset or
 // empty: the cost models decide.
-inline int forced_viterbi_lanes() {
-  const char* value = std::getenv("CRFKIT_VITERBI_LANES");
-  if (value == nullptr || value[0] == '\0') return -1;
-  return value[0] == '1' ? 1 : 0;
-}
+inline int forced_viterbi_lanes() { return forced_by_environment("CRFKIT_VITERBI_LANES"); }
 
 // Sorts the sentences by length and decides, for a lane decoder whose per-thread buffers take
 // buffer_bytes_per_position bytes per position of the longest sentence, and one position of a
