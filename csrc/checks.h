@@ -55,6 +55,22 @@ inline void check_argument_like(const at::Tensor& x, const char* name, const cha
               like.device(), "), got ", x.device());
 }
 
+// The arguments of log_partition_backward_from_marginals (CPU and CUDA): marginals (B, L, T)
+// float32 / float64, transition_counts (B, T, T) and grad_log_z (B,) like them, lengths (B,)
+// int64 on their device. The lengths' values are checked by each device's kernel code.
+inline void check_backward_from_marginals_arguments(const at::Tensor& grad_log_z, const at::Tensor& marginals,
+                                                    const at::Tensor& counts, const at::Tensor& lengths) {
+  TORCH_CHECK_VALUE(marginals.dim() == 3, "crfkit: marginals must be (batch, seq_len, num_tags), got ",
+                    marginals.dim(), " dimensions");
+  TORCH_CHECK_TYPE(marginals.scalar_type() == at::kFloat || marginals.scalar_type() == at::kDouble,
+                   "crfkit: marginals must be float32 or float64, got ", marginals.scalar_type());
+  const int64_t B = marginals.size(0), T = marginals.size(2);
+  check_argument_like(counts, "transition_counts", "(batch, num_tags, num_tags)", {B, T, T}, marginals,
+                      "marginals");
+  check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, marginals, "marginals");
+  check_lengths_argument(lengths, B, marginals);
+}
+
 // Shapes every op agrees on: emissions (B, L, T), transitions (T, T), start (T,),
 // end (T,), lengths (B,) int64. Raises with the argument's name (TypeError for a wrong dtype,
 // ValueError for a wrong shape or value, RuntimeError for a wrong device).

@@ -382,15 +382,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
     const at::Tensor& lengths_in) {
   const at::Tensor grad_log_z = grad_log_z_in.contiguous(), marginals = marginals_in.contiguous(),
                    counts = counts_in.contiguous(), lengths = lengths_in.contiguous();
-  TORCH_CHECK_VALUE(marginals.dim() == 3, "crfkit: marginals must be (batch, seq_len, num_tags), got ",
-                    marginals.dim(), " dimensions");
-  TORCH_CHECK_TYPE(marginals.scalar_type() == at::kFloat || marginals.scalar_type() == at::kDouble,
-                   "crfkit: marginals must be float32 or float64, got ", marginals.scalar_type());
+  check_backward_from_marginals_arguments(grad_log_z, marginals, counts, lengths);
   const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
-  check_argument_like(counts, "transition_counts", "(batch, num_tags, num_tags)", {B, T, T}, marginals,
-                      "marginals");
-  check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, marginals, "marginals");
-  check_lengths_argument(lengths, B, marginals);
   check_lengths_cpu(lengths, L);
   // Recycled memory (recycled_memory.h), as the marginals: a fresh block page-faults every step.
   auto grad_emissions = recycled_tensor(marginals.sizes(), marginals.scalar_type());
