@@ -226,9 +226,9 @@ def expected_transition_counts(emissions, transitions, lengths=None, start=None,
     marginals P(y_{i-1} = s, y_i = t | x) summed over positions. With marginals() it gives
     every expectation of a score, E_p[s_q(y)], hence exact CRF cross entropy and KL divergence.
 
-    The compiled backend has a CPU kernel for it (the per-sentence transition gradients of the
-    log Z backward); differentiable calls, other devices and the other backends run the
-    reference (autograd through its log Z), which is slower. Differentiable.
+    The compiled backend has CPU and CUDA kernels for it (the per-sentence transition gradients
+    of the log Z backward); differentiable calls and the other backends run the reference
+    (autograd through its log Z), which is slower. Differentiable.
     """
     backend = backends.current()
     implementation = getattr(backend, "expected_transition_counts", backends.reference.expected_transition_counts)

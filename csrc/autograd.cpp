@@ -110,15 +110,16 @@ auto autograd_kernel(const Op& op, const at::Tensor& emissions, const at::Tensor
 }
 
 // ---- log Z --------------------------------------------------------------------------------------
-// Where the device has a log_partition_with_marginals kernel (the CPU), a differentiable log Z
+// Where the device has a log_partition_with_marginals kernel (CPU and CUDA), a differentiable log Z
 // computes its gradients for an upstream gradient of 1 in the forward, while the forward rows
 // are in cache, and the backward only scales them: the backward is linear in the upstream
 // gradient. (This replaced a forward that saved its rows, 16 B L T bytes, for a backward that
 // read them back: forward + backward took 13-20% longer that way, e.g. 6.4 against 5.4-5.5 ms
 // at (256, 128, 37) and 0.22 against 0.20 ms at (32, 128, 9), 2 threads.) The cost: a
 // differentiable log Z that is never differentiated does the backward's work too; evaluate
-// under torch.no_grad().
-// Elsewhere the backward reruns the forward (log_partition_backward).
+// under torch.no_grad(). On CUDA it also saves a second kernel launch and status read: the
+// backward used to re-run the forward-backward kernel (log_partition_backward, still the path
+// of a device without log_partition_with_marginals).
 bool computes_marginals_in_forward(const at::Tensor& emissions) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("crfkit::log_partition_with_marginals", "");
   return op.hasKernelForDispatchKey(c10::computeDispatchKey(std::nullopt, emissions.layout(), emissions.device()));

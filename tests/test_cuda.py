@@ -97,7 +97,7 @@ def forbid(inputs, seed, share=0.3):
 def every_output(inputs, on_gpu, k):
     """Values and gradients of every op, by the CUDA kernels (on_gpu) or the CPU kernels,
     returned on the CPU. Gradients: of a weighted sum of the finite log Z (through
-    log_partition_backward), of the scores of random gold tags, of the finite Viterbi and
+    log_partition_with_marginals and its backward), of the scores of random gold tags, of the finite Viterbi and
     k-best scores (through sequence_score_backward)."""
     device = DEVICE if on_gpu else "cpu"
     em, tr, ln, s, e = to(device, inputs)
@@ -107,6 +107,7 @@ def every_output(inputs, on_gpu, k):
         pe, pt, ps, pn = params
         log_z = crfkit.log_partition(pe, pt, ln, ps, pn)
         marginals = crfkit.marginals(em, tr, ln, s, e)
+        counts = crfkit.expected_transition_counts(em, tr, ln, s, e)
         paths, scores = crfkit.viterbi(pe, pt, ln, ps, pn)
         best = crfkit.kbest_viterbi(pe, pt, k, ln, ps, pn)
         gold = torch.randint(0, T, (B, L), generator=torch.Generator().manual_seed(5)).to(device)
@@ -117,7 +118,7 @@ def every_output(inputs, on_gpu, k):
             + best.scores[torch.isfinite(best.scores)].sum() + scores[torch.isfinite(scores)].sum()
         grads = torch.autograd.grad(objective, params, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-    out = dict(log_z=log_z, marginals=marginals, viterbi_paths=paths, viterbi_scores=scores,
+    out = dict(log_z=log_z, marginals=marginals, transition_counts=counts, viterbi_paths=paths, viterbi_scores=scores,
                kbest_paths=best.paths, kbest_scores=best.scores, kbest_log_probs=best.log_probs,
                gold_scores=gold_scores,
                **{f"grad_{n}": g for n, g in zip(("emissions", "transitions", "start", "end"), grads)})
@@ -159,7 +160,7 @@ def test_forbidden_scores_and_all_forbidden_sentences(dtype, B, L, T, k):
     if B > 2 and int(inputs[2][2]) > 0:  # the dead sentence: log Z = -inf, no path, zero marginals
         assert got["log_z"][2] == -math.inf and (got["viterbi_paths"][2] == -1).all()
         assert (got["marginals"][2] == 0).all() and (got["kbest_scores"][2] == -math.inf).all()
-    for name in ("marginals", "grad_emissions", "grad_transitions", "grad_start", "grad_end"):
+    for name in ("marginals", "transition_counts", "grad_emissions", "grad_transitions", "grad_start", "grad_end"):
         assert not torch.isnan(got[name]).any(), name
 
 
@@ -190,6 +191,53 @@ def test_buffers_in_global_memory(B, L, T, k):
     # T = 100 with k = 100: k-best lists too large for shared memory; T = 2000: even the
     # per-sentence vectors and the transition tables live in global memory.
     assert_matches_cpu(random_crf(B, L, T, dtype=torch.float32), k, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T,forbidden", [(7, 9, 5, False), (9, 20, 9, True), (5, 12, 37, True), (3, 6, 100, False)])
+def test_log_partition_with_marginals_and_its_backward_match_cpu(dtype, B, L, T, forbidden):
+    # The raw ops behind a differentiable log Z: per-sentence log Z, marginals and transition
+    # counts (the counts in shared memory up to T = 37, in global memory at T = 100), and the
+    # backward from them for upstream gradients that include 0 and a negative one.
+    inputs = random_crf(B, L, T, dtype=dtype, scale=2.0)
+    if forbidden:
+        inputs = forbid(inputs, seed=B + T)
+    em, tr, ln, s, e = inputs
+    grad = torch.linspace(-1.0, 2.0, B, dtype=dtype)
+    grad[1] = 0
+    cpu = torch.ops.crfkit
+    want = cpu.log_partition_with_marginals(em, tr, s, e, ln)
+    got = device_ops().log_partition_with_marginals(*to(DEVICE, (em, tr, s, e, ln)))
+    for name, a, b in zip(("log_z", "marginals", "transition_counts"), got, want):
+        torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
+    assert not torch.isnan(got[2]).any()
+    want_grads = cpu.log_partition_backward_from_marginals(grad, want[1], want[2], ln)
+    got_grads = device_ops().log_partition_backward_from_marginals(*to(DEVICE, (grad, want[1], want[2], ln)))
+    for name, a, b in zip(("emissions", "transitions", "start", "end"), got_grads, want_grads):
+        torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
+    counts = device_ops().expected_transition_counts(*to(DEVICE, (em, tr, s, e, ln)))
+    assert torch.equal(counts, got[2])
+
+
+def test_backward_from_marginals_checks_its_arguments():
+    em, tr, ln, s, e = _good()
+    ops = device_ops()
+    _, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    g = torch.ones(2, device=DEVICE)
+    # Beyond the lengths the emissions' gradient is exactly 0, even for an infinite upstream gradient.
+    infinite = torch.tensor([math.inf, 1.0], device=DEVICE)
+    grads = ops.log_partition_backward_from_marginals(infinite, mu, counts, torch.tensor([2, 1], device=DEVICE))
+    assert (grads[0][0, 2:] == 0).all() and (grads[0][1, 1:] == 0).all()
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 5 is outside \[0, seq_len = 4\]"):
+        ops.log_partition_backward_from_marginals(g, mu, counts, torch.tensor([4, 5], device=DEVICE))
+    with pytest.raises(ValueError, match=r"transition_counts must be \(batch, num_tags, num_tags\)"):
+        ops.log_partition_backward_from_marginals(g, mu, counts[:, :2], ln)
+    with pytest.raises(ValueError, match=r"grad_log_z must be \(batch,\)"):
+        ops.log_partition_backward_from_marginals(torch.ones(3, device=DEVICE), mu, counts, ln)
+    with pytest.raises(TypeError, match="grad_log_z must have the dtype of marginals"):
+        ops.log_partition_backward_from_marginals(g.double(), mu, counts, ln)
+    with pytest.raises(TypeError, match="lengths must be int64"):
+        ops.log_partition_backward_from_marginals(g, mu, counts, ln.int())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -241,6 +289,10 @@ def test_opcheck_every_op():
         (ops.kbest_viterbi, (req[0], req[1], req[2], req[3], ln, 5)),
         (ops.sequence_score, (req[0], req[1], req[2], req[3], ln, tags)),
         (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64, device=DEVICE), em, tr, s, e, ln)),
+        (ops.log_partition_with_marginals, (em, tr, s, e, ln)),
+        (ops.log_partition_backward_from_marginals,
+         (torch.ones(3, dtype=torch.float64, device=DEVICE), *ops.log_partition_with_marginals(em, tr, s, e, ln)[1:], ln)),
+        (ops.expected_transition_counts, (em, tr, s, e, ln)),
         (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64, device=DEVICE), em, ln, tags)),
     ]
     with on_device():  # the autograd formulas call the backward ops of the same kernels
@@ -277,6 +329,8 @@ RAW = {
     "marginals": lambda em, tr, ln, s, e: device_ops().marginals(em, tr, s, e, ln),
     "log_partition_backward": lambda em, tr, ln, s, e: device_ops().log_partition_backward(
         torch.ones(em.shape[0], dtype=em.dtype, device=em.device), em, tr, s, e, ln),
+    "log_partition_with_marginals": lambda em, tr, ln, s, e: device_ops().log_partition_with_marginals(em, tr, s, e, ln),
+    "expected_transition_counts": lambda em, tr, ln, s, e: device_ops().expected_transition_counts(em, tr, s, e, ln),
     "viterbi": lambda em, tr, ln, s, e: device_ops().viterbi(em, tr, s, e, ln),
     "kbest_viterbi": lambda em, tr, ln, s, e: device_ops().kbest_viterbi(em, tr, s, e, ln, 3),
     "sequence_score": lambda em, tr, ln, s, e: device_ops().sequence_score(
@@ -358,6 +412,9 @@ def test_mixed_devices_raise():
                  lambda: ops.kbest_viterbi(em.cpu(), tr, s.cpu(), e.cpu(), ln.cpu(), 2),
                  lambda: ops.sequence_score(em, tr, s, e, ln, torch.zeros(2, 1, 4, dtype=torch.long)),
                  lambda: ops.log_partition_backward(torch.ones(2), em, tr, s, e, ln),
+                 lambda: ops.log_partition_with_marginals(em, tr, s.cpu(), e, ln),
+                 lambda: ops.log_partition_backward_from_marginals(torch.ones(2), torch.zeros(2, 4, 3, device=em.device),
+                                                                   torch.zeros(2, 3, 3, device=em.device), ln),
                  lambda: ops.sequence_score_backward(torch.ones(2, 1), em, ln, torch.zeros(2, 1, 4, dtype=torch.long))):
         with pytest.raises(RuntimeError, match="device"):
             make()

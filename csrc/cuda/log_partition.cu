@@ -14,15 +14,21 @@
 // long sentences with large scores. Results agree with the CPU kernels to rounding, not bit
 // for bit (different summation order, and the CPU also has a probability-space fast path).
 //
-// Marginals / backward: the forward pass stores the normalised alpha rows in the OUTPUT tensor
-// itself (B, L, T) (no extra O(B L T) workspace), and the backward pass, from the last position
-// to the first, reads row i, overwrites it with the marginals of position i, and reads row i-1
-// for the pairwise (transition) marginals. The same lane wrote and reads each entry. The
+// Marginals / backward / log Z with marginals: the forward pass stores the normalised alpha
+// rows in the OUTPUT tensor itself (B, L, T) (no extra O(B L T) workspace), and the backward
+// pass, from the last position to the first, reads row i, overwrites it with the marginals of
+// position i, and reads row i-1 for the pairwise (transition) marginals. The same lane wrote and reads each entry. The
 // running offsets (needed for the pairwise shift against log Z) go to a per-group (L,) double
 // workspace. Marginals are normalised per position (they sum to one), pairwise marginals per
 // position pair, as in the CPU kernels. Gradients of transitions / start / end are accumulated
 // per group (in shared memory when it fits, else in a per-group slice of global memory) and
 // summed over groups afterwards in a fixed order: deterministic for a given device.
+//
+// log_partition_with_marginals (the forward of a differentiable log Z, csrc/autograd.cpp) runs
+// the same kernel for an upstream gradient of 1 and keeps per sentence what the backward sums
+// over the batch: log Z, the marginals and the expected transition counts (B, T, T). The
+// backward is then log_partition_backward_from_marginals (below): those scaled by the upstream
+// gradient, with no second forward-backward pass and no second status read.
 #include <torch/library.h>
 
 #include "common.cuh"
@@ -31,7 +37,9 @@ namespace crfkit {
 namespace cuda {
 namespace {
 
-enum class Output { kLogPartition, kMarginals, kBackward };
+// kBackward: the gradients for a given grad_log_z, summed over the batch;
+// kWithMarginals: log Z, and the gradients for grad_log_z = 1 kept per sentence.
+enum class Output { kLogPartition, kMarginals, kBackward, kWithMarginals };
 
 // Transition tables, one array of scalars:
 //   [0, T*T)             e_col[s * T + t]   = exp(trans[s, t] - col_max[t])  (0 if col_max = -inf)
@@ -69,10 +77,11 @@ struct FbParams {
   const int64_t* lengths;       // (B,)
   const scalar_t* grad_log_z;   // (B,), kBackward only
   const scalar_t* tables;       // table_elements(T), global
-  scalar_t* log_z;              // (B,), kLogPartition only
+  scalar_t* log_z;              // (B,), kLogPartition and kWithMarginals
   scalar_t* rows;               // (B, L, T): alpha rows, then the (weighted) marginals
-  double* offsets;              // (slots, L), kBackward only
+  double* offsets;              // (slots, L), kBackward and kWithMarginals
   scalar_t* partials;           // (slots, T*T + 2T): per-group gradient sums, kBackward only
+  scalar_t* counts;             // (B, T, T): expected transition counts, kWithMarginals only
   unsigned char* arena_workspace;  // (slots, arena_bytes) when the arenas are not in shared memory
   long long* status;
   int64_t batch, max_len;
@@ -140,7 +149,10 @@ __device__ scalar_t pairwise_column(int t, int T, scalar_t v_t, scalar_t shift, 
 template <typename scalar_t, Output kOut, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(const FbParams<scalar_t> p) {
   constexpr bool kKeepRows = kOut != Output::kLogPartition;
-  constexpr bool kPairwise = kOut == Output::kBackward;
+  constexpr bool kPairwise = kOut == Output::kBackward || kOut == Output::kWithMarginals;
+  // kWithMarginals: the pairwise marginals go to each sentence's counts, and the start / end
+  // gradients are left to the backward (the marginals' first and last rows).
+  constexpr bool kCountsPerSentence = kOut == Output::kWithMarginals;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const int T = p.num_tags;
   const int G = p.plan.lanes;
@@ -155,10 +167,12 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
   unsigned char* cursor = shared_raw;
   unsigned char* arena_bytes = group_arena<kAllShared>(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
   const int64_t accumulator_elements = (int64_t)T * T + 2 * T;
+  const bool acc_in_shared = kAllShared || p.plan.accumulator_in_shared;
   scalar_t* acc = nullptr;  // [s * T + t] transitions, then start (T), then end (T)
   if (kPairwise) {
-    if (!kAllShared && !p.plan.accumulator_in_shared) {
-      acc = p.partials + slot * accumulator_elements;  // zero-initialised by the host
+    if (!acc_in_shared) {
+      // zero-initialised by the host; with counts per sentence, set for each sentence below
+      acc = kCountsPerSentence ? nullptr : p.partials + slot * accumulator_elements;
     } else {
       acc = reinterpret_cast<scalar_t*>(cursor + group * p.accumulator_bytes);
       cursor += groups_per_block * p.accumulator_bytes;
@@ -199,6 +213,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
     const scalar_t* emit = p.emissions + b_safe * L * T;
     scalar_t* rows = kKeepRows ? p.rows + b_safe * L * T : nullptr;
     double* offsets = kPairwise ? p.offsets + slot * L : nullptr;
+    if (kCountsPerSentence && !acc_in_shared) acc = p.counts + b_safe * T * T;  // written by no one else
 
     // ---- forward: normalised alpha rows, running offset in double ----
     bool bad = false;
@@ -287,13 +302,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
     }
     bad = group_max(static_cast<int>(bad), G) != 0;
     if (bad && lane == 0) report(p.status, kBadEmissions, b);
-    if (kOut == Output::kLogPartition) {
+    if (kOut == Output::kLogPartition || kOut == Output::kWithMarginals) {
       if (has_sentence && lane == 0) p.log_z[b] = static_cast<scalar_t>(log_z);
-      continue;
     }
+    if (kOut == Output::kLogPartition) continue;
 
     // ---- backward: beta rows (normalised, offset in double), marginals, pairwise marginals ----
-    const scalar_t g = kPairwise ? (has_sentence ? p.grad_log_z[b_safe] : scalar_t(0)) : scalar_t(1);
+    const scalar_t g = kOut == Output::kBackward ? (has_sentence ? p.grad_log_z[b_safe] : scalar_t(0)) : scalar_t(1);
     // Every sequence forbidden, or nothing to propagate: all gradients stay 0 (no NaN).
     const bool skip = n == 0 || bad || log_z == -CUDART_INF || g == 0;
     if (n > 0 && skip) {  // the rows hold alpha: clear them
@@ -352,7 +367,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
         for (int t = lane; t < T; t += G) {
           const scalar_t mu = u_max == kNegInf ? scalar_t(0) : vbuf[t] * scale;
           rows[i * T + t] = mu;
-          if (kPairwise) {
+          if (kPairwise && !kCountsPerSentence) {
             if (i == n - 1) acc[T * T + T + t] += mu;  // end
             if (i == 0) acc[T * T + t] += mu;          // start
           }
@@ -432,8 +447,17 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
       }
       __syncwarp();  // everyone done reading vbuf, qbuf, pbuf, alpha_prev of this step
     }
+    if (kCountsPerSentence && acc_in_shared && has_sentence) {  // own columns to the sentence's counts
+      scalar_t* out = p.counts + b * T * T;
+      for (int t = lane; t < T; t += G) {
+        for (int s = 0; s < T; ++s) {
+          out[s * T + t] = acc[s * T + t];
+          acc[s * T + t] = 0;
+        }
+      }
+    }
   }
-  if (kPairwise && (kAllShared || p.plan.accumulator_in_shared)) {  // own entries to the group's slice
+  if (kOut == Output::kBackward && acc_in_shared) {  // own entries to the group's slice
     scalar_t* out = p.partials + slot * accumulator_elements;
     for (int t = lane; t < T; t += G) {
       for (int s = 0; s < T; ++s) out[s * T + t] = acc[s * T + t];
@@ -444,21 +468,24 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
 }
 
 struct FbOutputs {
-  at::Tensor log_z;  // (B,)
-  at::Tensor rows;   // (B, L, T) marginals (weighted by grad_log_z for the backward)
+  at::Tensor log_z;   // (B,)
+  at::Tensor rows;    // (B, L, T) marginals (weighted by grad_log_z for the backward)
+  at::Tensor counts;  // (B, T, T) expected transition counts (kWithMarginals)
   at::Tensor grad_transitions, grad_start, grad_end;
 };
 
 template <typename scalar_t, Output kOut>
 void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbOutputs& out, Status& status) {
-  constexpr bool kPairwise = kOut == Output::kBackward;
+  constexpr bool kPairwise = kOut == Output::kBackward || kOut == Output::kWithMarginals;
+  constexpr bool kWithMarginals = kOut == Output::kWithMarginals;
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const auto options = a.emissions.options();
   const cudaStream_t stream = current_stream();
-  if (kOut == Output::kLogPartition) out.log_z = at::empty({B}, options);
+  if (kOut == Output::kLogPartition || kWithMarginals) out.log_z = at::empty({B}, options);
   if (kOut != Output::kLogPartition) out.rows = at::zeros_like(a.emissions);
+  if (kWithMarginals && B == 0) out.counts = at::zeros({0, T, T}, options);
   if (B == 0) {
-    if (kPairwise) {
+    if (kOut == Output::kBackward) {
       out.grad_transitions = at::zeros({T, T}, options);
       out.grad_start = at::zeros({T}, options);
       out.grad_end = at::zeros({T}, options);
@@ -484,9 +511,12 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   at::Tensor arena_workspace = plan.arena_in_shared ? at::Tensor() : at::empty({slots * (int64_t)arena_bytes}, bytes);
   at::Tensor offsets = kPairwise ? at::empty({slots, L}, options.dtype(at::kDouble)) : at::Tensor();
   at::Tensor partials;
-  if (kPairwise) {  // the groups write their whole slice at the end, or accumulate into it directly
+  if (kOut == Output::kBackward) {  // the groups write their whole slice at the end, or accumulate into it directly
     partials = plan.accumulator_in_shared ? at::empty({slots, accumulator_elements}, options)
                                           : at::zeros({slots, accumulator_elements}, options);
+  }
+  if (kWithMarginals) {  // every sentence's slice is written at its end, or accumulated into directly
+    out.counts = plan.accumulator_in_shared ? at::empty({B, T, T}, options) : at::zeros({B, T, T}, options);
   }
 
   FbParams<scalar_t> params;
@@ -495,12 +525,13 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   params.start = a.start.data_ptr<scalar_t>();
   params.end = a.end.data_ptr<scalar_t>();
   params.lengths = a.lengths.data_ptr<int64_t>();
-  params.grad_log_z = kPairwise ? grad_log_z.data_ptr<scalar_t>() : nullptr;
+  params.grad_log_z = kOut == Output::kBackward ? grad_log_z.data_ptr<scalar_t>() : nullptr;
   params.tables = tables.data_ptr<scalar_t>();
-  params.log_z = kOut == Output::kLogPartition ? out.log_z.data_ptr<scalar_t>() : nullptr;
+  params.log_z = out.log_z.defined() ? out.log_z.data_ptr<scalar_t>() : nullptr;
   params.rows = kOut != Output::kLogPartition ? out.rows.data_ptr<scalar_t>() : nullptr;
   params.offsets = kPairwise ? offsets.data_ptr<double>() : nullptr;
-  params.partials = kPairwise ? partials.data_ptr<scalar_t>() : nullptr;
+  params.partials = partials.defined() ? partials.data_ptr<scalar_t>() : nullptr;
+  params.counts = kWithMarginals ? out.counts.data_ptr<scalar_t>() : nullptr;
   params.arena_workspace = arena_workspace.defined() ? arena_workspace.data_ptr<uint8_t>() : nullptr;
   params.status = status.data();
   params.batch = B;
@@ -512,7 +543,7 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  if (kPairwise) {  // fixed-order sum over the groups' partial sums: deterministic
+  if (kOut == Output::kBackward) {  // fixed-order sum over the groups' partial sums: deterministic
     const at::Tensor sums = partials.sum(0);
     out.grad_transitions = sums.narrow(0, 0, T * T).reshape({T, T}).clone();
     out.grad_start = sums.narrow(0, T * T, T).clone();
@@ -568,12 +599,122 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   return {out.rows, out.grad_transitions, out.grad_start, out.grad_end};
 }
 
+// log Z (B,) and its gradients for grad_log_z = 1, per sentence: the marginals (B, L, T) and the
+// expected transition counts (B, T, T). One forward-backward pass, as on the CPU
+// (csrc/cpu/log_partition.cpp, log_partition_with_marginals_cpu).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cuda(
+    const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start, const at::Tensor& end,
+    const at::Tensor& lengths) {
+  FbOutputs out = run<Output::kWithMarginals>(emissions, transitions, start, end, lengths);
+  return {out.log_z, out.rows, out.counts};
+}
+
+// E[number of s -> t transitions] per sentence: (B, T, T).
+at::Tensor expected_transition_counts_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
+                                           const at::Tensor& start, const at::Tensor& end,
+                                           const at::Tensor& lengths) {
+  return run<Output::kWithMarginals>(emissions, transitions, start, end, lengths).counts;
+}
+
+// ---- the backward from saved marginals ----------------------------------------------------------
+constexpr int kElementwiseThreads = 256;
+constexpr int64_t kMaxElementwiseBlocks = 4096;  // grid-stride loops cover the rest
+
+int64_t elementwise_blocks(int64_t count) {
+  return std::max<int64_t>(1, std::min(kMaxElementwiseBlocks, (count + kElementwiseThreads - 1) / kElementwiseThreads));
+}
+
+// grad_emissions[b, i, t] = grad_log_z[b] * marginals[b, i, t] within sentence b's length,
+// exactly 0 beyond it (also for an infinite grad_log_z).
+template <typename scalar_t>
+__global__ void scale_marginals_kernel(const scalar_t* grad_log_z, const scalar_t* marginals, const int64_t* lengths,
+                                       scalar_t* grad_emissions, int64_t batch, int64_t max_len, int64_t T) {
+  const int64_t count = batch * max_len * T;
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = k / (max_len * T);
+    const int64_t i = k / T % max_len;
+    grad_emissions[k] = i < lengths[b] ? grad_log_z[b] * marginals[k] : scalar_t(0);
+  }
+}
+
+// The gradients shared by all sentences: transitions [0, T*T), start [T*T, T*T + T), end
+// [T*T + T, T*T + 2T), one thread per entry summing over the sentences in order (deterministic,
+// the CPU kernel's order). Start / end read each sentence's first / last row of marginals;
+// empty sentences (and lengths out of range, reported by validate_inputs_kernel) add nothing.
+template <typename scalar_t>
+__global__ void sum_parameter_grads_kernel(const scalar_t* grad_log_z, const scalar_t* marginals,
+                                           const scalar_t* counts, const int64_t* lengths,
+                                           scalar_t* grad_transitions, scalar_t* grad_start, scalar_t* grad_end,
+                                           int64_t batch, int64_t max_len, int64_t T) {
+  const int64_t count = T * T + 2 * T;
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x) {
+    scalar_t sum = 0;
+    if (k < T * T) {
+      for (int64_t b = 0; b < batch; ++b) sum += grad_log_z[b] * counts[b * T * T + k];
+      grad_transitions[k] = sum;
+      continue;
+    }
+    const bool is_start = k < T * T + T;
+    const int64_t t = is_start ? k - T * T : k - T * T - T;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t n = lengths[b];
+      if (n < 1 || n > max_len) continue;
+      sum += grad_log_z[b] * marginals[(b * max_len + (is_start ? 0 : n - 1)) * T + t];
+    }
+    (is_start ? grad_start : grad_end)[t] = sum;
+  }
+}
+
+// The backward of log_partition_with_marginals: the gradients of sum_b grad_log_z[b] log Z[b]
+// with respect to emissions (B, L, T), transitions (T, T), start (T,) and end (T,), from that
+// op's marginals (B, L, T) and transition counts (B, T, T). Two small kernels and the lengths'
+// range check (one status read).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_from_marginals_cuda(
+    const at::Tensor& grad_log_z_in, const at::Tensor& marginals_in, const at::Tensor& counts_in,
+    const at::Tensor& lengths_in) {
+  const at::Tensor grad_log_z = grad_log_z_in.contiguous(), marginals = marginals_in.contiguous(),
+                   counts = counts_in.contiguous(), lengths = lengths_in.contiguous();
+  check_backward_from_marginals_arguments(grad_log_z, marginals, counts, lengths);
+  TORCH_CHECK(marginals.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got marginals on ",
+              marginals.device());
+  const c10::cuda::CUDAGuard guard(marginals.device());
+  const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
+  check_num_tags(T);
+  Status status(marginals);
+  launch_validate_inputs(lengths, L, at::Tensor(), at::Tensor(), at::Tensor(), status);
+  auto grad_emissions = at::empty_like(marginals);
+  auto grad_transitions = at::empty({T, T}, marginals.options());
+  auto grad_start = at::empty({T}, marginals.options());
+  auto grad_end = at::empty({T}, marginals.options());
+  const cudaStream_t stream = current_stream();
+  AT_DISPATCH_FLOATING_TYPES(marginals.scalar_type(), "crfkit_log_partition_backward_from_marginals_cuda", [&] {
+    const int64_t elements = B * L * T;
+    if (elements > 0) {
+      scale_marginals_kernel<scalar_t><<<elementwise_blocks(elements), kElementwiseThreads, 0, stream>>>(
+          grad_log_z.data_ptr<scalar_t>(), marginals.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
+          grad_emissions.data_ptr<scalar_t>(), B, L, T);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const int64_t entries = T * T + 2 * T;
+    sum_parameter_grads_kernel<scalar_t><<<elementwise_blocks(entries), kElementwiseThreads, 0, stream>>>(
+        grad_log_z.data_ptr<scalar_t>(), marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(),
+        lengths.data_ptr<int64_t>(), grad_transitions.data_ptr<scalar_t>(), grad_start.data_ptr<scalar_t>(),
+        grad_end.data_ptr<scalar_t>(), B, L, T);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  status.raise_if_bad(lengths, L);
+  return {grad_emissions, grad_transitions, grad_start, grad_end};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
   m.impl("log_partition", &log_partition_cuda);
   m.impl("marginals", &marginals_cuda);
   m.impl("log_partition_backward", &log_partition_backward_cuda);
+  m.impl("log_partition_with_marginals", &log_partition_with_marginals_cuda);
+  m.impl("log_partition_backward_from_marginals", &log_partition_backward_from_marginals_cuda);
+  m.impl("expected_transition_counts", &expected_transition_counts_cuda);
 }
 
 }  // namespace cuda

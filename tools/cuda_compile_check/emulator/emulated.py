@@ -8,7 +8,8 @@
 The fake (meta) registrations mirror crfkit.backends.compiled's. The autograd formulas of the
 crfkit ops live in C++ (csrc/autograd.cpp, registered for crfkit:: only), so the crfkit_emu ops
 get the same formulas here in Python: each backward calls the emulated backward kernel
-(log_partition_backward, sequence_score_backward); the marginals take compiled.py's formula.
+(log_partition_backward_from_marginals, sequence_score_backward); the marginals take
+compiled.py's formula.
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def _register_python_side() -> None:
     fake("marginals", lambda em, tr, s, e, ln: torch.empty_like(em))
     fake("log_partition_backward", lambda g, em, tr, s, e, ln: (torch.empty_like(em), torch.empty_like(tr),
                                                                torch.empty_like(s), torch.empty_like(e)))
+    fake("log_partition_with_marginals", lambda em, tr, s, e, ln: (
+        em.new_empty(em.shape[0]), torch.empty_like(em), em.new_empty((em.shape[0], em.shape[2], em.shape[2]))))
+    fake("log_partition_backward_from_marginals", lambda g, mu, counts, ln: (
+        torch.empty_like(mu), mu.new_empty((mu.shape[2], mu.shape[2])), mu.new_empty(mu.shape[2]),
+        mu.new_empty(mu.shape[2])))
+    fake("expected_transition_counts", lambda em, tr, s, e, ln: em.new_empty((em.shape[0], em.shape[2], em.shape[2])))
     fake("viterbi", lambda em, tr, s, e, ln: (em.new_empty(em.shape[0]),
                                               em.new_empty(em.shape[:2], dtype=torch.long)))
     fake("kbest_viterbi", lambda em, tr, s, e, ln, k: (em.new_empty((em.shape[0], k)),
@@ -46,9 +53,21 @@ def _register_python_side() -> None:
                                                              em.new_empty(em.shape[2]), em.new_empty(em.shape[2])))
     emu = torch.ops.crfkit_emu
 
-    def log_partition_backward(ctx, grad_log_z):  # saved by compiled._save_crf_inputs
-        emissions, transitions, start, end, lengths = ctx.saved_tensors
-        grads = emu.log_partition_backward(grad_log_z.contiguous(), emissions, transitions, start, end, lengths)
+    # log Z: as csrc/autograd.cpp does where the device has a log_partition_with_marginals kernel
+    # (CUDA): the marginals and transition counts come from that op, the backward scales them
+    # (log_partition_backward_from_marginals). A custom op's autograd here cannot replace its
+    # forward, so the emulated forward runs log Z and then log_partition_with_marginals; the
+    # values are the same (the GPU runs the second only).
+    def save_marginals(ctx, inputs, output):
+        emissions, transitions, start, end, lengths = inputs
+        with torch.no_grad():
+            _, marginals, counts = emu.log_partition_with_marginals(
+                emissions.detach(), transitions.detach(), start.detach(), end.detach(), lengths)
+        ctx.save_for_backward(lengths, marginals, counts)
+
+    def log_partition_backward(ctx, grad_log_z):
+        lengths, marginals, counts = ctx.saved_tensors
+        grads = emu.log_partition_backward_from_marginals(grad_log_z.contiguous(), marginals, counts, lengths)
         return (*grads, None)
 
     # Decoders and sequence_score: their scores are sums of the scores the paths use.
@@ -76,7 +95,7 @@ def _register_python_side() -> None:
         return path_score_grads(grad_scores, emissions, lengths, tags, 2)
 
     reg = torch.library.register_autograd
-    reg("crfkit_emu::log_partition", log_partition_backward, setup_context=c._save_crf_inputs)
+    reg("crfkit_emu::log_partition", log_partition_backward, setup_context=save_marginals)
     reg("crfkit_emu::marginals", c._marginals_backward, setup_context=c._save_crf_inputs)
     reg("crfkit_emu::viterbi", viterbi_backward, setup_context=save_paths)
     reg("crfkit_emu::kbest_viterbi", kbest_backward, setup_context=save_paths)

@@ -50,11 +50,18 @@ void run_all(const Inputs& x, int64_t k) {
   using Backward = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   using Score = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   using ScoreBackward = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+  using WithMarginals = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                           const Tensor&, const Tensor&);
+  using FromMarginals = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   const int64_t B = x.emissions.size(0);
   op<Crf>("crfkit_emu::log_partition").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
   op<Crf>("crfkit_emu::marginals").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
   op<Backward>("crfkit_emu::log_partition_backward")
       .call(at::ones({B}, x.emissions.options()), x.emissions, x.transitions, x.start, x.end, x.lengths);
+  auto [log_z, marginals, counts] = op<WithMarginals>("crfkit_emu::log_partition_with_marginals")
+                                        .call(x.emissions, x.transitions, x.start, x.end, x.lengths);
+  op<FromMarginals>("crfkit_emu::log_partition_backward_from_marginals")
+      .call(at::ones_like(log_z), marginals, counts, x.lengths);
   op<Decode>("crfkit_emu::viterbi").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
   auto [scores, paths] =
       op<KDecode>("crfkit_emu::kbest_viterbi").call(x.emissions, x.transitions, x.start, x.end, x.lengths, k);
