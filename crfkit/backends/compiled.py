@@ -3,8 +3,8 @@ a fake (meta) implementation so that torch.compile can trace it. The autograd fo
 registered in C++ (csrc/autograd.cpp), except the marginals' (below).
 
 The backward of every op is itself a registered op (log_partition_backward_from_marginals on
-the CPU, log_partition_backward elsewhere, sequence_score_backward), as PyTorch recommends for
-custom kernels. Importing this module raises ImportError when the extension is not built;
+the CPU and CUDA, log_partition_backward on a device without log_partition_with_marginals,
+sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module raises ImportError when the extension is not built;
 crfkit.backends then falls back.
 """
 from __future__ import annotations
@@ -132,8 +132,9 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
-# Which (op, device) pairs have a kernel (the CPU-only ops have none on CUDA). Looked up once
-# here: torch.compile cannot trace the dispatcher query itself.
+# Which (op, device) pairs have a kernel (a build without CUDA kernels has none on CUDA; the
+# emulator's tests swap in its own table). Looked up once here: torch.compile cannot trace the
+# dispatcher query itself.
 _KERNELS = {(name, key): torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit::{name}", key)
             for name in EXPECTED_SCHEMAS for key in ("CPU", "CUDA")}
 
