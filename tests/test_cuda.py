@@ -97,8 +97,8 @@ def forbid(inputs, seed, share=0.3):
 def every_output(inputs, on_gpu, k):
     """Values and gradients of every op, by the CUDA kernels (on_gpu) or the CPU kernels,
     returned on the CPU. Gradients: of a weighted sum of the finite log Z (through
-    log_partition_with_marginals and its backward), of the scores of random gold tags, of the finite Viterbi and
-    k-best scores (through sequence_score_backward)."""
+    log_partition_with_marginals and its backward), of the scores of random gold tags, of the
+    finite Viterbi and k-best scores (through sequence_score_backward)."""
     device = DEVICE if on_gpu else "cpu"
     em, tr, ln, s, e = to(device, inputs)
     B, L, T = em.shape
@@ -118,7 +118,8 @@ def every_output(inputs, on_gpu, k):
             + best.scores[torch.isfinite(best.scores)].sum() + scores[torch.isfinite(scores)].sum()
         grads = torch.autograd.grad(objective, params, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-    out = dict(log_z=log_z, marginals=marginals, transition_counts=counts, viterbi_paths=paths, viterbi_scores=scores,
+    out = dict(log_z=log_z, marginals=marginals, transition_counts=counts,
+               viterbi_paths=paths, viterbi_scores=scores,
                kbest_paths=best.paths, kbest_scores=best.scores, kbest_log_probs=best.log_probs,
                gold_scores=gold_scores,
                **{f"grad_{n}": g for n, g in zip(("emissions", "transitions", "start", "end"), grads)})
@@ -291,7 +292,8 @@ def test_opcheck_every_op():
         (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64, device=DEVICE), em, tr, s, e, ln)),
         (ops.log_partition_with_marginals, (em, tr, s, e, ln)),
         (ops.log_partition_backward_from_marginals,
-         (torch.ones(3, dtype=torch.float64, device=DEVICE), *ops.log_partition_with_marginals(em, tr, s, e, ln)[1:], ln)),
+         (torch.ones(3, dtype=torch.float64, device=DEVICE), *ops.log_partition_with_marginals(em, tr, s, e, ln)[1:],
+          ln)),
         (ops.expected_transition_counts, (em, tr, s, e, ln)),
         (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64, device=DEVICE), em, ln, tags)),
     ]
@@ -329,8 +331,10 @@ RAW = {
     "marginals": lambda em, tr, ln, s, e: device_ops().marginals(em, tr, s, e, ln),
     "log_partition_backward": lambda em, tr, ln, s, e: device_ops().log_partition_backward(
         torch.ones(em.shape[0], dtype=em.dtype, device=em.device), em, tr, s, e, ln),
-    "log_partition_with_marginals": lambda em, tr, ln, s, e: device_ops().log_partition_with_marginals(em, tr, s, e, ln),
-    "expected_transition_counts": lambda em, tr, ln, s, e: device_ops().expected_transition_counts(em, tr, s, e, ln),
+    "log_partition_with_marginals": lambda em, tr, ln, s, e: device_ops().log_partition_with_marginals(
+        em, tr, s, e, ln),
+    "expected_transition_counts": lambda em, tr, ln, s, e: device_ops().expected_transition_counts(
+        em, tr, s, e, ln),
     "viterbi": lambda em, tr, ln, s, e: device_ops().viterbi(em, tr, s, e, ln),
     "kbest_viterbi": lambda em, tr, ln, s, e: device_ops().kbest_viterbi(em, tr, s, e, ln, 3),
     "sequence_score": lambda em, tr, ln, s, e: device_ops().sequence_score(
@@ -413,8 +417,8 @@ def test_mixed_devices_raise():
                  lambda: ops.sequence_score(em, tr, s, e, ln, torch.zeros(2, 1, 4, dtype=torch.long)),
                  lambda: ops.log_partition_backward(torch.ones(2), em, tr, s, e, ln),
                  lambda: ops.log_partition_with_marginals(em, tr, s.cpu(), e, ln),
-                 lambda: ops.log_partition_backward_from_marginals(torch.ones(2), torch.zeros(2, 4, 3, device=em.device),
-                                                                   torch.zeros(2, 3, 3, device=em.device), ln),
+                 lambda: ops.log_partition_backward_from_marginals(
+                     torch.ones(2), torch.zeros(2, 4, 3, device=em.device), torch.zeros(2, 3, 3, device=em.device), ln),
                  lambda: ops.sequence_score_backward(torch.ones(2, 1), em, ln, torch.zeros(2, 1, 4, dtype=torch.long))):
         with pytest.raises(RuntimeError, match="device"):
             make()

@@ -43,7 +43,8 @@ def _register_python_side() -> None:
     fake("log_partition_backward_from_marginals", lambda g, mu, counts, ln: (
         torch.empty_like(mu), mu.new_empty((mu.shape[2], mu.shape[2])), mu.new_empty(mu.shape[2]),
         mu.new_empty(mu.shape[2])))
-    fake("expected_transition_counts", lambda em, tr, s, e, ln: em.new_empty((em.shape[0], em.shape[2], em.shape[2])))
+    fake("expected_transition_counts",
+         lambda em, tr, s, e, ln: em.new_empty((em.shape[0], em.shape[2], em.shape[2])))
     fake("viterbi", lambda em, tr, s, e, ln: (em.new_empty(em.shape[0]),
                                               em.new_empty(em.shape[:2], dtype=torch.long)))
     fake("kbest_viterbi", lambda em, tr, s, e, ln, k: (em.new_empty((em.shape[0], k)),
