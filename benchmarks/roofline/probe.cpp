@@ -57,11 +57,12 @@ double fma(int64_t repeats) {
 double exp_double(int64_t repeats) {
   using Vector = crfkit::cpu::Lanes<double>::Vector;
   using Mask = crfkit::cpu::Lanes<double>::Mask;
-  constexpr int kVectors = kLanes / crfkit::cpu::Lanes<double>::kCount;
+  constexpr int kPerVector = crfkit::cpu::Lanes<double>::kCount;
+  constexpr int kVectors = kLanes / kPerVector;
   return timed_parallel(repeats, [](int64_t n) {
     std::vector<Vector> x(kVectors), out(kVectors);
     for (int j = 0; j < kVectors; ++j) {
-      for (int i = 0; i < crfkit::cpu::Lanes<double>::kCount; ++i) x[j][i] = -0.01 * static_cast<double>(j * crfkit::cpu::Lanes<double>::kCount + i);
+      for (int i = 0; i < kPerVector; ++i) x[j][i] = -0.01 * static_cast<double>(j * kPerVector + i);
     }
     double s = 0;
     for (int64_t r = 0; r < n; ++r) {

@@ -4,8 +4,8 @@ registered in C++ (csrc/autograd.cpp), except the marginals' (below).
 
 The backward of every op is itself a registered op (log_partition_backward_from_marginals on
 the CPU and CUDA, log_partition_backward on a device without log_partition_with_marginals,
-sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module raises ImportError when the extension is not built;
-crfkit.backends then falls back.
+sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module
+raises ImportError when the extension is not built; crfkit.backends then falls back.
 """
 from __future__ import annotations
 
