@@ -5,11 +5,9 @@
 // vectors that are mostly padding at small T (9 tags in 16 doubles), so a core spends most of a
 // position waiting. With sentences in lanes a position is T^2 independent multiply-adds and
 // T vector exponentials with no padding and no horizontal operation: the scan runs at the
-// machine's arithmetic rate. Same maths as prob_space.h (read that first), two differences:
-//   - the scale per position is a power of two (exact, and no logarithm per position): a's
-//     maximum lies in [1, 2) instead of being 1;
-//   - a sentence that leaves the fast path's range, or has log Z = -inf, is not finished here:
-//     its lane is marked failed and the caller runs it through the per-sentence code.
+// machine's arithmetic rate. Same maths as prob_space.h (read that first), one difference: a
+// sentence that leaves the fast path's range, or has log Z = -inf, is not finished here: its
+// lane is marked failed and the caller runs it through the per-sentence code.
 // Lanes are independent (no operation mixes them), so a sentence's result does not depend on
 // the other sentences of its group.
 //
@@ -86,8 +84,8 @@ inline std::vector<int64_t> lane_order(const int64_t* lengths, int64_t B) {
   return order;
 }
 
-// Power-of-two scaling: for m > 0 normal, returns 2^-e with m * 2^-e in [1, 2), and adds e to
-// `exponents`. Exact: it changes no mantissa bit.
+// prob_space.h's inverse_power_of_two, per lane: for m > 0 normal, returns 2^-e with m * 2^-e
+// in [1, 2), and adds e to `exponents`.
 inline LaneVector inverse_power_of_two(LaneVector m, LaneVector& exponents) {
   const LaneMask biased = (std::bit_cast<LaneMask>(m) >> 52) & 0x7ff;
   exponents += __builtin_convertvector(biased - 1023, LaneVector);
@@ -327,7 +325,7 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
     for (int64_t t = 0; t < T; ++t) m = lane_max(m, d[t] * w[t]);
     // m = 0: no state reachable (log Z = -inf, for the per-sentence code to report). Checks
     // keep every reachable value far above the subnormal range, so a valid m is normal.
-    const LaneMask m_ok = m >= zero + 0x1p-1000;
+    const LaneMask m_ok = m >= zero + kMinNormalScale;
     failed |= is_active & ~m_ok;
     const LaneMask step = is_active & m_ok;
     const LaneVector scale = inverse_power_of_two(step ? m : zero + 1.0, exponents);
@@ -430,7 +428,7 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
       gw[t] = load_lanes(w + t * kGroup) * b[t];
       gw_max = lane_max(gw_max, gw[t]);
     }
-    const LaneMask gw_ok = gw_max >= zero + 0x1p-1000;
+    const LaneMask gw_ok = gw_max >= zero + kMinNormalScale;
     failed |= active & ~gw_ok;
     LaneVector unused_exponents = zero;
     const LaneVector gw_scale = inverse_power_of_two(gw_ok ? gw_max : zero + 1.0, unused_exponents);
@@ -453,7 +451,7 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
     }
     LaneVector b_max = zero;
     for (int64_t s = 0; s < T; ++s) b_max = lane_max(b_max, b_prev[s]);
-    const LaneMask b_ok = b_max >= zero + 0x1p-1000;
+    const LaneMask b_ok = b_max >= zero + kMinNormalScale;
     failed |= active & ~b_ok;
     const LaneVector b_scale = inverse_power_of_two(b_ok ? b_max : zero + 1.0, unused_exponents);
     for (int64_t s = 0; s < T; ++s) {

@@ -2,10 +2,13 @@
 //
 // In log space every position costs T exponentials and T logarithms (csrc/cpu/log_space.h).
 // Here the recursions run on scaled probabilities instead:
-//     a_i[t] = alpha_i[t] - c_i  exponentiated and scaled so that max_t a_i[t] = 1,
-//     a_i[t] = (sum_s a_{i-1}[s] E[s, t]) * w_i[t] / m_i,   E = exp(trans - max trans),
-//                                                           w_i = exp(emit_i - max emit_i),
-// so a position costs one T x T matrix-vector product and one logarithm (of the scale m_i).
+//     a_i[t] = alpha_i[t] - c_i  exponentiated and scaled so that max_t a_i[t] is in [1, 2),
+//     a_i[t] = (sum_s a_{i-1}[s] E[s, t]) * w_i[t] * 2^-e_i,   E = exp(trans - max trans),
+//                                                             w_i = exp(emit_i - max emit_i),
+// with 2^e_i the power of two at or below the row's maximum m_i (exact: it changes no mantissa
+// bit), so a position costs one T x T matrix-vector product and no transcendental function
+// (log Z adds up the e_i; a division and a logarithm of m_i per position cost more than the
+// product at small T).
 // Marginals and pairwise marginals are products of a, E, w and the scaled beta, normalised per
 // position (they sum to one), so the backward needs no transcendental function at all.
 //
@@ -20,6 +23,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -120,6 +124,15 @@ inline double dot_padded(const double* x, const double* y, int64_t stride) {
   for (int64_t j = kLanes; j < stride; j += kLanes) s += load_lanes(x + j) * load_lanes(y + j);
   return horizontal_sum(s);
 }
+
+// Power-of-two scaling: for m > 0 normal, returns 2^-e with m * 2^-e in [1, 2), and adds e to
+// `exponent`. Exact: it changes no mantissa bit. Callers require m >= kMinNormalScale.
+inline double inverse_power_of_two(double m, int64_t& exponent) {
+  const int64_t biased = (std::bit_cast<int64_t>(m) >> 52) & 0x7ff;
+  exponent += biased - 1023;
+  return std::bit_cast<double>((2046 - biased) << 52);
+}
+constexpr double kMinNormalScale = 0x1p-1000;  // checks keep valid maxima far above this
 
 // out = x * y elementwise over padded nonnegative vectors; returns max(out) (0 if all are 0).
 inline double multiply_padded(const double* x, const double* y, int64_t stride, double* out) {
@@ -231,6 +244,7 @@ bool prob_forward(const scalar_t* emit, const scalar_t* start, const ProbTables&
   }
   if (!exp_padded(scores, log_scale, stride, a)) return false;  // a_0 = exp(start + emit_0 - max)
   const LaneVector zero = {}, min_scaled = zero + kMinScaled;
+  int64_t exponent = 0;  // log Z = log_scale + exponent * ln 2 + ...
   for (int64_t i = 1; i < n; ++i) {
     const double* a_prev = a;
     a = keep_rows ? a_rows + i * stride : a_rows + (i % 2) * stride;
@@ -248,20 +262,22 @@ bool prob_forward(const scalar_t* emit, const scalar_t* start, const ProbTables&
       *log_z = neg_inf;
       return true;
     }
-    const double inv_m = 1.0 / m;
+    if (!(m >= kMinNormalScale)) return false;
+    const double scale = inverse_power_of_two(m, exponent);
     LaneMask lost = {};
     for (int64_t j = 0; j < stride; j += kLanes) {
-      const LaneVector a_j = load_lanes(a + j) * inv_m;
+      const LaneVector a_j = load_lanes(a + j) * scale;
       store_lanes(a + j, a_j);
       // A reachable state (d > 0, allowed emission) must keep a representable probability.
       // (An allowed emission far below the maximum was already caught by exp_padded.)
       lost |= (load_lanes(d + j) > zero) & (load_lanes(w + j) > zero) & (a_j < min_scaled);
     }
     if (any_lane(lost)) return false;
-    log_scale += tab.trans_max + emit_max + std::log(m);
+    log_scale += tab.trans_max + emit_max;
   }
   const double z = dot_padded(a, tab.end_w.data(), stride);
-  *log_z = z > 0 ? log_scale + tab.end_max + std::log(z) : neg_inf;
+  *log_z = z > 0 ? log_scale + static_cast<double>(exponent) * 0.6931471805599453 + tab.end_max + std::log(z)
+                 : neg_inf;
   return true;
 }
 
@@ -308,8 +324,10 @@ bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const
 
     const double* w = w_rows + i * stride;
     const double gw_max = multiply_padded(w, b, stride, gw);
-    if (!(gw_max > 0)) return false;
-    for (int64_t j = 0; j < stride; j += kLanes) store_lanes(gw + j, load_lanes(gw + j) / gw_max);
+    if (!(gw_max >= kMinNormalScale)) return false;
+    int64_t unused_exponent = 0;
+    const double gw_scale = inverse_power_of_two(gw_max, unused_exponent);
+    for (int64_t j = 0; j < stride; j += kLanes) store_lanes(gw + j, load_lanes(gw + j) * gw_scale);
     matvec(tab.by_col.data(), stride, gw, T, b_prev);  // b_prev[s] = sum_t E[s, t] gw[t]
     const double* a_prev = a_rows + (i - 1) * stride;
     if (kPairwise) {
@@ -328,10 +346,11 @@ bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const
       }
     }
     const double b_max = max_padded(b_prev, stride);
-    if (!(b_max > 0)) return false;
+    if (!(b_max >= kMinNormalScale)) return false;
+    const double b_scale = inverse_power_of_two(b_max, unused_exponent);
     LaneMask lost = {};
     for (int64_t j = 0; j < stride; j += kLanes) {
-      const LaneVector b_j = load_lanes(b_prev + j) / b_max;
+      const LaneVector b_j = load_lanes(b_prev + j) * b_scale;
       store_lanes(b + j, b_j);
       // A state on some path (reachable: a > 0) must keep a representable beta.
       lost |= (load_lanes(a_prev + j) > zero) & (b_j > zero) & (b_j < min_scaled);
