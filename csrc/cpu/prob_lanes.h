@@ -349,7 +349,7 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
   is_active = zero < group.length;
   failed |= is_active & ~(z > zero);
   for (int64_t j = 0; j < kGroup; ++j) {
-    log_z[j] = log_scale[j] + exponents[j] * 0.6931471805599453 + tab.end_max + std::log(z[j]);
+    log_z[j] = log_scale[j] + exponents[j] * kLn2 + tab.end_max + std::log(z[j]);
   }
   return (failed | lost) & is_active;
 }

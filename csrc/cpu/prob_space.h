@@ -7,8 +7,7 @@
 //                                                             w_i = exp(emit_i - max emit_i),
 // with 2^e_i the power of two at or below the row's maximum m_i (exact: it changes no mantissa
 // bit), so a position costs one T x T matrix-vector product and no transcendental function
-// (log Z adds up the e_i; a division and a logarithm of m_i per position cost more than the
-// product at small T).
+// (log Z adds up the e_i instead of a logarithm of each m_i, and no division is needed).
 // Marginals and pairwise marginals are products of a, E, w and the scaled beta, normalised per
 // position (they sum to one), so the backward needs no transcendental function at all.
 //
@@ -133,6 +132,7 @@ inline double inverse_power_of_two(double m, int64_t& exponent) {
   return std::bit_cast<double>((2046 - biased) << 52);
 }
 constexpr double kMinNormalScale = 0x1p-1000;  // checks keep valid maxima far above this
+constexpr double kLn2 = 0.6931471805599453;
 
 // out = x * y elementwise over padded nonnegative vectors; returns max(out) (0 if all are 0).
 inline double multiply_padded(const double* x, const double* y, int64_t stride, double* out) {
@@ -276,8 +276,7 @@ bool prob_forward(const scalar_t* emit, const scalar_t* start, const ProbTables&
     log_scale += tab.trans_max + emit_max;
   }
   const double z = dot_padded(a, tab.end_w.data(), stride);
-  *log_z = z > 0 ? log_scale + static_cast<double>(exponent) * 0.6931471805599453 + tab.end_max + std::log(z)
-                 : neg_inf;
+  *log_z = z > 0 ? log_scale + static_cast<double>(exponent) * kLn2 + tab.end_max + std::log(z) : neg_inf;
   return true;
 }
 
