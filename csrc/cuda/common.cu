@@ -49,9 +49,7 @@ __global__ void check_emissions_kernel(const scalar_t* emissions, const int64_t*
   }
 }
 
-int64_t grid_for(int64_t count) {
-  return std::max<int64_t>(1, std::min(kMaxValidateBlocks, (count + kValidateThreads - 1) / kValidateThreads));
-}
+int64_t grid_for(int64_t count) { return grid_stride_blocks(count, kValidateThreads, kMaxValidateBlocks); }
 
 }  // namespace
 

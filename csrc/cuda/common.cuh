@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -115,6 +116,13 @@ __device__ __forceinline__ double neg_inf<double>() { return -CUDART_INF; }
 template <typename scalar_t>
 __device__ __forceinline__ bool is_nan_or_pos_inf(scalar_t v) {
   return (v != v) || (v == -neg_inf<scalar_t>());
+}
+
+// Length of sentence b, 0 when out of range (validate_inputs_kernel reports that, and the op
+// raises once the kernels are done).
+__device__ __forceinline__ int64_t safe_length(const int64_t* lengths, int64_t b, int64_t max_len) {
+  const int64_t n = lengths[b];
+  return (n < 0 || n > max_len) ? 0 : n;
 }
 
 // The precise library functions (no fast-math): exp(-inf) = 0, log(0) = -inf.
@@ -275,6 +283,12 @@ int64_t persistent_blocks(Kernel kernel, const SharedPlan& plan, int64_t num_sen
   const int64_t resident = std::max<int64_t>(1, (int64_t)per_multiprocessor * multiprocessors);
   const int64_t needed = (num_sentences + plan.groups_per_block - 1) / plan.groups_per_block;
   return std::max<int64_t>(1, std::min({needed, resident, max_blocks}));
+}
+
+// Blocks of `threads` for a grid-stride loop over `count` items: one item per thread, at most
+// max_blocks blocks (the loop covers the rest). At least 1.
+inline int64_t grid_stride_blocks(int64_t count, int threads, int64_t max_blocks) {
+  return std::max<int64_t>(1, std::min(max_blocks, (count + threads - 1) / threads));
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }

@@ -17,12 +17,13 @@
 // Marginals / backward / log Z with marginals: the forward pass stores the normalised alpha
 // rows in the OUTPUT tensor itself (B, L, T) (no extra O(B L T) workspace), and the backward
 // pass, from the last position to the first, reads row i, overwrites it with the marginals of
-// position i, and reads row i-1 for the pairwise (transition) marginals. The same lane wrote and reads each entry. The
-// running offsets (needed for the pairwise shift against log Z) go to a per-group (L,) double
-// workspace. Marginals are normalised per position (they sum to one), pairwise marginals per
-// position pair, as in the CPU kernels. Gradients of transitions / start / end are accumulated
-// per group (in shared memory when it fits, else in a per-group slice of global memory) and
-// summed over groups afterwards in a fixed order: deterministic for a given device.
+// position i, and reads row i-1 for the pairwise (transition) marginals. The same lane wrote
+// and reads each entry. The running offsets (needed for the pairwise shift against log Z) go to
+// a per-group (L,) double workspace. Marginals are normalised per position (they sum to one),
+// pairwise marginals per position pair, as in the CPU kernels. Gradients of transitions /
+// start / end are accumulated per group (in shared memory when it fits, else in a per-group
+// slice of global memory) and summed over groups afterwards in a fixed order: deterministic for
+// a given device.
 //
 // log_partition_with_marginals (the forward of a differentiable log Z, csrc/autograd.cpp) runs
 // the same kernel for an upstream gradient of 1 and keeps per sentence what the backward sums
@@ -621,7 +622,7 @@ constexpr int kElementwiseThreads = 256;
 constexpr int64_t kMaxElementwiseBlocks = 4096;  // grid-stride loops cover the rest
 
 int64_t elementwise_blocks(int64_t count) {
-  return std::max<int64_t>(1, std::min(kMaxElementwiseBlocks, (count + kElementwiseThreads - 1) / kElementwiseThreads));
+  return grid_stride_blocks(count, kElementwiseThreads, kMaxElementwiseBlocks);
 }
 
 // grad_emissions[b, i, t] = grad_log_z[b] * marginals[b, i, t] within sentence b's length,
@@ -657,8 +658,8 @@ __global__ void sum_parameter_grads_kernel(const scalar_t* grad_log_z, const sca
     const bool is_start = k < T * T + T;
     const int64_t t = is_start ? k - T * T : k - T * T - T;
     for (int64_t b = 0; b < batch; ++b) {
-      const int64_t n = lengths[b];
-      if (n < 1 || n > max_len) continue;
+      const int64_t n = safe_length(lengths, b, max_len);
+      if (n == 0) continue;
       sum += grad_log_z[b] * marginals[(b * max_len + (is_start ? 0 : n - 1)) * T + t];
     }
     (is_start ? grad_start : grad_end)[t] = sum;

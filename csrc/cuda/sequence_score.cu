@@ -19,15 +19,7 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int64_t kMaxBlocks = 4096;  // grid-stride loops cover the rest
 
-int64_t blocks_for(int64_t count) {
-  return std::max<int64_t>(1, std::min(kMaxBlocks, (count + kThreads - 1) / kThreads));
-}
-
-// Length of sentence b, 0 when out of range (reported by validate_inputs_kernel).
-__device__ __forceinline__ int64_t safe_length(const int64_t* lengths, int64_t b, int64_t max_len) {
-  const int64_t n = lengths[b];
-  return (n < 0 || n > max_len) ? 0 : n;
-}
+int64_t blocks_for(int64_t count) { return grid_stride_blocks(count, kThreads, kMaxBlocks); }
 
 // First position i < n of y with a tag outside [0, T), or -1.
 __device__ __forceinline__ int64_t first_bad_tag(const int64_t* y, int64_t n, int64_t T) {
