@@ -356,7 +356,7 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
             work.address.get(), [&](int m, int64_t r, Vector best, Mask code) {
               const int64_t t = t0 + m;
               lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
-              bp_i[t * slots + r] = __builtin_convertvector(code, Backpointers);
+              bp_i[t * slots + r] = narrow_codes<Backpointers>(code);
             });
       });
     }
