@@ -482,16 +482,21 @@ def _pruned_kbest_case(dtype, T, scores, L=24, B=6, seed=0):
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("T", [3, 16, 17, 37])  # whole and partial vectors of 16 predecessors
+@pytest.mark.parametrize("T", [3, 9, 16, 17, 37])  # whole and partial vectors of 16 predecessors
 @pytest.mark.parametrize("scores", ["spread", "steps", "flat"])
-def test_pruned_kbest_merge_equals_the_reference_exactly(monkeypatch, dtype, T, scores):
-    # The per-sentence k-best merges only the lists that can still reach a tag's K best (those
-    # whose head is at least the K-th entry of the best list), with fast paths for one and two
-    # lists and a general merge for more. k = 2, 5, 16, 17 and 30 cover lists within one and
-    # across two vectors of 16 (the masked copy of a whole list), and T * k above 256 needs
-    # two-byte backpointers. Paths and scores must equal the reference's, bit for bit.
-    monkeypatch.setenv("CRFKIT_VITERBI_LANES", "0")
-    em, tr, ln, start, end = _pruned_kbest_case(dtype, T, scores)
+@pytest.mark.parametrize("kernel", ["per_sentence", "lanes"])
+def test_pruned_kbest_merge_equals_the_reference_exactly(monkeypatch, dtype, T, scores, kernel):
+    # Both k-best decoders merge only the lists that can still reach a tag's K best (those
+    # whose head is at least the K-th entry of the best list). The per-sentence one has fast
+    # paths for one and two lists and a general merge for more; the lane decoder
+    # (merge_lanes_pruned in csrc/cpu/kbest_lanes.h, 9 <= T <= 16 with one-byte codes) a two-way
+    # merge where every active lane of a group has at most two such lists, the full merge
+    # otherwise. k = 2, 5, 16, 17 and 30 cover lists within one and across two vectors of 16
+    # (the masked copy of a whole list), and T * k above 256 needs two-byte backpointers (lists
+    # in memory in the lane decoder). The lanes get 20 sentences: full groups and a partial one.
+    # Paths and scores must equal the reference's, bit for bit.
+    monkeypatch.setenv("CRFKIT_VITERBI_LANES", "1" if kernel == "lanes" else "0")
+    em, tr, ln, start, end = _pruned_kbest_case(dtype, T, scores, B=20 if kernel == "lanes" else 6)
     for k in (2, 5, 16, 17, 30):
         with crfkit.use_backend("compiled"):
             best = crfkit.kbest_viterbi(em, tr, k, ln, start, end)

@@ -40,6 +40,10 @@
 //   backpointers written for -inf entries are never followed.
 // Lanes whose sentence has ended keep their lists (a blend on the active lanes), so the final
 // merge runs once per group, after the longest sentence.
+// From T = 9 to 16 (with T a template argument), most merges are pruned as the per-sentence
+// kernel prunes them: only the lists that can still reach a tag's K best take part
+// (merge_lanes_pruned: a two-way merge where, in every lane, at most two lists can).
+
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -100,6 +104,26 @@ inline constexpr int kLaneShift = std::countr_zero(static_cast<uint64_t>(Lanes<s
 // -6% / -8%. At T = 12 it gained nothing, and at T = 16 the spills made it 50% slower.
 inline constexpr int kNextAheadMaxTags = 10;
 
+// The first maximum over s < kT of value[s] (strict `>`: the smaller s wins a tie), per lane, as
+// a tree: combining [s, s + w) with [s + w, s + 2w) keeps the left one on a tie, so the result
+// is that of the sequential scan, with a dependency chain of log2(kT) steps instead of kT - 1.
+// Leaves the maximum in value[0] and, selected with it, address[0] and carried[0] (kCarried);
+// the other entries are overwritten. (One level per instantiation, W = w, so that every loop
+// has a constant trip count and unrolls: the state stays in registers.)
+template <int kT, bool kCarried, int W = 1, typename Vector, typename Mask>
+__attribute__((always_inline)) inline void first_max_tree(Vector* value, Mask* address, Vector* carried) {
+  if constexpr (W < kT) {
+#pragma GCC unroll 16
+    for (int64_t s = 0; s + W < kT; s += 2 * W) {
+      const Mask better = value[s + W] > value[s];
+      value[s] = better ? value[s + W] : value[s];
+      address[s] = better ? address[s + W] : address[s];
+      if constexpr (kCarried) carried[s] = better ? carried[s + W] : carried[s];
+    }
+    first_max_tree<kT, kCarried, 2 * W>(value, address, carried);
+  }
+}
+
 // M merges of the same T sorted lists into their K best, side by side, for all lanes: list s is
 // lists[s * (K + 1) + r] (vectors, descending in r, slot K = -inf); in merge m it is offset by
 // offset(m, s) (a scalar, the same in every lane). Calls out(m, r, best, code) for r = 0 .. K-1
@@ -145,9 +169,6 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
       const Vector* h = head + m * T;
       const Mask* a = address + m * T;
       if constexpr (kT > 0) {
-        // The first maximum over s (strict `>`: the smaller s wins a tie) as a tree: combining
-        // [s, s + w) with [s + w, s + 2w) keeps the left one on a tie, so the result is that of
-        // the sequential scan, with a dependency chain of log2(T) steps instead of T - 1.
         Vector best_tree[kT];
         Mask arg_tree[kT];
 #pragma GCC unroll 16
@@ -155,15 +176,7 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
           best_tree[s] = h[s];
           arg_tree[s] = a[s];
         }
-#pragma GCC unroll 16
-        for (int64_t w = 1; w < T; w *= 2) {
-#pragma GCC unroll 16
-          for (int64_t s = 0; s + w < T; s += 2 * w) {
-            const Mask better = best_tree[s + w] > best_tree[s];
-            best_tree[s] = better ? best_tree[s + w] : best_tree[s];
-            arg_tree[s] = better ? arg_tree[s + w] : arg_tree[s];
-          }
-        }
+        first_max_tree<kT, false>(best_tree, arg_tree, best_tree);
         best[m] = best_tree[0];
         arg[m] = arg_tree[0];
       } else {
@@ -221,6 +234,107 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
       }
     }
   }
+}
+
+// One merge of merge_lanes (kT > 0, one target tag) with the lists that cannot contribute left
+// out, kbest_step_pruned's idea (viterbi.cpp) in lanes. Per lane, let s1 be the list of the
+// best head (the first maximum, as merge_lanes' round 0) and theta = lists[s1][K - 1] +
+// offset(s1), its K-th candidate: every other list whose head is below theta loses to each of
+// s1's K candidates, so only the lists with head >= theta take part. Where, in every active
+// lane, at most one list besides s1 does, the K best are a two-way merge of s1 and that list
+// (in lanes with none, the second list is a -inf stand-in that is never taken, s1's candidates
+// being >= theta > -inf), in merge_lanes' order: larger value first, then the smaller
+// predecessor, then the earlier rank. The candidates are the same sums (list entry + offset),
+// taken in the same order, so values and codes are those of merge_lanes, bit for bit, for
+// every finite entry; entries of -inf may carry other codes, and no finite entry points to one.
+// Always calls out for r = 0 .. K-1, and returns whether that result holds: false where some
+// active lane has two or more other lists at or above theta (ties at theta, or theta = -inf
+// because list s1 holds fewer than K finite entries, as at the first positions); the caller
+// then runs merge_lanes for this tag, which overwrites it. (No branch on the data in here, so
+// that the CPU can overlap consecutive tags' dependency chains, even for the tags where s1
+// alone takes part in every lane, about half.) On random scores (T = 9, K = 5, 8 float lanes,
+// 32 sentences of length 64-128, emissions 3 randn) the merge holds for 81% of the tags.
+// From this many tags (with T a template argument) kbest_lane_group runs merge_lanes_pruned.
+// Measured against merge_lanes alone (public k-best calls, which include a log Z; 1 thread,
+// (32, 128, T) float, lanes forced, AVX2-only EPYC, best of 5 alternating processes), K = 5 /
+// 15 (two runs where given): T = 3 +9% / +14%, T = 5 +3% and +13% / +4% and +8%, T = 7 +6% /
+// -6%, T = 9 -5% and +1% / -8% and -10%, T = 12 -26% / -27%, T = 16 -20% / -26% and -31%.
+// Not measured with AVX-512's 16 lanes, where a group has twice as many lanes that must all
+// hold for the pruned merge to stand.
+inline constexpr int kPrunedMergeMinTags = 9;
+
+template <typename scalar_t, int kT, typename Offset, typename Out>
+__attribute__((always_inline)) inline bool merge_lanes_pruned(const typename Lanes<scalar_t>::Vector* __restrict__ lists, int64_t K,
+                               typename Lanes<scalar_t>::Mask active, Offset&& offset, Out&& out) {
+  static_assert(kT > 0, "the pruned merge keeps its state in registers");
+  using Vector = typename Lanes<scalar_t>::Vector;
+  using Mask = typename Lanes<scalar_t>::Mask;
+  using Index = typename Lanes<scalar_t>::Index;
+  constexpr int64_t kCount = Lanes<scalar_t>::kCount;
+  const scalar_t* list_scalars = reinterpret_cast<const scalar_t*>(lists);
+  const Index list_stride = static_cast<Index>((K + 1) * kCount);  // scalars per list
+  const Index slot = static_cast<Index>(kCount);                   // scalars per rank
+
+  Mask lane_index;
+  for (int64_t j = 0; j < kCount; ++j) lane_index[j] = static_cast<Index>(j);
+  Vector head[kT], offsets[kT], tree_value[kT], tree_offset[kT];
+  Mask address[kT], tree_address[kT];
+#pragma GCC unroll 16
+  for (int64_t s = 0; s < kT; ++s) {
+    offsets[s] = Vector{} + offset(s);
+    head[s] = lists[s * (K + 1)] + offset(s);
+    address[s] = lane_index + static_cast<Index>(s) * list_stride;
+    tree_value[s] = head[s];
+    tree_offset[s] = offsets[s];
+    tree_address[s] = address[s];
+  }
+  first_max_tree<kT, true>(tree_value, tree_address, tree_offset);
+  const Vector best = tree_value[0], best_offset = tree_offset[0];
+  const Mask best_address = tree_address[0];
+  const Vector theta = gather_lanes<scalar_t>(list_scalars, best_address + static_cast<Index>((K - 1) * kCount)) +
+                       best_offset;
+
+  // The other lists with head >= theta: minus their number per lane, and the last one's state.
+  Mask minus_others = {};
+  Vector second = Vector{} + neg_inf<scalar_t>(), second_offset = {};
+  Mask second_address = best_address;
+#pragma GCC unroll 16
+  for (int64_t s = 0; s < kT; ++s) {
+    const Mask other = (head[s] >= theta) & (address[s] != best_address);
+    minus_others += other;
+    second = other ? head[s] : second;
+    second_offset = other ? offsets[s] : second_offset;
+    second_address = other ? address[s] : second_address;
+  }
+  // Merged in every lane, and kept where no active lane has two other lists at or above theta.
+  const bool pruned = !any_lane(active & (minus_others < Index{-1}));
+
+  // Two-way merge of list a = s1 and list b = the other one, the entry after each head at hand
+  // (as merge_lanes' kNextAhead) so that a round does not wait for a gather.
+  const Mask b_wins_ties = second_address < best_address;  // the smaller predecessor
+  Vector head_a = best, head_b = second;
+  Mask address_a = best_address, address_b = second_address;
+  Vector next_a = gather_lanes<scalar_t>(list_scalars, address_a + slot);
+  Vector next_b = gather_lanes<scalar_t>(list_scalars, address_b + slot);
+  for (int64_t r = 0; r < K; ++r) {
+    const Mask take_b = (head_b > head_a) | ((head_b == head_a) & b_wins_ties);
+    out(r, take_b ? head_b : head_a, (take_b ? address_b : address_a) >> kLaneShift<scalar_t>);
+    if (r + 1 == K) break;
+    // Advance the list taken in each lane. Each list advances at most K - 1 times, and the
+    // entry after the new head is gathered only when another round follows (r + 2 < K), so
+    // the gathers read at most slot K - 1 (slot K, the -inf sentinel, is never needed here:
+    // a list of K entries cannot run out within K rounds).
+    head_a = take_b ? head_a : next_a + best_offset;
+    head_b = take_b ? next_b + second_offset : head_b;
+    address_a = take_b ? address_a : address_a + slot;
+    address_b = take_b ? address_b + slot : address_b;
+    if (r + 2 < K) {
+      const Vector gathered = gather_lanes<scalar_t>(list_scalars, (take_b ? address_b : address_a) + slot);
+      next_a = take_b ? next_a : gathered;
+      next_b = take_b ? gathered : next_b;
+    }
+  }
+  return pruned;
 }
 
 // How many merges merge_lanes runs side by side (the targets t of one position, in blocks of at
@@ -347,6 +461,33 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
     const Mask active = lane_length > static_cast<Index>(i);
     const Vector* emit_i = emit + i * T;
     Backpointers* bp_i = backpointers + i * T * slots;
+    if constexpr (kT >= kPrunedMergeMinTags) {  // one tag at a time (kMergeBlock<kT> is 1)
+      {
+        // Every tag's pruned merge first, with no branch on the data between them (so that the
+        // CPU overlaps the tags' dependency chains), then the full merge where it did not apply.
+        uint32_t unpruned = 0;  // bit t: tag t needs the full merge (kT <= 16)
+        for (int64_t t = 0; t < T; ++t) {
+          const bool ok = merge_lanes_pruned<scalar_t, kT>(
+              lists, K, active, [&](int64_t s) { return trans[s * T + t]; },
+              [&](int64_t r, Vector best, Mask code) {
+                lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
+                bp_i[t * slots + r] = narrow_codes<Backpointers>(code);
+              });
+          unpruned |= static_cast<uint32_t>(!ok) << t;
+        }
+        for (; unpruned != 0; unpruned &= unpruned - 1) {
+          const int64_t t = std::countr_zero(unpruned);
+          merge_lanes<scalar_t, kT, 1>(
+              lists, T, K, [&](int, int64_t s) { return trans[s * T + t]; }, work.head.get(), work.address.get(),
+              [&](int, int64_t r, Vector best, Mask code) {
+                lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
+                bp_i[t * slots + r] = narrow_codes<Backpointers>(code);
+              });
+        }
+        std::swap(lists, lists_next);
+        continue;
+      }
+    }
     for (const TagBlock& block : blocks) {
       merge_block_of_size<kMergeBlock<kT>>(block.size, [&](auto size) {
         constexpr int M = decltype(size)::value;
@@ -448,7 +589,12 @@ constexpr bool kbest_merges_in_vectors(int64_t K) {
 // (B, L, T) = (32, 128, 9 | 37), (256, 128, 9 | 37), (1024, 32, 9): it picks the faster kernel
 // (lanes at T = 9 in float, 0.45 - 0.78 of the per-sentence time; per sentence at T = 37,
 // where lanes take 1.25 - 2.9 times as long) in all but three cells of double at T = 9, where it
-// keeps the per-sentence kernel though lanes take 0.68 - 0.92 of its time.
+// keeps the per-sentence kernel though lanes take 0.68 - 0.92 of its time. The model predates
+// the pruned merge (merge_lanes_pruned, T = 9 - 16 in registers) and the packed backpointer
+// codes (narrow_codes), which made the lanes 10-30% faster on the AVX2 VM (1 thread, k-best
+// at (32 | 256, 128, 9 | 12 | 16)); so lanes are likely also faster in some cells where it keeps
+// the per-sentence kernel (double at T = 9: lanes 0.71 and 0.84 of its time at K = 5 and 15,
+// 2 threads, (64, 128, 9)). Not refitted: the table above is from the AVX-512 VM, not at hand.
 template <typename scalar_t>
 double kbest_lane_group_cost(int64_t T, int64_t K) {
   if (T == 1) return 6.0;

@@ -38,6 +38,15 @@ struct Lanes {
   typedef Index Mask __attribute__((vector_size(kBytes)));  // comparison results, lane indices
 };
 
+// Whether any lane of a comparison result (a Mask or LaneMask: 0 or all ones per lane) is set.
+template <typename Mask>
+inline bool any_lane(Mask m) {
+  constexpr int kLaneCount = sizeof(Mask) / sizeof(m[0]);
+  std::remove_cvref_t<decltype(m[0])> r = 0;
+  for (int j = 0; j < kLaneCount; ++j) r |= m[j];
+  return r != 0;
+}
+
 // n rounded up to a whole number of vectors of scalar_t
 template <typename scalar_t>
 inline int64_t padded_to_lanes(int64_t n) {

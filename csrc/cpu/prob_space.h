@@ -95,11 +95,6 @@ using LaneVector = Lanes<double>::Vector;
 using LaneMask = Lanes<double>::Mask;
 
 inline LaneVector lane_max(LaneVector a, LaneVector b) { return a > b ? a : b; }
-inline bool any_lane(LaneMask m) {
-  int64_t r = 0;
-  for (int j = 0; j < kLanes; ++j) r |= m[j];
-  return r != 0;
-}
 inline double horizontal_max(LaneVector v) {
   double m = v[0];
   for (int j = 1; j < kLanes; ++j) m = std::max(m, v[j]);
