@@ -111,7 +111,8 @@ inline constexpr int kNextAheadMaxTags = 10;
 // the other entries are overwritten. (One level per instantiation, W = w, so that every loop
 // has a constant trip count and unrolls: the state stays in registers.)
 template <int kT, bool kCarried, int W = 1, typename Vector, typename Mask>
-__attribute__((always_inline)) inline void first_max_tree(Vector* value, Mask* address, Vector* carried) {
+__attribute__((always_inline)) inline void first_max_tree(Vector* value, Mask* address,
+                                                          Vector* carried) {
   if constexpr (W < kT) {
 #pragma GCC unroll 16
     for (int64_t s = 0; s + W < kT; s += 2 * W) {
@@ -257,15 +258,17 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
 // From this many tags (with T a template argument) kbest_lane_group runs merge_lanes_pruned.
 // Measured against merge_lanes alone (public k-best calls, which include a log Z; 1 thread,
 // (32, 128, T) float, lanes forced, AVX2-only EPYC, best of 5 alternating processes), K = 5 /
-// 15 (two runs where given): T = 3 +9% / +14%, T = 5 +3% and +13% / +4% and +8%, T = 7 +6% /
-// -6%, T = 9 -5% and +1% / -8% and -10%, T = 12 -26% / -27%, T = 16 -20% / -26% and -31%.
-// Not measured with AVX-512's 16 lanes, where a group has twice as many lanes that must all
-// hold for the pruned merge to stand.
+// 15 (two or three runs where given): T = 3 +9% / +14%, T = 5 +3%, +13%, 0% / +4%, +8%, +3%,
+// T = 7 +6% / -6%, T = 9 -5%, +1%, +9% / -8%, -10%, -15%, T = 12 -26% / -27%, T = 16 -20%,
+// -20%, -6% / -26%, -31%, -26%. The op alone at (32, 128, 9), best of 9: -3% / -12%. Not
+// measured with AVX-512's 16 lanes, where a group has twice as many lanes that must all hold
+// for the pruned merge to stand.
 inline constexpr int kPrunedMergeMinTags = 9;
 
 template <typename scalar_t, int kT, typename Offset, typename Out>
-__attribute__((always_inline)) inline bool merge_lanes_pruned(const typename Lanes<scalar_t>::Vector* __restrict__ lists, int64_t K,
-                               typename Lanes<scalar_t>::Mask active, Offset&& offset, Out&& out) {
+__attribute__((always_inline)) inline bool merge_lanes_pruned(
+    const typename Lanes<scalar_t>::Vector* __restrict__ lists, int64_t K,
+    typename Lanes<scalar_t>::Mask active, Offset&& offset, Out&& out) {
   static_assert(kT > 0, "the pruned merge keeps its state in registers");
   using Vector = typename Lanes<scalar_t>::Vector;
   using Mask = typename Lanes<scalar_t>::Mask;
@@ -291,8 +294,8 @@ __attribute__((always_inline)) inline bool merge_lanes_pruned(const typename Lan
   first_max_tree<kT, true>(tree_value, tree_address, tree_offset);
   const Vector best = tree_value[0], best_offset = tree_offset[0];
   const Mask best_address = tree_address[0];
-  const Vector theta = gather_lanes<scalar_t>(list_scalars, best_address + static_cast<Index>((K - 1) * kCount)) +
-                       best_offset;
+  const Vector theta =
+      gather_lanes<scalar_t>(list_scalars, best_address + static_cast<Index>((K - 1) * kCount)) + best_offset;
 
   // The other lists with head >= theta: minus their number per lane, and the last one's state.
   Mask minus_others = {};
@@ -329,7 +332,8 @@ __attribute__((always_inline)) inline bool merge_lanes_pruned(const typename Lan
     address_a = take_b ? address_a : address_a + slot;
     address_b = take_b ? address_b + slot : address_b;
     if (r + 2 < K) {
-      const Vector gathered = gather_lanes<scalar_t>(list_scalars, (take_b ? address_b : address_a) + slot);
+      const Vector gathered =
+          gather_lanes<scalar_t>(list_scalars, (take_b ? address_b : address_a) + slot);
       next_a = take_b ? next_a : gathered;
       next_b = take_b ? gathered : next_b;
     }
@@ -461,45 +465,38 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
     const Mask active = lane_length > static_cast<Index>(i);
     const Vector* emit_i = emit + i * T;
     Backpointers* bp_i = backpointers + i * T * slots;
+    // Entry r of tag t's list at position i, from a merge's r-th best.
+    auto store = [&](int64_t t, int64_t r, Vector best, Mask code) {
+      lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
+      bp_i[t * slots + r] = narrow_codes<Backpointers>(code);
+    };
     if constexpr (kT >= kPrunedMergeMinTags) {  // one tag at a time (kMergeBlock<kT> is 1)
-      {
-        // Every tag's pruned merge first, with no branch on the data between them (so that the
-        // CPU overlaps the tags' dependency chains), then the full merge where it did not apply.
-        uint32_t unpruned = 0;  // bit t: tag t needs the full merge (kT <= 16)
-        for (int64_t t = 0; t < T; ++t) {
-          const bool ok = merge_lanes_pruned<scalar_t, kT>(
-              lists, K, active, [&](int64_t s) { return trans[s * T + t]; },
-              [&](int64_t r, Vector best, Mask code) {
-                lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
-                bp_i[t * slots + r] = narrow_codes<Backpointers>(code);
-              });
-          unpruned |= static_cast<uint32_t>(!ok) << t;
-        }
-        for (; unpruned != 0; unpruned &= unpruned - 1) {
-          const int64_t t = std::countr_zero(unpruned);
-          merge_lanes<scalar_t, kT, 1>(
-              lists, T, K, [&](int, int64_t s) { return trans[s * T + t]; }, work.head.get(), work.address.get(),
-              [&](int, int64_t r, Vector best, Mask code) {
-                lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
-                bp_i[t * slots + r] = narrow_codes<Backpointers>(code);
-              });
-        }
-        std::swap(lists, lists_next);
-        continue;
+      // Every tag's pruned merge first, with no branch on the data between them (so that the
+      // CPU overlaps the tags' dependency chains), then the full merge where it did not hold.
+      uint32_t unpruned = 0;  // bit t: tag t needs the full merge (kT <= 16)
+      for (int64_t t = 0; t < T; ++t) {
+        const bool held = merge_lanes_pruned<scalar_t, kT>(
+            lists, K, active, [&](int64_t s) { return trans[s * T + t]; },
+            [&](int64_t r, Vector best, Mask code) { store(t, r, best, code); });
+        unpruned |= static_cast<uint32_t>(!held) << t;
       }
-    }
-    for (const TagBlock& block : blocks) {
-      merge_block_of_size<kMergeBlock<kT>>(block.size, [&](auto size) {
-        constexpr int M = decltype(size)::value;
-        const int64_t t0 = block.first;
-        merge_lanes<scalar_t, kT, M>(
-            lists, T, K, [&](int m, int64_t s) { return trans[s * T + t0 + m]; }, work.head.get(),
-            work.address.get(), [&](int m, int64_t r, Vector best, Mask code) {
-              const int64_t t = t0 + m;
-              lists_next[t * slots + r] = active ? best + emit_i[t] : lists[t * slots + r];
-              bp_i[t * slots + r] = narrow_codes<Backpointers>(code);
-            });
-      });
+      for (; unpruned != 0; unpruned &= unpruned - 1) {
+        const int64_t t = std::countr_zero(unpruned);
+        merge_lanes<scalar_t, kT, 1>(
+            lists, T, K, [&](int, int64_t s) { return trans[s * T + t]; }, work.head.get(),
+            work.address.get(), [&](int, int64_t r, Vector best, Mask code) { store(t, r, best, code); });
+      }
+    } else {
+      for (const TagBlock& block : blocks) {
+        merge_block_of_size<kMergeBlock<kT>>(block.size, [&](auto size) {
+          constexpr int M = decltype(size)::value;
+          const int64_t t0 = block.first;
+          merge_lanes<scalar_t, kT, M>(
+              lists, T, K, [&](int m, int64_t s) { return trans[s * T + t0 + m]; }, work.head.get(),
+              work.address.get(),
+              [&](int m, int64_t r, Vector best, Mask code) { store(t0 + m, r, best, code); });
+        });
+      }
     }
     std::swap(lists, lists_next);
   }
