@@ -177,7 +177,7 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
           best_tree[s] = h[s];
           arg_tree[s] = a[s];
         }
-        first_max_tree<kT, false>(best_tree, arg_tree, best_tree);
+        first_max_tree<kT, false>(best_tree, arg_tree, static_cast<Vector*>(nullptr));
         best[m] = best_tree[0];
         arg[m] = arg_tree[0];
       } else {
@@ -237,6 +237,16 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
   }
 }
 
+// From this many tags (with T a template argument) kbest_lane_group runs merge_lanes_pruned.
+// Measured against merge_lanes alone (public k-best calls, which include a log Z; 1 thread,
+// (32, 128, T) float, lanes forced, AVX2-only EPYC, best of 5 alternating processes), K = 5 /
+// 15 (two or three runs where given): T = 3 +9% / +14%, T = 5 +3%, +13%, 0% / +4%, +8%, +3%,
+// T = 7 +6% / -6%, T = 9 -5%, +1%, +9% / -8%, -10%, -15%, T = 12 -26% / -27%, T = 16 -20%,
+// -20%, -6% / -26%, -31%, -26%. The op alone at (32, 128, 9), best of 9: -3% / -12%. Not
+// measured with AVX-512's 16 lanes, where a group has twice as many lanes that must all hold
+// for the pruned merge to stand.
+inline constexpr int kPrunedMergeMinTags = 9;
+
 // One merge of merge_lanes (kT > 0, one target tag) with the lists that cannot contribute left
 // out, kbest_step_pruned's idea (viterbi.cpp) in lanes. Per lane, let s1 be the list of the
 // best head (the first maximum, as merge_lanes' round 0) and theta = lists[s1][K - 1] +
@@ -255,16 +265,6 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
 // that the CPU can overlap consecutive tags' dependency chains, even for the tags where s1
 // alone takes part in every lane, about half.) On random scores (T = 9, K = 5, 8 float lanes,
 // 32 sentences of length 64-128, emissions 3 randn) the merge holds for 81% of the tags.
-// From this many tags (with T a template argument) kbest_lane_group runs merge_lanes_pruned.
-// Measured against merge_lanes alone (public k-best calls, which include a log Z; 1 thread,
-// (32, 128, T) float, lanes forced, AVX2-only EPYC, best of 5 alternating processes), K = 5 /
-// 15 (two or three runs where given): T = 3 +9% / +14%, T = 5 +3%, +13%, 0% / +4%, +8%, +3%,
-// T = 7 +6% / -6%, T = 9 -5%, +1%, +9% / -8%, -10%, -15%, T = 12 -26% / -27%, T = 16 -20%,
-// -20%, -6% / -26%, -31%, -26%. The op alone at (32, 128, 9), best of 9: -3% / -12%. Not
-// measured with AVX-512's 16 lanes, where a group has twice as many lanes that must all hold
-// for the pruned merge to stand.
-inline constexpr int kPrunedMergeMinTags = 9;
-
 template <typename scalar_t, int kT, typename Offset, typename Out>
 __attribute__((always_inline)) inline bool merge_lanes_pruned(
     const typename Lanes<scalar_t>::Vector* __restrict__ lists, int64_t K,
@@ -312,8 +312,9 @@ __attribute__((always_inline)) inline bool merge_lanes_pruned(
   // Merged in every lane, and kept where no active lane has two other lists at or above theta.
   const bool pruned = !any_lane(active & (minus_others < Index{-1}));
 
-  // Two-way merge of list a = s1 and list b = the other one, the entry after each head at hand
-  // (as merge_lanes' kNextAhead) so that a round does not wait for a gather.
+  // Two-way merge of list a = s1 and list b = the other one. The entry after each head is kept
+  // at hand (as merge_lanes' kNextAhead), so a round's head update needs no gather; the gather
+  // that refills it follows the round's choice and has until the next round's update.
   const Mask b_wins_ties = second_address < best_address;  // the smaller predecessor
   Vector head_a = best, head_b = second;
   Mask address_a = best_address, address_b = second_address;

@@ -64,8 +64,9 @@ struct LaneTypes {
 // The codes of a Mask (kCount lane values, each in the range of bp_t, never negative) as
 // Backpointers. Without AVX-512, GCC 12 lowers __builtin_convertvector from 32- or 64-bit lanes
 // to narrower ones lane by lane (an extract, a zero-extension, a shift and an or per lane: about
-// 30 instructions per vector of one-byte codes, a tenth of the k-best lane decoder's samples at
-// T = 9 in perf); on AVX2 two or three packs do it. (Packs saturate: exact for values in range.)
+// 30 instructions per vector of one-byte codes, about a fifth of the k-best lane decoder's
+// samples at T = 9 in perf); on AVX2 two or three packs do it (they saturate: exact for codes
+// in range).
 template <typename Backpointers, typename Mask>
 inline Backpointers narrow_codes(Mask m) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
