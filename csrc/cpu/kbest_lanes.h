@@ -125,6 +125,19 @@ __attribute__((always_inline)) inline void first_max_tree(Vector* value, Mask* a
   }
 }
 
+// The address of list s's first slot in every lane: lane j's is s * list_stride + j (the slot
+// addresses of the layout notes above; list_stride = (K + 1) * kCount scalars per list).
+// (The lane numbers as a constant vector plus one broadcast: filling the lanes one by one from
+// s * list_stride, which is not a constant, compiled to an insert per lane.)
+template <typename scalar_t>
+inline typename Lanes<scalar_t>::Mask first_slot_address(int64_t s,
+                                                         typename Lanes<scalar_t>::Index list_stride) {
+  using Index = typename Lanes<scalar_t>::Index;
+  typename Lanes<scalar_t>::Mask lane_number;
+  for (int64_t j = 0; j < Lanes<scalar_t>::kCount; ++j) lane_number[j] = static_cast<Index>(j);
+  return lane_number + static_cast<Index>(s) * list_stride;
+}
+
 // M merges of the same T sorted lists into their K best, side by side, for all lanes: list s is
 // lists[s * (K + 1) + r] (vectors, descending in r, slot K = -inf); in merge m it is offset by
 // offset(m, s) (a scalar, the same in every lane). Calls out(m, r, best, code) for r = 0 .. K-1
@@ -152,15 +165,13 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
   Mask* address = kT > 0 ? address_registers : address_memory;
   const scalar_t* list_scalars = reinterpret_cast<const scalar_t*>(lists);
 
-  Mask lane_index;
-  for (int64_t j = 0; j < kCount; ++j) lane_index[j] = static_cast<Index>(j);
   const Index list_stride = static_cast<Index>((K + 1) * kCount);  // scalars per list
   for (int m = 0; m < M; ++m) {
 #pragma GCC unroll 16
     for (int64_t s = 0; s < T; ++s) {
       head[m * T + s] = lists[s * (K + 1)] + offset(m, s);
       if constexpr (kNextAhead) next[m * T + s] = lists[s * (K + 1) + 1];
-      address[m * T + s] = lane_index + static_cast<Index>(s) * list_stride;
+      address[m * T + s] = first_slot_address<scalar_t>(s, list_stride);
     }
   }
   for (int64_t r = 0; r < K; ++r) {
@@ -278,15 +289,13 @@ __attribute__((always_inline)) inline bool merge_lanes_pruned(
   const Index list_stride = static_cast<Index>((K + 1) * kCount);  // scalars per list
   const Index slot = static_cast<Index>(kCount);                   // scalars per rank
 
-  Mask lane_index;
-  for (int64_t j = 0; j < kCount; ++j) lane_index[j] = static_cast<Index>(j);
   Vector head[kT], offsets[kT], tree_value[kT], tree_offset[kT];
   Mask address[kT], tree_address[kT];
 #pragma GCC unroll 16
   for (int64_t s = 0; s < kT; ++s) {
     offsets[s] = Vector{} + offset(s);
     head[s] = lists[s * (K + 1)] + offset(s);
-    address[s] = lane_index + static_cast<Index>(s) * list_stride;
+    address[s] = first_slot_address<scalar_t>(s, list_stride);
     tree_value[s] = head[s];
     tree_offset[s] = offsets[s];
     tree_address[s] = address[s];

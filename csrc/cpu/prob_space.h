@@ -271,7 +271,8 @@ bool prob_forward(const scalar_t* emit, const scalar_t* start, const ProbTables&
     log_scale += tab.trans_max + emit_max;
   }
   const double z = dot_padded(a, tab.end_w.data(), stride);
-  *log_z = z > 0 ? log_scale + static_cast<double>(exponent) * kLn2 + tab.end_max + std::log(z) : neg_inf;
+  *log_z = z > 0 ? log_scale + static_cast<double>(exponent) * kLn2 + tab.end_max + std::log(z)
+                 : neg_inf;
   return true;
 }
 
