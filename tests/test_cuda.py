@@ -144,7 +144,10 @@ def assert_matches_cpu(inputs, k, dtype):
 # (B, L, T, k): every T of the grid, lengths 0 and L included (random_crf), k from 1 to more
 # than the number of sequences of the short sentences.
 SHAPES = [(1, 1, 1, 1), (3, 4, 1, 3), (5, 6, 2, 2), (6, 3, 2, 20), (7, 9, 5, 5), (8, 33, 9, 15),
-          (4, 40, 37, 5), (3, 20, 100, 15), (70, 12, 9, 40)]
+          (4, 40, 37, 5), (3, 20, 100, 15), (70, 12, 9, 40),
+          # the edges of the register kernels (log_partition.cu): 16 lanes, 32 lanes (float; double
+          # from T = 17 takes the generic kernel), all 32 lanes owning a tag
+          (5, 10, 16, 4), (6, 11, 17, 5), (4, 9, 32, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -245,6 +248,7 @@ def test_backward_from_marginals_checks_its_arguments():
 def test_large_scores_take_the_exact_fallback(dtype):
     # Scores of magnitude 1e3: the factored sums underflow and the exact log-space path runs.
     assert_matches_cpu(random_crf(5, 20, 9, dtype=dtype, scale=300.0), 5, dtype)
+    assert_matches_cpu(random_crf(4, 12, 20, dtype=dtype, scale=300.0), 5, dtype)
 
 
 def test_results_are_deterministic():

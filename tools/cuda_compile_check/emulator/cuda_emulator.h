@@ -147,6 +147,36 @@ V __shfl_xor_sync(unsigned mask, V value, int lane_mask, int width = emu::kWarp)
   return other;
 }
 
+// Broadcast within groups of `width` lanes: every lane gets the value of lane src_lane of its group.
+template <typename V>
+V __shfl_sync(unsigned mask, V value, int src_lane, int width = emu::kWarp) {
+  static_assert(sizeof(V) <= sizeof(uint64_t), "emulator: shuffles of at most 8 bytes");
+  TORCH_CHECK(mask == 0xffffffffu && width >= 1 && width <= emu::kWarp && (width & (width - 1)) == 0 &&
+                  src_lane >= 0 && src_lane < width,
+              "emulator: unsupported shuffle (mask ", mask, ", source lane ", src_lane, ", width ", width, ")");
+  const unsigned lane = threadIdx.x % emu::kWarp;
+  auto& slots = emu::block->slots[threadIdx.x / emu::kWarp];
+  std::memcpy(&slots[lane], &value, sizeof(V));
+  __syncwarp();
+  V other;
+  std::memcpy(&other, &slots[lane / width * width + src_lane], sizeof(V));
+  __syncwarp();
+  return other;
+}
+
+// True in every lane when the predicate holds in any lane of the warp.
+inline bool __any_sync(unsigned mask, bool predicate) {
+  TORCH_CHECK(mask == 0xffffffffu, "emulator: only full-warp votes");
+  const unsigned lane = threadIdx.x % emu::kWarp;
+  auto& slots = emu::block->slots[threadIdx.x / emu::kWarp];
+  slots[lane] = predicate ? 1 : 0;
+  __syncwarp();
+  bool any = false;
+  for (int other = 0; other < emu::kWarp; ++other) any = any || slots[other] != 0;
+  __syncwarp();
+  return any;
+}
+
 inline long long atomicMin(long long* address, long long value) {
   std::lock_guard<std::mutex> lock(emu::atomic_mutex());
   const long long old = *address;
