@@ -1,7 +1,8 @@
 """crfkit's CUDA kernels against the peer libraries on the same GPU, and against the GPU's
 memory bandwidth, in one run.
 
-    python benchmarks/bench_gpu.py [--quick | --full] [--peers a,b] [--ops a,b] [--budget S] [--out PATH]
+    python benchmarks/bench_gpu.py [--quick | --full | --shapes BxLxT,...] [--peers a,b] [--ops a,b]
+                                   [--budget S] [--out PATH]
 
 Needs a CUDA device and crfkit._C built with its CUDA kernels (crfkit.backend_info()
 ['cuda_kernels']); exits with status 2 otherwise.
@@ -27,7 +28,8 @@ Per cell, on the same seeded inputs (cases.make_inputs, moved to the GPU):
      writing the marginals / the emission gradients / the paths) at the device-to-device copy
      bandwidth measured at the start of the run (a 1 GiB copy_; read + write bytes / time).
 
-Writes <out>.md and <out>.json (default benchmarks/results/gpu_<device>): device, torch and
+Writes <out>.md and <out>.json (default benchmarks/results/gpu_<device>), rewritten after every
+cell so that a run stopped by a time limit keeps the cells it finished: device, torch and
 CUDA versions, the command, the bandwidth, every cell, the speed-up over the fastest correct
 peer, and the issue's targets (log Z forward+backward at least 20x torch-struct at B = 256,
 L = 128, T = 9; k-best at least 100x the fastest batched k-best peer; marginals at large B
@@ -349,6 +351,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
     parser.add_argument("--budget", type=float, default=10.0, help="skip a peer call estimated above this (s)")
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per library and cell")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated BxLxT cells instead of --quick / --full, e.g. 256x128x9,1x128x9")
     parser.add_argument("--out", default=None, help="output path without extension")
     args = parser.parse_args(argv)
 
@@ -365,8 +369,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     bandwidth = copy_bandwidth()
     env = environment(["benchmarks/bench_gpu.py", *argv], bandwidth)
     print(f"{env['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr, flush=True)
-    rows = []
-    for B, L, T in FULL_SHAPES if args.full else QUICK_SHAPES:
+    shapes = FULL_SHAPES if args.full else QUICK_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in cell.split("x")) for cell in args.shapes.split(",") if cell]
+    out = Path(args.out) if args.out else HERE / "results" / f"gpu_{device_slug(env['device'])}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows, report = [], ""
+    for B, L, T in shapes:
         for op in ops:
             for k in (KS if op == "kbest" else (None,)):
                 case = cases.Case(op, B, L, T, k)
@@ -376,13 +385,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{case.id}: crfkit {_status(r['crfkit'])} ms, "
                       + ", ".join(f"{n} {_status(e)}" for n, e in r["peers"].items())
                       + f" ({time.perf_counter() - begin:.0f} s)", file=sys.stderr, flush=True)
-    out = Path(args.out) if args.out else HERE / "results" / f"gpu_{device_slug(env['device'])}"
-    out.parent.mkdir(parents=True, exist_ok=True)
+                # after every cell, so that a run stopped by a time limit keeps what it measured
+                report = write_results(out, env, rows, loaded)
+    print(report)
+    return 0
+
+
+def write_results(out: Path, env: dict, rows: List[dict], loaded) -> str:
+    """<out>.md and <out>.json from the cells so far; returns the markdown."""
     report = markdown(env, rows, loaded)
     out.with_suffix(".md").write_text(report)
     out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1, default=str))
-    print(report)
-    return 0
+    return report
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the one device-to-host read of the status words per op. Prints one table; needs 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -50,6 +51,19 @@ def kernel_ms(fn, repeats: int = 5) -> dict:
     return dict(per_kernel)
 
 
+def short_name(kernel: str) -> str:
+    """'void crfkit::cuda::(anonymous namespace)::k<float, (...Output)3, 16>(params)' -> 'k<float, (Output)3, 16>'."""
+    name = re.sub(r"^void ", "", kernel).replace("crfkit::cuda::(anonymous namespace)::", "")
+    if kernel.startswith("void ") and name.endswith(")"):  # drop the parameter list: the parenthesis matching the last one
+        depth = 0
+        for at in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[at], 0)
+            if depth == 0:
+                name = name[:at] if at > 0 else name
+                break
+    return name[:60]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="256x128x9,1x128x9,32x512x9,1024x128x37")
@@ -73,7 +87,7 @@ def main() -> int:
             call = wall_ms(fn)
             kernels = kernel_ms(fn)
             device = sum(kernels.values())
-            detail = ", ".join(f"{name[:40]} {ms:.3f}" for name, ms in
+            detail = ", ".join(f"{short_name(name)} {ms:.3f}" for name, ms in
                                sorted(kernels.items(), key=lambda kv: -kv[1])[:4])
             print(f"| {op} | {B} | {L} | {T} | {call:.3f} | {device:.3f} | {call - device:.3f} | {detail} |",
                   flush=True)
