@@ -149,6 +149,39 @@ __device__ scalar_t pairwise_column(int t, int T, scalar_t v_t, scalar_t shift, 
   return sum;
 }
 
+// The end of a sentence's forward pass, shared by both kernels: log Z = offset + m + log(sum)
+// (m, sum: the group's max and sum of exp(alpha_hat + end - m)); 0 for an empty sentence, -inf
+// when every sequence is forbidden. Reports bad emissions found by any lane of the group, writes
+// log Z where the op returns it, and returns whether the sentence had bad emissions.
+template <typename scalar_t, Output kOut>
+__device__ __forceinline__ bool finish_forward(const FbParams<scalar_t>& p, int64_t b, bool has_sentence, int64_t n,
+                                               double offset, scalar_t m, scalar_t sum, bool bad, int lanes,
+                                               int lane, double& log_z) {
+  log_z = 0;  // the empty sequence of a length-0 sentence
+  if (n > 0) {
+    log_z = (offset == -CUDART_INF || m == neg_inf<scalar_t>()) ? -CUDART_INF
+                                                                : offset + static_cast<double>(m + log_(sum));
+  }
+  bad = group_max(static_cast<int>(bad), lanes) != 0;
+  if (bad && lane == 0) report(p.status, kBadEmissions, b);
+  if (kOut == Output::kLogPartition || kOut == Output::kWithMarginals) {
+    if (has_sentence && lane == 0) p.log_z[b] = static_cast<scalar_t>(log_z);
+  }
+  return bad;
+}
+
+// The weight of a sentence's gradients (its upstream gradient of log Z; 1 for the ops that
+// return unweighted marginals), and whether its backward pass is skipped: empty, bad emissions,
+// every sequence forbidden, or nothing to propagate. Skipped sentences get all-zero gradients
+// (no NaN).
+template <typename scalar_t, Output kOut>
+__device__ __forceinline__ scalar_t gradient_weight(const FbParams<scalar_t>& p, int64_t b, bool has_sentence,
+                                                    int64_t n, bool bad, double log_z, bool& skip) {
+  const scalar_t g = kOut == Output::kBackward ? (has_sentence ? p.grad_log_z[b] : scalar_t(0)) : scalar_t(1);
+  skip = n == 0 || bad || log_z == -CUDART_INF || g == 0;
+  return g;
+}
+
 template <typename scalar_t, Output kOut, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(const FbParams<scalar_t> p) {
   constexpr bool kKeepRows = kOut != Output::kLogPartition;
@@ -209,8 +242,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
     __syncwarp();  // the previous sentence is finished by every lane before the arena is reused
     const int64_t b = first + group;
     const bool has_sentence = b < p.batch;
-    int64_t n = has_sentence ? p.lengths[b] : 0;
-    if (n < 0 || n > L) n = 0;  // reported by validate_inputs_kernel; read nothing
+    const int64_t n = has_sentence ? safe_length(p.lengths, b, L) : 0;  // 0 if out of range: read nothing
     const int64_t steps = warp_max(n);
     const int64_t b_safe = has_sentence ? b : 0;
     const scalar_t* emit = p.emissions + b_safe * L * T;
@@ -298,22 +330,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
       for (int t = lane; t < T; t += G) sum += exp_(cur[t] + p.end[t] - m);
     }
     sum = group_sum(sum, G);
-    double log_z = 0;  // the empty sequence of a length-0 sentence
-    if (n > 0) {
-      log_z = (offset == -CUDART_INF || m == kNegInf) ? -CUDART_INF
-                                                      : offset + static_cast<double>(m + log_(sum));
-    }
-    bad = group_max(static_cast<int>(bad), G) != 0;
-    if (bad && lane == 0) report(p.status, kBadEmissions, b);
-    if (kOut == Output::kLogPartition || kOut == Output::kWithMarginals) {
-      if (has_sentence && lane == 0) p.log_z[b] = static_cast<scalar_t>(log_z);
-    }
+    double log_z;
+    bad = finish_forward<scalar_t, kOut>(p, b_safe, has_sentence, n, offset, m, sum, bad, G, lane, log_z);
     if (kOut == Output::kLogPartition) continue;
 
     // ---- backward: beta rows (normalised, offset in double), marginals, pairwise marginals ----
-    const scalar_t g = kOut == Output::kBackward ? (has_sentence ? p.grad_log_z[b_safe] : scalar_t(0)) : scalar_t(1);
-    // Every sequence forbidden, or nothing to propagate: all gradients stay 0 (no NaN).
-    const bool skip = n == 0 || bad || log_z == -CUDART_INF || g == 0;
+    bool skip;
+    const scalar_t g = gradient_weight<scalar_t, kOut>(p, b_safe, has_sentence, n, bad, log_z, skip);
     if (n > 0 && skip) {  // the rows hold alpha: clear them
       for (int64_t i = 0; i < n; ++i) {
         for (int t = lane; t < T; t += G) rows[i * T + t] = 0;
@@ -495,6 +518,34 @@ __device__ __forceinline__ scalar_t from_lane(scalar_t v, int source, int lanes)
   return __shfl_sync(kFullMask, v, source, lanes);
 }
 
+// sum_s value[s] * weights[s] over the group's first T lanes, value[s] being lane s's `value`
+// (two chains of multiply-adds: the sum is on the kernel's critical path).
+template <typename scalar_t, int kLanes>
+__device__ __forceinline__ scalar_t group_dot(scalar_t value, const scalar_t (&weights)[kLanes], int T) {
+  scalar_t even = 0, odd = 0;
+#pragma unroll
+  for (int s = 0; s < kLanes; s += 2) {
+    if (s < T) even += from_lane(value, s, kLanes) * weights[s];
+    if (s + 1 < T) odd += from_lane(value, s + 1, kLanes) * weights[s + 1];
+  }
+  return even + odd;
+}
+
+// logsumexp_s(value[s] + terms[s * stride]) over the group's first T lanes, exactly (the
+// fallback when a factored sum underflowed); -inf when every term is -inf. Every lane of the
+// warp must call it.
+template <typename scalar_t, int kLanes>
+__device__ scalar_t group_exact_lse(scalar_t value, const scalar_t* terms, int64_t stride, int T) {
+  scalar_t top = neg_inf<scalar_t>();
+  for (int s = 0; s < T; ++s) top = max_(top, from_lane(value, s, kLanes) + terms[s * stride]);
+  scalar_t total = 0;
+  for (int s = 0; s < T; ++s) {
+    const scalar_t term = from_lane(value, s, kLanes) + terms[s * stride];
+    total += top == neg_inf<scalar_t>() ? scalar_t(0) : exp_(term - top);
+  }
+  return top == neg_inf<scalar_t>() ? top : top + log_(total);
+}
+
 template <typename scalar_t, Output kOut, int kLanes>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward_kernel(const FbParams<scalar_t> p) {
   constexpr bool kKeepRows = kOut != Output::kLogPartition;
@@ -536,8 +587,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
   for (int64_t first = (int64_t)blockIdx.x * kGroupsPerBlock; first < p.batch; first += grid_groups) {
     const int64_t b = first + group;
     const bool has_sentence = b < p.batch;
-    int64_t n = has_sentence ? p.lengths[b] : 0;
-    if (n < 0 || n > L) n = 0;  // reported by validate_inputs_kernel; read nothing
+    const int64_t n = has_sentence ? safe_length(p.lengths, b, L) : 0;  // 0 if out of range: read nothing
     const int64_t steps = warp_max(n);
     const int64_t b_safe = has_sentence ? b : 0;
     const scalar_t* emit = emissions + b_safe * L * T + lane;  // the lane's column, stride T
@@ -569,26 +619,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
       emit_1 = emit_2;
       emit_2 = own && i + 2 < n ? emit[(i + 2) * T] : scalar_t(0);
       bad |= active && is_nan_or_pos_inf(e);
-      const scalar_t pr = exp_(a);
-      scalar_t sum_even = 0, sum_odd = 0;  // two chains of multiply-adds
-#pragma unroll
-      for (int s = 0; s < kLanes; s += 2) {
-        if (s < T) sum_even += from_lane(pr, s, kLanes) * e_col[s];
-        if (s + 1 < T) sum_odd += from_lane(pr, s + 1, kLanes) * e_col[s + 1];
-      }
-      const scalar_t sum = sum_even + sum_odd;
+      const scalar_t sum = group_dot(exp_(a), e_col, T);
       const bool fast = sum >= trusted_sum_min<scalar_t>();
       scalar_t x = col_max != kNegInf && fast ? col_max + log_(sum) : kNegInf;
       const bool need_exact = active && col_max != kNegInf && !fast;  // col_max = -inf off own
       if (__any_sync(kFullMask, need_exact)) {  // logsumexp_s(alpha_hat[s] + trans[s, lane])
-        scalar_t top = kNegInf;
-        for (int s = 0; s < T; ++s) top = max_(top, from_lane(a, s, kLanes) + own_transitions[s * T]);
-        scalar_t total = 0;
-        for (int s = 0; s < T; ++s) {
-          const scalar_t term = from_lane(a, s, kLanes) + own_transitions[s * T];
-          total += top == kNegInf ? scalar_t(0) : exp_(term - top);
-        }
-        if (need_exact) x = top == kNegInf ? kNegInf : top + log_(total);
+        const scalar_t exact = group_exact_lse<scalar_t, kLanes>(a, own_transitions, T, T);
+        if (need_exact) x = exact;
       }
       x += e;
       m = group_max(x, kLanes);
@@ -603,21 +640,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
     const scalar_t last = n > 0 ? a + end : kNegInf;
     m = group_max(last, kLanes);
     const scalar_t sum = group_sum(n > 0 && m != kNegInf ? exp_(last - m) : scalar_t(0), kLanes);
-    double log_z = 0;  // the empty sequence of a length-0 sentence
-    if (n > 0) {
-      log_z = (offset == -CUDART_INF || m == kNegInf) ? -CUDART_INF : offset + static_cast<double>(m + log_(sum));
-    }
-    bad = group_max(static_cast<int>(bad), kLanes) != 0;
-    if (bad && lane == 0) report(p.status, kBadEmissions, b);
-    if (kOut == Output::kLogPartition || kOut == Output::kWithMarginals) {
-      if (has_sentence && lane == 0) p.log_z[b] = static_cast<scalar_t>(log_z);
-    }
+    double log_z;
+    bad = finish_forward<scalar_t, kOut>(p, b_safe, has_sentence, n, offset, m, sum, bad, kLanes, lane, log_z);
     if (kOut == Output::kLogPartition) continue;
 
     // ---- backward: beta_hat (max 0, offset in double), marginals, pairwise marginals ----
-    const scalar_t g = kOut == Output::kBackward ? (has_sentence ? p.grad_log_z[b_safe] : scalar_t(0)) : scalar_t(1);
-    // Every sequence forbidden, or nothing to propagate: all gradients stay 0 (no NaN).
-    const bool skip = n == 0 || bad || log_z == -CUDART_INF || g == 0;
+    bool skip;
+    const scalar_t g = gradient_weight<scalar_t, kOut>(p, b_safe, has_sentence, n, bad, log_z, skip);
     if (n > 0 && skip && own) {  // the rows hold alpha: clear them
       for (int64_t i = 0; i < n; ++i) rows[i * T] = 0;
     }
@@ -675,26 +704,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
       // beta_{i-1}[lane] = logsumexp_t(trans[lane, t] + v[t]), v = emit_i + beta_i, factored
       // with the shift max_t emit_i[t] (v - shift <= 0 since beta <= 0).
       const scalar_t v = emit_i + beta;  // -inf off own
-      const scalar_t q = exp_(v - emit_max_i);
-      scalar_t row_even = 0, row_odd = 0;
-#pragma unroll
-      for (int t = 0; t < kLanes; t += 2) {
-        if (t < T) row_even += from_lane(q, t, kLanes) * e_row[t];
-        if (t + 1 < T) row_odd += from_lane(q, t + 1, kLanes) * e_row[t + 1];
-      }
-      const scalar_t row_sum = row_even + row_odd;
+      const scalar_t row_sum = group_dot(exp_(v - emit_max_i), e_row, T);
       const bool fast = row_sum >= trusted_sum_min<scalar_t>();
       scalar_t x = row_max != kNegInf && fast ? emit_max_i + row_max + log_(row_sum) : kNegInf;
       const bool need_exact = step && row_max != kNegInf && !fast;  // row_max = -inf off own
       if (__any_sync(kFullMask, need_exact)) {  // logsumexp_t(trans[lane, t] + v[t])
-        scalar_t top = kNegInf;
-        for (int t = 0; t < T; ++t) top = max_(top, from_lane(v, t, kLanes) + own_row[t]);
-        scalar_t row_total = 0;
-        for (int t = 0; t < T; ++t) {
-          const scalar_t term = from_lane(v, t, kLanes) + own_row[t];
-          row_total += top == kNegInf ? scalar_t(0) : exp_(term - top);
-        }
-        if (need_exact) x = top == kNegInf ? kNegInf : top + log_(row_total);
+        const scalar_t exact = group_exact_lse<scalar_t, kLanes>(v, own_row, 1, T);
+        if (need_exact) x = exact;
       }
 
       // Pairwise marginals of positions (i-1, i), lane's column: xi[s] = exp(alpha_prev[s] +

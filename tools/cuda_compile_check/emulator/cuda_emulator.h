@@ -131,6 +131,21 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
   emu::block->warp_barriers[threadIdx.x / emu::kWarp]->arrive_and_wait();
 }
 
+namespace emu {
+// One shuffle: every lane of the warp posts `value`, then reads the value lane `source` posted.
+template <typename V>
+V exchange(V value, unsigned source) {
+  const unsigned lane = threadIdx.x % kWarp;
+  auto& slots = block->slots[threadIdx.x / kWarp];
+  std::memcpy(&slots[lane], &value, sizeof(V));
+  __syncwarp();
+  V other;
+  std::memcpy(&other, &slots[source], sizeof(V));
+  __syncwarp();
+  return other;
+}
+}  // namespace emu
+
 template <typename V>
 V __shfl_xor_sync(unsigned mask, V value, int lane_mask, int width = emu::kWarp) {
   static_assert(sizeof(V) <= sizeof(uint64_t), "emulator: shuffles of at most 8 bytes");
@@ -138,13 +153,7 @@ V __shfl_xor_sync(unsigned mask, V value, int lane_mask, int width = emu::kWarp)
                   lane_mask >= 0 && lane_mask < width,
               "emulator: unsupported shuffle (mask ", mask, ", lane mask ", lane_mask, ", width ", width, ")");
   const unsigned lane = threadIdx.x % emu::kWarp;
-  auto& slots = emu::block->slots[threadIdx.x / emu::kWarp];
-  std::memcpy(&slots[lane], &value, sizeof(V));
-  __syncwarp();
-  V other;
-  std::memcpy(&other, &slots[lane ^ static_cast<unsigned>(lane_mask)], sizeof(V));
-  __syncwarp();
-  return other;
+  return emu::exchange(value, lane ^ static_cast<unsigned>(lane_mask));
 }
 
 // Broadcast within groups of `width` lanes: every lane gets the value of lane src_lane of its group.
@@ -155,13 +164,7 @@ V __shfl_sync(unsigned mask, V value, int src_lane, int width = emu::kWarp) {
                   src_lane >= 0 && src_lane < width,
               "emulator: unsupported shuffle (mask ", mask, ", source lane ", src_lane, ", width ", width, ")");
   const unsigned lane = threadIdx.x % emu::kWarp;
-  auto& slots = emu::block->slots[threadIdx.x / emu::kWarp];
-  std::memcpy(&slots[lane], &value, sizeof(V));
-  __syncwarp();
-  V other;
-  std::memcpy(&other, &slots[lane / width * width + src_lane], sizeof(V));
-  __syncwarp();
-  return other;
+  return emu::exchange(value, lane / width * width + src_lane);
 }
 
 // True in every lane when the predicate holds in any lane of the warp.
