@@ -837,7 +837,6 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
     plan.lanes = std::max(8, lanes_per_sentence(T));
     plan.threads = kMaxThreadsPerBlock;
     plan.groups_per_block = plan.threads / plan.lanes;
-    plan.accumulator_in_shared = false;  // registers, written to `partials` / `counts` whole
     kernel = plan.lanes == 8    ? register_forward_backward_kernel<scalar_t, kOut, 8>
              : plan.lanes == 16 ? register_forward_backward_kernel<scalar_t, kOut, 16>
                                 : register_forward_backward_kernel<scalar_t, kOut, register_max_tags<scalar_t>()>;
@@ -855,15 +854,16 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   // register kernel also for the marginals (exp(alpha + beta - log Z) with its known shift).
   const bool keep_offsets = kPairwise || (in_registers && kOut == Output::kMarginals);
   at::Tensor offsets = keep_offsets ? at::empty({slots, L}, options.dtype(at::kDouble)) : at::Tensor();
+  // Accumulators in registers or shared memory are written whole (a group's slice of `partials`
+  // at its end, each sentence's `counts` at the sentence's end); those in global memory are
+  // accumulated into directly, so they start at zero.
+  const bool written_whole = in_registers || plan.accumulator_in_shared;
   at::Tensor partials;
-  if (kOut == Output::kBackward) {  // the groups write their whole slice at the end, or accumulate into it directly
-    partials = in_registers || plan.accumulator_in_shared ? at::empty({slots, accumulator_elements}, options)
-                                                          : at::zeros({slots, accumulator_elements}, options);
+  if (kOut == Output::kBackward) {
+    partials = written_whole ? at::empty({slots, accumulator_elements}, options)
+                             : at::zeros({slots, accumulator_elements}, options);
   }
-  if (kWithMarginals) {  // every sentence's slice is written at its end, or accumulated into directly
-    out.counts = in_registers || plan.accumulator_in_shared ? at::empty({B, T, T}, options)
-                                                            : at::zeros({B, T, T}, options);
-  }
+  if (kWithMarginals) out.counts = written_whole ? at::empty({B, T, T}, options) : at::zeros({B, T, T}, options);
 
   FbParams<scalar_t> params;
   params.emissions = a.emissions.data_ptr<scalar_t>();

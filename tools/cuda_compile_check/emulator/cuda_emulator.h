@@ -132,6 +132,16 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 }
 
 namespace emu {
+// The shuffles the emulator supports: the full warp, groups of a power-of-two `width` lanes,
+// a lane argument (`what`: the xor mask or the source lane) inside the group.
+template <typename V>
+void check_shuffle(unsigned mask, int lane_argument, int width, const char* what) {
+  static_assert(sizeof(V) <= sizeof(uint64_t), "emulator: shuffles of at most 8 bytes");
+  TORCH_CHECK(mask == 0xffffffffu && width >= 1 && width <= kWarp && (width & (width - 1)) == 0 &&
+                  lane_argument >= 0 && lane_argument < width,
+              "emulator: unsupported shuffle (mask ", mask, ", ", what, " ", lane_argument, ", width ", width, ")");
+}
+
 // One shuffle: every lane of the warp posts `value`, then reads the value lane `source` posted.
 template <typename V>
 V exchange(V value, unsigned source) {
@@ -148,10 +158,7 @@ V exchange(V value, unsigned source) {
 
 template <typename V>
 V __shfl_xor_sync(unsigned mask, V value, int lane_mask, int width = emu::kWarp) {
-  static_assert(sizeof(V) <= sizeof(uint64_t), "emulator: shuffles of at most 8 bytes");
-  TORCH_CHECK(mask == 0xffffffffu && width >= 1 && width <= emu::kWarp && (width & (width - 1)) == 0 &&
-                  lane_mask >= 0 && lane_mask < width,
-              "emulator: unsupported shuffle (mask ", mask, ", lane mask ", lane_mask, ", width ", width, ")");
+  emu::check_shuffle<V>(mask, lane_mask, width, "lane mask");
   const unsigned lane = threadIdx.x % emu::kWarp;
   return emu::exchange(value, lane ^ static_cast<unsigned>(lane_mask));
 }
@@ -159,10 +166,7 @@ V __shfl_xor_sync(unsigned mask, V value, int lane_mask, int width = emu::kWarp)
 // Broadcast within groups of `width` lanes: every lane gets the value of lane src_lane of its group.
 template <typename V>
 V __shfl_sync(unsigned mask, V value, int src_lane, int width = emu::kWarp) {
-  static_assert(sizeof(V) <= sizeof(uint64_t), "emulator: shuffles of at most 8 bytes");
-  TORCH_CHECK(mask == 0xffffffffu && width >= 1 && width <= emu::kWarp && (width & (width - 1)) == 0 &&
-                  src_lane >= 0 && src_lane < width,
-              "emulator: unsupported shuffle (mask ", mask, ", source lane ", src_lane, ", width ", width, ")");
+  emu::check_shuffle<V>(mask, src_lane, width, "source lane");
   const unsigned lane = threadIdx.x % emu::kWarp;
   return emu::exchange(value, lane / width * width + src_lane);
 }
