@@ -176,6 +176,54 @@ def test_integer_scores_with_ties_decode_identically(dtype, B, L, T, k):
     assert torch.equal(got["kbest_paths"][:, 0], got["viterbi_paths"])
 
 
+# k-best has two CUDA kernels (csrc/cuda/viterbi.cu): kbest_kernel (a lane per tag, the default)
+# and kbest_per_tag_kernel (a block per sentence, for small batches; opt-in through
+# CRFKIT_CUDA_KBEST_KERNEL until it has been timed on a GPU). Each
+# must give the CPU's paths and scores bit for bit. Shapes: T = 1, K above the number of
+# sequences, 16 and 32 lanes per tag (T = 9, 17, 32: blocks of 160, 544 and 1024 threads), empty
+# and length-1 sentences, backpointers in shared memory and (L T K > 48 KiB) in the global
+# workspace, more sentences than resident blocks, and T = 37, where per_tag does not apply and
+# kbest_kernel runs.
+KBEST_KERNEL_SHAPES = [(1, 1, 1, 3), (4, 5, 2, 40), (7, 9, 5, 5), (9, 33, 9, 15), (5, 14, 17, 6),
+                       (3, 9, 32, 3), (3, 210, 16, 15), (40, 6, 3, 4), (4, 12, 37, 5)]
+
+
+@pytest.mark.parametrize("kernel", ["per_tag", "per_sentence"])
+@pytest.mark.parametrize("scores", ["random", "forbidden", "integer"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T,k", KBEST_KERNEL_SHAPES)
+def test_both_kbest_kernels_decode_like_the_cpu(B, L, T, k, dtype, scores, kernel, monkeypatch):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=2.0, integer=scores == "integer")
+    if scores == "forbidden":
+        inputs = forbid(inputs, seed=B + L + T)
+    em, tr, ln, s, e = inputs
+    want_scores, want_paths = torch.ops.crfkit.kbest_viterbi(em, tr, s, e, ln, k)
+    monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", kernel)
+    em, tr, ln, s, e = to(DEVICE, inputs)
+    got_scores, got_paths = device_ops().kbest_viterbi(em, tr, s, e, ln, k)
+    assert torch.equal(got_scores.cpu(), want_scores)
+    assert torch.equal(got_paths.cpu(), want_paths)
+
+
+@pytest.mark.parametrize("kernel", ["per_tag", "per_sentence"])
+def test_both_kbest_kernels_check_the_emissions_within_the_lengths(kernel, monkeypatch):
+    monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", kernel)
+    for _, mutate, pattern in BAD_VALUES[:2]:  # NaN at position 0, +inf at position 3
+        with pytest.raises(ValueError, match=pattern):
+            RAW["kbest_viterbi"](*mutate(*_good()))
+    em, tr, ln, s, e = _good()
+    clean = RAW["kbest_viterbi"](em, tr, ln, s, e)
+    dirty = RAW["kbest_viterbi"](_put(em, (1, 3, 0), math.nan), tr, ln, s, e)  # sentence 1 has length 2
+    assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
+
+
+def test_kbest_kernel_choice_must_be_known(monkeypatch):
+    monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", "fastest")
+    em, tr, ln, s, e = to(DEVICE, random_crf(2, 4, 3))
+    with pytest.raises(ValueError, match="CRFKIT_CUDA_KBEST_KERNEL must be per_sentence, per_tag or auto"):
+        device_ops().kbest_viterbi(em, tr, s, e, ln, 2)
+
+
 @pytest.mark.parametrize("B,L,T", [(0, 5, 3), (4, 0, 3), (0, 0, 1)])
 def test_empty_batch_and_empty_sentences(B, L, T):
     got = assert_matches_cpu(random_crf(B, L, T), 3, torch.float64)

@@ -20,7 +20,12 @@
 // per-group (L, T[, K]) workspace in the smallest unsigned type that holds them; the final
 // merge over end tags runs on the group's first lane, then the lanes backtrace the K rows
 // in parallel (one row per lane). The transitions are staged in shared memory when they fit.
+// For small batches k-best has a second layout, a block per sentence and a group of lanes per
+// tag (kbest_per_tag_kernel, below; opt-in until timed on a GPU, see KbestKernel).
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #include "common.cuh"
 
@@ -38,22 +43,24 @@ struct KbestArena {
   size_t bytes;
 };
 
+// Buffers laid out one after another, 16-byte aligned: the offset of a buffer of `bytes`, with
+// `at` moved past it.
+__host__ __device__ inline size_t place(size_t& at, size_t bytes) {
+  const size_t offset = at;
+  at = align_up(at + bytes);
+  return offset;
+}
+
 template <typename scalar_t>
 __host__ __device__ inline KbestArena kbest_arena(int64_t T, int64_t K, int64_t G) {
   KbestArena a{};
   size_t at = 0;
-  a.lists_a = at;
-  at = align_up(at + T * K * sizeof(scalar_t));
-  a.lists_b = at;
-  at = align_up(at + T * K * sizeof(scalar_t));
-  a.head_values = at;
-  at = align_up(at + T * G * sizeof(scalar_t));
-  a.heads = at;
-  at = align_up(at + T * G * sizeof(int32_t));
-  a.final_values = at;
-  at = align_up(at + K * sizeof(scalar_t));
-  a.final_codes = at;
-  at = align_up(at + K * sizeof(int32_t));
+  a.lists_a = place(at, T * K * sizeof(scalar_t));
+  a.lists_b = place(at, T * K * sizeof(scalar_t));
+  a.head_values = place(at, T * G * sizeof(scalar_t));
+  a.heads = place(at, T * G * sizeof(int32_t));
+  a.final_values = place(at, K * sizeof(scalar_t));
+  a.final_codes = place(at, K * sizeof(int32_t));
   a.bytes = at;
   return a;
 }
@@ -201,6 +208,27 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const Deco
   }
 }
 
+// Row `row` of sentence b's k-best output, from the final merge's value and code (last tag * K +
+// rank): its score, and its path followed back through the backpointers [(i * T + t) * K + r].
+// A row of value -inf (fewer than K sequences exist) keeps what the host filled in (-inf, -1).
+template <typename scalar_t, typename bp_t>
+__device__ void write_kbest_row(const DecodeParams<scalar_t, bp_t>& p, int64_t b, int64_t n, int64_t row,
+                                scalar_t value, int64_t code, const bp_t* backpointers) {
+  if (value == neg_inf<scalar_t>()) return;
+  const int64_t T = p.num_tags, K = p.list_len;
+  p.scores[b * p.rows + row] = value;
+  int64_t* path = p.paths + (b * p.rows + row) * p.max_len;
+  int64_t tag = code / K, rank = code % K;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    path[i] = tag;
+    if (i == 0) break;
+    const int64_t previous = backpointers[(i * T + tag) * K + rank];
+    if (previous >= T * K) break;  // cannot happen with valid data; never read out of range
+    tag = previous / K;
+    rank = previous % K;
+  }
+}
+
 template <typename scalar_t, typename bp_t, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const DecodeParams<scalar_t, bp_t> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -327,19 +355,169 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const Decode
       continue;
     }
     for (int64_t row = lane; row < K; row += G) {  // one backtrace per lane
-      const scalar_t value = final_values[row];
-      if (value == kNegInf) continue;  // fewer than K sequences exist
-      p.scores[b * p.rows + row] = value;
-      int64_t* path = p.paths + (b * p.rows + row) * L;
-      int64_t tag = final_codes[row] / K, rank = final_codes[row] % K;
-      for (int64_t i = n - 1; i >= 0; --i) {
-        path[i] = tag;
-        if (i == 0) break;
-        const int64_t code = backpointers[(i * T + tag) * K + rank];
-        if (code >= T * K) break;  // cannot happen with valid data; never read out of range
-        tag = code / K;
-        rank = code % K;
-      }
+      write_kbest_row(p, b, n, row, final_values[row], final_codes[row], backpointers);
+    }
+  }
+}
+
+// ---- k-best for small batches: a block per sentence, a group of lanes per tag ----------------
+// kbest_kernel gives each tag's merge (K rounds, each a scan over the T list heads) to ONE
+// lane, so a position costs about K * T dependent shared-memory steps: with few sentences the
+// device is nearly idle and that chain is most of the time (a k-best call at B = 1, L = 128,
+// T = 9, K = 5 took 0.65 ms on an H100, 2026-11-23, log Z and host work included). Here a sentence gets a whole block: one group of G lanes per
+// tag t (G = the smallest power of two >= T, so T * G <= 1024 for T <= 32), and lane s of the
+// group holds the head of predecessor s's list. A round of the merge is then one group_argmax
+// over the heads (log2 G shuffle steps) instead of a T-step scan, and the T tags' merges run at
+// once. Each lane's transition trans[s, t] and end score end[s] never change: they live in
+// registers. The picks, their order and the arithmetic are those of kbest_kernel (and the CPU
+// kbest_step): head = list[s][rank] + trans[s, t], the largest head wins with the smaller s
+// winning a tie, out = head + emission; so the results are identical bit for bit.
+
+// Shared memory of one block of kbest_per_tag_kernel (byte offsets).
+struct PerTagPlan {
+  int lanes = 1;        // G
+  int threads = 32;     // T * G rounded up to whole warps
+  size_t lists_a = 0, lists_b = 0;  // (T, K) scalars each: the lists of the previous / current position
+  size_t final_values = 0;          // (K,) scalars: the K best totals (after end scores)
+  size_t final_codes = 0;           // (K,) int32: their codes s * K + rank
+  size_t bad_flag = 0;              // int32: some lane saw a NaN / +inf emission
+  size_t backpointers = 0;          // (L, T, K) bp_t, when backpointers_in_shared
+  bool backpointers_in_shared = false;
+  size_t shared_bytes = 0;
+};
+
+template <typename scalar_t, typename bp_t>
+PerTagPlan per_tag_plan(int64_t T, int64_t K, int64_t L) {
+  PerTagPlan plan;
+  plan.lanes = lanes_per_sentence(T);
+  plan.threads = (int)((T * plan.lanes + kWarpSize - 1) / kWarpSize * kWarpSize);
+  size_t at = 0;
+  plan.lists_a = place(at, T * K * sizeof(scalar_t));
+  plan.lists_b = place(at, T * K * sizeof(scalar_t));
+  plan.final_values = place(at, K * sizeof(scalar_t));
+  plan.final_codes = place(at, K * sizeof(int32_t));
+  plan.bad_flag = place(at, sizeof(int32_t));
+  // The backtrace follows L dependent backpointers: from shared memory when they fit (short
+  // sentences, small K), else from the global workspace.
+  const size_t backpointer_bytes = align_up(L * T * K * sizeof(bp_t));
+  plan.backpointers = at;
+  plan.backpointers_in_shared = at + backpointer_bytes <= kSharedBudget;
+  if (plan.backpointers_in_shared) at += backpointer_bytes;
+  plan.shared_bytes = at;
+  return plan;
+}
+
+// Whether kbest_per_tag_kernel can take (T, K): a group per tag within one block, and the lists
+// in shared memory.
+template <typename scalar_t, typename bp_t>
+bool per_tag_applies(int64_t T, int64_t K, int64_t L) {
+  return T <= kWarpSize && per_tag_plan<scalar_t, bp_t>(T, K, L).backpointers <= kSharedBudget;
+}
+
+// A merge round by round of T lists sorted in descending order, lists[s * K + r], each shifted
+// by the offset of its lane: the K largest of lists[s * K + r] + offset_s over all s and r, by
+// the G lanes of a group, lane s walking list s (`walks` false for lanes without a list and for
+// idle groups). Round r: the group's largest head, the smaller s on a tie (the sequential merge
+// scans s upwards with a strict '>'); the lane that owns it calls take(r, value, s * K + rank)
+// and advances. Once only -inf is left, the rounds take -inf. Every lane of the warp runs all K
+// rounds (shuffles with the full mask).
+template <typename scalar_t, typename Take>
+__device__ __forceinline__ void group_merge_lists(const scalar_t* lists, int64_t K, scalar_t offset, bool walks, int s,
+                                                  int G, Take&& take) {
+  int rank = 0;
+  scalar_t head = walks ? lists[s * K] + offset : neg_inf<scalar_t>();
+  for (int64_t r = 0; r < K; ++r) {
+    scalar_t best = head;
+    int best_s = s;
+    group_argmax(best, best_s, G);
+    if (best_s == s) {
+      if (walks) take(r, best, (int64_t)s * K + rank);
+      ++rank;
+      head = walks && rank < K ? lists[s * K + rank] + offset : neg_inf<scalar_t>();
+    }
+  }
+}
+
+template <typename scalar_t, typename bp_t>
+__global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<scalar_t, bp_t> p, const PerTagPlan plan) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  const int T = p.num_tags;
+  const int G = plan.lanes;
+  const int t = threadIdx.x / G;  // the tag this lane's group merges for (t >= T: an idle group)
+  const int s = threadIdx.x % G;  // the predecessor whose list the lane walks (s >= T: none)
+  const bool walks = t < T && s < T;
+  const int64_t L = p.max_len;
+  const int64_t K = p.list_len;
+  const scalar_t kNegInf = neg_inf<scalar_t>();
+  const scalar_t transition = walks ? p.transitions[s * T + t] : scalar_t(0);  // trans[s, t]
+  const scalar_t end_score = s < T ? p.end[s] : scalar_t(0);                   // for the final merge
+
+  scalar_t* const lists_a = reinterpret_cast<scalar_t*>(shared_raw + plan.lists_a);  // [t * K + r]
+  scalar_t* const lists_b = reinterpret_cast<scalar_t*>(shared_raw + plan.lists_b);
+  scalar_t* const final_values = reinterpret_cast<scalar_t*>(shared_raw + plan.final_values);
+  int32_t* const final_codes = reinterpret_cast<int32_t*>(shared_raw + plan.final_codes);
+  int32_t* const bad_flag = reinterpret_cast<int32_t*>(shared_raw + plan.bad_flag);
+  bp_t* const backpointers = plan.backpointers_in_shared  // [(i * T + t) * K + r]
+                                 ? reinterpret_cast<bp_t*>(shared_raw + plan.backpointers)
+                                 : p.backpointers + (int64_t)blockIdx.x * L * T * K;
+
+  for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
+    __syncthreads();  // the previous sentence (backtrace included) is finished by every lane
+    const int64_t n = safe_length(p.lengths, b, L);
+    const scalar_t* emit = p.emissions + b * L * T;
+    bool bad = false;
+    if (threadIdx.x == 0) *bad_flag = 0;
+    for (int64_t x = threadIdx.x; x < T * K; x += blockDim.x) {  // position 0: rank 0 of each list
+      const int64_t tag = x / K;
+      lists_a[x] = x % K == 0 && n > 0 ? p.start[tag] + emit[tag] : kNegInf;
+      if (x % K == 0 && n > 0) bad |= is_nan_or_pos_inf(emit[tag]);
+    }
+    scalar_t* cur = lists_a;
+    scalar_t* next = lists_b;
+    // The group's emission, loaded one position ahead (its latency overlaps a whole step).
+    scalar_t emit_ahead = t < T && n > 1 ? emit[T + t] : scalar_t(0);
+    __syncthreads();  // position 0's lists are complete
+    for (int64_t i = 1; i < n; ++i) {
+      const scalar_t e = emit_ahead;
+      if (t < T && i + 1 < n) emit_ahead = emit[(i + 1) * T + t];
+      if (walks && s == 0) bad |= is_nan_or_pos_inf(e);
+      scalar_t* out = next + t * K;
+      bp_t* bp = backpointers + (i * T + t) * K;
+      group_merge_lists(cur, K, transition, walks, s, G, [&](int64_t r, scalar_t best, int64_t code) {
+        if (best == kNegInf) {  // no sequence left for this slot
+          out[r] = kNegInf;
+        } else {
+          out[r] = best + e;
+          bp[r] = static_cast<bp_t>(code);
+        }
+      });
+      __syncthreads();  // next is complete, and nobody reads cur any more
+      scalar_t* swap = cur;
+      cur = next;
+      next = swap;
+    }
+    if (bad) *bad_flag = 1;
+    __syncthreads();
+    const bool sentence_bad = *bad_flag != 0;
+    // The K best over last tags (with the end scores): group 0's lanes walk the lists; the rest
+    // of warp 0 joins the shuffles only.
+    if (threadIdx.x < kWarpSize && n > 0 && !sentence_bad) {
+      group_merge_lists(cur, K, end_score, t == 0 && s < T, s, G, [&](int64_t r, scalar_t best, int64_t code) {
+        final_values[r] = best;
+        final_codes[r] = static_cast<int32_t>(code);
+      });
+    }
+    __syncthreads();  // final_values / final_codes and every backpointer visible to the block
+    if (sentence_bad) {
+      if (threadIdx.x == 0) report(p.status, kBadEmissions, b);
+      continue;
+    }
+    if (n == 0) {  // exactly one sequence, the empty one, of score 0 (row 0; its path is all -1)
+      if (threadIdx.x == 0) p.scores[b * p.rows] = 0;
+      continue;
+    }
+    for (int64_t row = threadIdx.x; row < K; row += blockDim.x) {  // one backtrace per lane
+      write_kbest_row(p, b, n, row, final_values[row], final_codes[row], backpointers);
     }
   }
 }
@@ -354,6 +532,32 @@ int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
 // Backpointer workspaces are per group of a persistent launch; cap their total so that a huge
 // L * T * K does not allocate gigabytes (fewer groups then run at once; results are the same).
 constexpr int64_t kBackpointerBudget = int64_t{256} << 20;
+
+// The parameters every decoder launch shares (the arena fields stay at their defaults: no
+// arena); `backpointers` is the global workspace, undefined when the kernel keeps them in
+// shared memory.
+template <typename scalar_t, typename bp_t>
+DecodeParams<scalar_t, bp_t> decode_params(const CrfArgs& a, int64_t rows, int64_t K, at::Tensor& scores,
+                                           at::Tensor& paths, const at::Tensor& backpointers, Status& status) {
+  DecodeParams<scalar_t, bp_t> params{};
+  params.emissions = a.emissions.data_ptr<scalar_t>();
+  params.transitions = a.transitions.data_ptr<scalar_t>();
+  params.start = a.start.data_ptr<scalar_t>();
+  params.end = a.end.data_ptr<scalar_t>();
+  params.lengths = a.lengths.data_ptr<int64_t>();
+  params.scores = scores.data_ptr<scalar_t>();
+  params.paths = paths.data_ptr<int64_t>();
+  params.backpointers = backpointers.defined() ? reinterpret_cast<bp_t*>(backpointers.data_ptr<uint8_t>()) : nullptr;
+  params.arena_workspace = nullptr;
+  params.status = status.data();
+  params.batch = a.emissions.size(0);
+  params.max_len = a.emissions.size(1);
+  params.rows = rows;
+  params.list_len = K;
+  params.num_tags = (int)a.emissions.size(2);
+  params.arena_bytes = 0;
+  return params;
+}
 
 // shared_kernel / generic_kernel: the decoder's kAllShared = true / false variants.
 template <typename scalar_t, typename bp_t, typename Kernel>
@@ -370,26 +574,61 @@ void launch_decoder(Kernel shared_kernel, Kernel generic_kernel, const CrfArgs& 
   at::Tensor backpointers = at::empty({std::max<int64_t>(1, slots * L * T * K * (int64_t)sizeof(bp_t))}, bytes);
   at::Tensor arena_workspace = plan.arena_in_shared ? at::Tensor() : at::empty({slots * (int64_t)arena_bytes}, bytes);
 
-  DecodeParams<scalar_t, bp_t> params;
-  params.emissions = a.emissions.data_ptr<scalar_t>();
-  params.transitions = a.transitions.data_ptr<scalar_t>();
-  params.start = a.start.data_ptr<scalar_t>();
-  params.end = a.end.data_ptr<scalar_t>();
-  params.lengths = a.lengths.data_ptr<int64_t>();
-  params.scores = scores.data_ptr<scalar_t>();
-  params.paths = paths.data_ptr<int64_t>();
-  params.backpointers = reinterpret_cast<bp_t*>(backpointers.data_ptr<uint8_t>());
+  auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status);
   params.arena_workspace = arena_workspace.defined() ? arena_workspace.data_ptr<uint8_t>() : nullptr;
-  params.status = status.data();
-  params.batch = B;
-  params.max_len = L;
-  params.rows = rows;
-  params.list_len = K;
-  params.num_tags = (int)T;
   params.plan = plan;
   params.arena_bytes = arena_bytes;
   kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, current_stream()>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Which k-best kernel runs: CRFKIT_CUDA_KBEST_KERNEL =
+//   per_sentence  kbest_kernel (the default for now);
+//   per_tag       kbest_per_tag_kernel wherever it applies (per_tag_applies), else kbest_kernel;
+//   auto          kbest_per_tag_kernel where it applies and the batch fits in one wave of its
+//                 blocks (every sentence's block resident at once), else kbest_kernel.
+// kbest_per_tag_kernel was written in a session without a GPU: it passed the tests in the CPU
+// emulator (tools/cuda_compile_check/emulator) but has not yet run or been timed on a GPU, so it
+// is opt-in until it has; `auto` is the rule meant to become the default then (the one-wave
+// threshold is itself a guess to be set from those timings). Tests run both kernels on the
+// same inputs.
+enum class KbestKernel { kPerSentence, kPerTag, kAuto };
+
+KbestKernel kbest_kernel_choice() {
+  const char* value = std::getenv("CRFKIT_CUDA_KBEST_KERNEL");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "per_sentence") == 0) return KbestKernel::kPerSentence;
+  if (std::strcmp(value, "per_tag") == 0) return KbestKernel::kPerTag;
+  if (std::strcmp(value, "auto") == 0) return KbestKernel::kAuto;
+  TORCH_CHECK_VALUE(false, "crfkit: the environment variable CRFKIT_CUDA_KBEST_KERNEL must be per_sentence, per_tag "
+                    "or auto, got '", value, "'");
+}
+
+// Launches kbest_per_tag_kernel and returns true, or returns false (nothing launched) when
+// `forced` is false and the batch needs more than one wave of its blocks.
+template <typename scalar_t, typename bp_t>
+bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced, at::Tensor& scores,
+                          at::Tensor& paths, Status& status) {
+  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
+  const PerTagPlan plan = per_tag_plan<scalar_t, bp_t>(T, K, L);
+  const auto kernel = kbest_per_tag_kernel<scalar_t, bp_t>;
+  SharedPlan one_sentence_per_block;
+  one_sentence_per_block.threads = plan.threads;
+  one_sentence_per_block.groups_per_block = 1;
+  one_sentence_per_block.shared_bytes = plan.shared_bytes;
+  const int64_t resident = persistent_blocks(kernel, one_sentence_per_block, std::max<int64_t>(B, 1));
+  if (!forced && resident < B) return false;
+  if (B == 0) return true;
+  const int64_t per_block = L * T * K * (int64_t)sizeof(bp_t);
+  const int64_t blocks = plan.backpointers_in_shared
+                             ? resident
+                             : std::min(resident, std::max<int64_t>(1, kBackpointerBudget / std::max<int64_t>(1, per_block)));
+  const auto bytes = a.emissions.options().dtype(at::kByte);
+  at::Tensor backpointers = plan.backpointers_in_shared ? at::Tensor() : at::empty({std::max<int64_t>(1, blocks * per_block)}, bytes);
+
+  const auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status);
+  kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, current_stream()>>>(params, plan);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
 }
 
 void check_sizes(int64_t T, int64_t K) {
@@ -442,11 +681,16 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emission
   launch_validate_inputs(a.lengths, L, a.transitions, a.start, a.end, status);
   at::Tensor paths = at::full({B, k, L}, -1, a.lengths.options());
   at::Tensor scores = at::full({B, k}, -std::numeric_limits<double>::infinity(), a.emissions.options());
+  const KbestKernel choice = kbest_kernel_choice();
   AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_kbest_viterbi_cuda", [&] {
     const int G = lanes_per_sentence(T);
     const size_t arena_bytes = kbest_arena<scalar_t>(T, K, G).bytes;
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
+      if (choice != KbestKernel::kPerSentence && per_tag_applies<scalar_t, bp_t>(T, K, L) &&
+          launch_kbest_per_tag<scalar_t, bp_t>(a, k, K, choice == KbestKernel::kPerTag, scores, paths, status)) {
+        return;
+      }
       launch_decoder<scalar_t, bp_t>(kbest_kernel<scalar_t, bp_t, true>, kbest_kernel<scalar_t, bp_t, false>, a, k,
                                      K, arena_bytes, scores, paths, status);
     });

@@ -3,6 +3,7 @@ torch.ops.crfkit_emu.* (CPU tensors in, the kernels' own code running with std::
 
     python tools/cuda_compile_check/emulator/build.py [--sanitize thread|address]
     python tools/cuda_compile_check/emulator/build.py --race-check   # ThreadSanitizer, standalone
+    python tools/cuda_compile_check/emulator/build.py --race-check --kbest-per-tag  # that kernel only
 
 For machines without a GPU: it executes the real kernel source (index arithmetic, shared memory
 layout, synchronisation structure, host-side planning and checks), which compiling alone does
@@ -144,12 +145,14 @@ def main(argv=None) -> int:
     parser.add_argument("--sanitize", choices=("thread", "address"), default=None)
     parser.add_argument("--race-check", action="store_true",
                         help="build and run race_check.cpp under ThreadSanitizer (a standalone program)")
+    parser.add_argument("--kbest-per-tag", action="store_true",
+                        help="with --race-check: only k-best's per-tag kernel (minutes instead of 40)")
     parser.add_argument("--build-dir", default=str(DEFAULT_BUILD))
     args = parser.parse_args(argv)
     if args.race_check:
         program = build_race_check(Path(args.build_dir))
         env = dict(os.environ, TSAN_OPTIONS=os.environ.get("TSAN_OPTIONS", "halt_on_error=1 exitcode=66"))
-        return subprocess_run([str(program)], env)
+        return subprocess_run([str(program)] + (["--kbest-per-tag"] if args.kbest_per_tag else []), env)
     print(build(Path(args.build_dir), args.sanitize, verbose=True))
     return 0
 

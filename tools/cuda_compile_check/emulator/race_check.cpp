@@ -9,6 +9,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -69,24 +71,52 @@ void run_all(const Inputs& x, int64_t k) {
   op<ScoreBackward>("crfkit_emu::sequence_score_backward").call(at::ones_like(scores), x.emissions, x.lengths, paths);
 }
 
+struct Shape {
+  int64_t B, L, T, k;
+  bool forbid;
+};
+
+void print_shape(const Shape& s, at::ScalarType dtype, const char* note) {
+  std::printf("B=%ld L=%ld T=%ld k=%ld %s %s%s\n", (long)s.B, (long)s.L, (long)s.T, (long)s.k,
+              s.forbid ? "forbid" : "", dtype == at::kFloat ? "float" : "double", note);
+  std::fflush(stdout);
+}
+
+// k-best's second kernel (kbest_per_tag_kernel, opt-in through CRFKIT_CUDA_KBEST_KERNEL): its
+// block barriers, on shapes with 16 and 32 lanes per tag and backpointers in shared and in
+// global memory.
+void run_kbest_per_tag() {
+  using KDecode = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                             int64_t);
+  setenv("CRFKIT_CUDA_KBEST_KERNEL", "per_tag", 1);
+  const Shape shapes[] = {{5, 7, 3, 4, false}, {9, 12, 9, 15, true}, {3, 9, 17, 5, false}, {2, 210, 16, 15, false},
+                          {4, 5, 1, 3, false}, {6, 0, 4, 2, false}};
+  for (const Shape& s : shapes) {
+    print_shape(s, at::kFloat, " (k-best per tag)");
+    const Inputs x = make(s.B, s.L, s.T, at::kFloat, s.forbid);
+    op<KDecode>("crfkit_emu::kbest_viterbi").call(x.emissions, x.transitions, x.start, x.end, x.lengths, s.k);
+  }
+  unsetenv("CRFKIT_CUDA_KBEST_KERNEL");
+}
+
 }  // namespace
 
-int main() {
+// `race_check --kbest-per-tag` runs only run_kbest_per_tag (a few minutes instead of 40).
+int main(int argc, char** argv) {
   at::manual_seed(0);
   at::set_num_threads(1);  // torch's own thread pool is not what is checked here
-  struct Shape {
-    int64_t B, L, T, k;
-    bool forbid;
-  };
+  run_kbest_per_tag();
+  if (argc > 1 && std::strcmp(argv[1], "--kbest-per-tag") == 0) {
+    std::printf("all ops ran\n");
+    return 0;
+  }
   const Shape shapes[] = {
       {5, 7, 3, 4, false},    {9, 12, 9, 15, true},  {3, 6, 37, 5, false}, {70, 4, 2, 3, true},
       {3, 3, 100, 100, false}, {2, 3, 300, 2, false}, {4, 5, 1, 3, false},  {6, 0, 4, 2, false},
   };
   for (const auto dtype : {at::kFloat, at::kDouble}) {
     for (const Shape& s : shapes) {
-      std::printf("B=%ld L=%ld T=%ld k=%ld %s %s\n", (long)s.B, (long)s.L, (long)s.T, (long)s.k,
-                  s.forbid ? "forbid" : "", dtype == at::kFloat ? "float" : "double");
-      std::fflush(stdout);
+      print_shape(s, dtype, "");
       run_all(make(s.B, s.L, s.T, dtype, s.forbid), s.k);
     }
   }
