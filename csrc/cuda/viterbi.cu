@@ -380,7 +380,6 @@ struct PerTagPlan {
   size_t lists_a = 0, lists_b = 0;  // (T, K) scalars each: the lists of the previous / current position
   size_t final_values = 0;          // (K,) scalars: the K best totals (after end scores)
   size_t final_codes = 0;           // (K,) int32: their codes s * K + rank
-  size_t bad_flag = 0;              // int32: some lane saw a NaN / +inf emission
   size_t backpointers = 0;          // (L, T, K) bp_t, when backpointers_in_shared
   bool backpointers_in_shared = false;
   size_t shared_bytes = 0;
@@ -396,7 +395,6 @@ PerTagPlan per_tag_plan(int64_t T, int64_t K, int64_t L) {
   plan.lists_b = place(at, T * K * sizeof(scalar_t));
   plan.final_values = place(at, K * sizeof(scalar_t));
   plan.final_codes = place(at, K * sizeof(int32_t));
-  plan.bad_flag = place(at, sizeof(int32_t));
   // The backtrace follows L dependent backpointers: from shared memory when they fit (short
   // sentences, small K), else from the global workspace.
   const size_t backpointer_bytes = align_up(L * T * K * sizeof(bp_t));
@@ -456,7 +454,6 @@ __global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<
   scalar_t* const lists_b = reinterpret_cast<scalar_t*>(shared_raw + plan.lists_b);
   scalar_t* const final_values = reinterpret_cast<scalar_t*>(shared_raw + plan.final_values);
   int32_t* const final_codes = reinterpret_cast<int32_t*>(shared_raw + plan.final_codes);
-  int32_t* const bad_flag = reinterpret_cast<int32_t*>(shared_raw + plan.bad_flag);
   bp_t* const backpointers = plan.backpointers_in_shared  // [(i * T + t) * K + r]
                                  ? reinterpret_cast<bp_t*>(shared_raw + plan.backpointers)
                                  : p.backpointers + (int64_t)blockIdx.x * L * T * K;
@@ -465,8 +462,7 @@ __global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<
     __syncthreads();  // the previous sentence (backtrace included) is finished by every lane
     const int64_t n = safe_length(p.lengths, b, L);
     const scalar_t* emit = p.emissions + b * L * T;
-    bool bad = false;
-    if (threadIdx.x == 0) *bad_flag = 0;
+    bool bad = false;  // this lane saw a NaN / +inf emission
     for (int64_t x = threadIdx.x; x < T * K; x += blockDim.x) {  // position 0: rank 0 of each list
       const int64_t tag = x / K;
       lists_a[x] = x % K == 0 && n > 0 ? p.start[tag] + emit[tag] : kNegInf;
@@ -496,9 +492,7 @@ __global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<
       cur = next;
       next = swap;
     }
-    if (bad) *bad_flag = 1;
-    __syncthreads();
-    const bool sentence_bad = *bad_flag != 0;
+    const bool sentence_bad = __syncthreads_or(bad) != 0;
     // The K best over last tags (with the end scores): group 0's lanes walk the lists; the rest
     // of warp 0 joins the shuffles only.
     if (threadIdx.x < kWarpSize && n > 0 && !sentence_bad) {

@@ -56,10 +56,12 @@ struct Block {
       : barrier(threads), shared(new unsigned char[shared_bytes > 0 ? shared_bytes : 1]) {
     for (unsigned w = 0; w < threads / kWarp; ++w) warp_barriers.emplace_back(std::make_unique<std::barrier<>>(kWarp));
     slots.resize(threads / kWarp);
+    votes.resize(threads);
   }
   std::barrier<> barrier;
   std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
   std::vector<std::array<uint64_t, kWarp>> slots;  // shuffle exchange, one row per warp
+  std::vector<int> votes;                          // __syncthreads_or, one per thread
   std::unique_ptr<unsigned char[]> shared;
 };
 
@@ -125,6 +127,17 @@ Launch<Params...> launch(void (*kernel)(Params...), G grid, B threads, size_t sh
 }  // namespace emu
 
 inline void __syncthreads() { emu::block->barrier.arrive_and_wait(); }
+
+// A block barrier that returns, in every thread, whether the predicate held in any thread.
+inline int __syncthreads_or(int predicate) {
+  auto& votes = emu::block->votes;
+  votes[threadIdx.x] = predicate != 0;
+  __syncthreads();
+  int any = 0;
+  for (const int vote : votes) any |= vote;
+  __syncthreads();  // every thread has read the votes before they are written again
+  return any;
+}
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   TORCH_CHECK(mask == 0xffffffffu, "emulator: only full-warp __syncwarp");
