@@ -2,8 +2,8 @@
 # Everything issue 5 needs from a GPU machine, in one command (the device tool's machines are
 # lent for minutes: few, full calls). Run from the repository root on a machine with a CUDA GPU:
 #
-#     bash tools/gpu_checks.sh [STAGES]      # STAGES: comma list of env,build,test,sanitize,bench
-#                                            # (default: all, in that order)
+#     bash tools/gpu_checks.sh [STAGES]      # STAGES: comma list of env,build,test,sanitize,
+#                                            # kbest_ab,bench (default: all, in that order)
 #
 # Each stage is time-boxed so the whole run ends inside one device call (10 minutes); a stage
 # that fails or runs out of time is reported and the next one still runs. Logs and results go to
@@ -12,13 +12,14 @@
 #   GPU_TEST_ARGS             extra pytest arguments for the test stage (e.g. -k kbest)
 #   BENCH_ARGS                arguments for benchmarks/bench_gpu.py (default --quick)
 #   BUDGET_S                  seconds the whole run may take (default 560)
+#   KBEST_AB_SHAPES           shapes of the kbest_ab stage (default 1x128x9,32x512x9,256x128x9,1024x128x9)
 # Peer libraries for the benchmark: wheels in .whl/ (and pure packages in .whl/pure/) are put
 # on PYTHONPATH first, as the device tool's README describes; without them the peers are
 # reported "not installed".
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-STAGES=${1:-env,build,test,sanitize,bench}
+STAGES=${1:-env,build,test,sanitize,kbest_ab,bench}
 BUDGET_S=${BUDGET_S:-560}
 START=$(date +%s)
 PY=${PYTHON:-python3}
@@ -97,6 +98,23 @@ if has sanitize; then
         $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "not compile" ${GPU_TEST_ARGS:-}
     tail -15 "$OUT/sanitize.log"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -2 >>"$SUMMARY"
+fi
+
+if has kbest_ab; then
+    # The two CUDA k-best kernels (csrc/cuda/viterbi.cu, CRFKIT_CUDA_KBEST_KERNEL) on the same
+    # build, alternating, K = 5 and 15, three rounds: the numbers that set the `auto` rule.
+    # (`stage` runs its command under timeout, so the loop is a bash -c script, not a function.)
+    stage kbest_ab 30 env PY="$PY" SHAPES="${KBEST_AB_SHAPES:-1x128x9,32x512x9,256x128x9,1024x128x9}" bash -c '
+        for round in 1 2 3; do
+            for kernel in per_sentence per_tag; do
+                for k in 5 15; do
+                    echo "== round $round, $kernel, K = $k"
+                    CRFKIT_CUDA_KBEST_KERNEL=$kernel $PY benchmarks/profile_gpu.py --ops kbest --k "$k" \
+                        --shapes "$SHAPES" | grep "^|"
+                done
+            done
+        done'
+    tail -40 "$OUT/kbest_ab.log"
 fi
 
 if has bench; then
