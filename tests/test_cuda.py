@@ -178,11 +178,11 @@ def test_integer_scores_with_ties_decode_identically(dtype, B, L, T, k):
 
 # k-best has two CUDA kernels (csrc/cuda/viterbi.cu): kbest_kernel (a lane per tag, the default)
 # and kbest_per_tag_kernel (a block per sentence, for small batches; opt-in through
-# CRFKIT_CUDA_KBEST_KERNEL until it has been timed on a GPU). Each
-# must give the CPU's paths and scores bit for bit. Shapes: T = 1, K above the number of
-# sequences, 16 and 32 lanes per tag (T = 9, 17, 32: blocks of 160, 544 and 1024 threads), empty
-# and length-1 sentences, backpointers in shared memory and (L T K > 48 KiB; 16-bit codes at
-# T K = 272) in the global workspace, more sentences than resident blocks, and T = 37, where per_tag does not apply and
+# CRFKIT_CUDA_KBEST_KERNEL until it has been timed on a GPU). Each must give the CPU's paths and
+# scores bit for bit. Shapes: T = 1, K above the number of sequences, 16 and 32 lanes per tag
+# (T = 9, 17, 32: blocks of 160, 544 and 1024 threads), empty and length-1 sentences,
+# backpointers in shared memory and (L T K > 48 KiB; 16-bit codes at T K = 272) in the global
+# workspace, more sentences than resident blocks, and T = 37, where per_tag does not apply and
 # kbest_kernel runs.
 KBEST_KERNEL_SHAPES = [(1, 1, 1, 3), (4, 5, 2, 40), (7, 9, 5, 5), (9, 33, 9, 15), (5, 14, 17, 6),
                        (3, 9, 32, 3), (3, 90, 16, 17), (40, 6, 3, 4), (4, 12, 37, 5)]

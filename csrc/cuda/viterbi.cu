@@ -364,9 +364,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const Decode
 // kbest_kernel gives each tag's merge (K rounds, each a scan over the T list heads) to ONE
 // lane, so a position costs about K * T dependent shared-memory steps: with few sentences the
 // device is nearly idle and that chain is most of the time (a k-best call at B = 1, L = 128,
-// T = 9, K = 5 took 0.65 ms on an H100, 2026-11-23, log Z and host work included). Here a sentence gets a whole block: one group of G lanes per
-// tag t (G = the smallest power of two >= T, so T * G <= 1024 for T <= 32), and lane s of the
-// group holds the head of predecessor s's list. A round of the merge is then one group_argmax
+// T = 9, K = 5 took 0.65 ms on an H100, 2026-11-23, log Z and host work included). Here a
+// sentence gets a whole block: one group of G lanes per tag t (G = the smallest power of two
+// >= T, so T * G <= 1024 for T <= 32), and lane s of the group holds the head of predecessor
+// s's list. A round of the merge is then one group_argmax
 // over the heads (log2 G shuffle steps) instead of a T-step scan, and the T tags' merges run at
 // once. Each lane's transition trans[s, t] and end score end[s] never change: they live in
 // registers. The picks, their order and the arithmetic are those of kbest_kernel (and the CPU
@@ -403,13 +404,6 @@ PerTagPlan per_tag_plan(int64_t T, int64_t K, int64_t L) {
   if (plan.backpointers_in_shared) at += backpointer_bytes;
   plan.shared_bytes = at;
   return plan;
-}
-
-// Whether kbest_per_tag_kernel can take (T, K): a group per tag within one block, and the lists
-// in shared memory.
-template <typename scalar_t, typename bp_t>
-bool per_tag_applies(int64_t T, int64_t K, int64_t L) {
-  return T <= kWarpSize && per_tag_plan<scalar_t, bp_t>(T, K, L).backpointers <= kSharedBudget;
 }
 
 // A merge round by round of T lists sorted in descending order, lists[s * K + r], each shifted
@@ -542,14 +536,12 @@ DecodeParams<scalar_t, bp_t> decode_params(const CrfArgs& a, int64_t rows, int64
   params.scores = scores.data_ptr<scalar_t>();
   params.paths = paths.data_ptr<int64_t>();
   params.backpointers = backpointers.defined() ? reinterpret_cast<bp_t*>(backpointers.data_ptr<uint8_t>()) : nullptr;
-  params.arena_workspace = nullptr;
   params.status = status.data();
   params.batch = a.emissions.size(0);
   params.max_len = a.emissions.size(1);
   params.rows = rows;
   params.list_len = K;
   params.num_tags = (int)a.emissions.size(2);
-  params.arena_bytes = 0;
   return params;
 }
 
@@ -578,7 +570,7 @@ void launch_decoder(Kernel shared_kernel, Kernel generic_kernel, const CrfArgs& 
 
 // Which k-best kernel runs: CRFKIT_CUDA_KBEST_KERNEL =
 //   per_sentence  kbest_kernel (the default for now);
-//   per_tag       kbest_per_tag_kernel wherever it applies (per_tag_applies), else kbest_kernel;
+//   per_tag       kbest_per_tag_kernel wherever it applies (launch_kbest_per_tag), else kbest_kernel;
 //   auto          kbest_per_tag_kernel where it applies and the batch fits in one wave of its
 //                 blocks (every sentence's block resident at once), else kbest_kernel.
 // kbest_per_tag_kernel was written in a session without a GPU: it passed the tests in the CPU
@@ -597,25 +589,27 @@ KbestKernel kbest_kernel_choice() {
                     "or auto, got '", value, "'");
 }
 
-// Launches kbest_per_tag_kernel and returns true, or returns false (nothing launched) when
-// `forced` is false and the batch needs more than one wave of its blocks.
+// Launches kbest_per_tag_kernel and returns true, or returns false (nothing launched) where it
+// does not apply (T > 32: a group per tag would not fit in a block; lists too large for shared
+// memory) or, unless `forced`, where the batch needs more than one wave of its blocks.
 template <typename scalar_t, typename bp_t>
 bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced, at::Tensor& scores,
                           at::Tensor& paths, Status& status) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const PerTagPlan plan = per_tag_plan<scalar_t, bp_t>(T, K, L);
+  if (T > kWarpSize || plan.backpointers > kSharedBudget) return false;
+  if (B == 0) return true;
   const auto kernel = kbest_per_tag_kernel<scalar_t, bp_t>;
   SharedPlan one_sentence_per_block;
   one_sentence_per_block.threads = plan.threads;
   one_sentence_per_block.groups_per_block = 1;
   one_sentence_per_block.shared_bytes = plan.shared_bytes;
-  const int64_t resident = persistent_blocks(kernel, one_sentence_per_block, std::max<int64_t>(B, 1));
+  const int64_t resident = persistent_blocks(kernel, one_sentence_per_block, B);
   if (!forced && resident < B) return false;
-  if (B == 0) return true;
-  const int64_t per_block = L * T * K * (int64_t)sizeof(bp_t);
+  const int64_t per_block = L * T * K * (int64_t)sizeof(bp_t);  // > 0 when not in shared memory
   const int64_t blocks = plan.backpointers_in_shared
                              ? resident
-                             : std::min(resident, std::max<int64_t>(1, kBackpointerBudget / std::max<int64_t>(1, per_block)));
+                             : std::min(resident, std::max<int64_t>(1, kBackpointerBudget / per_block));
   const auto bytes = a.emissions.options().dtype(at::kByte);
   at::Tensor backpointers = plan.backpointers_in_shared ? at::Tensor() : at::empty({std::max<int64_t>(1, blocks * per_block)}, bytes);
 
@@ -681,7 +675,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emission
     const size_t arena_bytes = kbest_arena<scalar_t>(T, K, G).bytes;
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
-      if (choice != KbestKernel::kPerSentence && per_tag_applies<scalar_t, bp_t>(T, K, L) &&
+      if (choice != KbestKernel::kPerSentence &&
           launch_kbest_per_tag<scalar_t, bp_t>(a, k, K, choice == KbestKernel::kPerTag, scores, paths, status)) {
         return;
       }
