@@ -15,6 +15,9 @@ Conventions, the same in every backend:
 - A score of -inf forbids a tag, a transition, a first or last tag, in EVERY operation
   (log Z, marginals, Viterbi, k-best); crfkit.constraints builds such masks for BIO / BIOES / ...
   NaN or +inf anywhere a score is read raises ValueError (RuntimeError from the raw ops).
+  So do lengths outside [0, L] and tags outside [0, T) at real positions; with CUDA tensors
+  the kernels report those once they have run (the values are not read back to the host
+  first: that would wait for the GPU on every call).
 - A length-0 sentence has exactly one tag sequence, the empty one, of score 0:
   log Z = 0, marginals 0, Viterbi path all -1 with score 0, k-best row 0 = that empty path
   (score 0, log_prob 0) and the other rows missing.
@@ -141,11 +144,21 @@ def _already_prepared(emissions, transitions, lengths, start, end):
             and lengths.device == device and emissions.is_contiguous() and transitions.is_contiguous()
             and start.is_contiguous() and end.is_contiguous() and lengths.is_contiguous()):
         return None
-    if given_lengths is not None and B > 0 and not _is_compiling():
+    if given_lengths is not None and B > 0 and not _is_compiling() and not _values_checked_on_device(lengths):
         low, high = _length_range(lengths)
         if low < 0 or high > L:
             return None  # _prepare_lengths raises the message
     return emissions, transitions, lengths, start, end
+
+
+def _values_checked_on_device(x: Tensor) -> bool:
+    """Whether the current backend's kernels for x's device check the values of lengths and
+    tags themselves and raise, naming the argument, once they have run (the compiled backend's
+    CUDA kernels: VALUES_CHECKED_ON_DEVICE in crfkit/backends/compiled.py). The front end then
+    leaves those checks to them: its own would read the values back to the host, which on a GPU
+    is a reduction and copies that wait for the device, on every call."""
+    checked = getattr(backends.current(), "VALUES_CHECKED_ON_DEVICE", ())
+    return bool(checked) and x.device.type in checked  # (x.device costs 0.2 us: asked only if needed)
 
 
 def _length_range(lengths: Tensor):
@@ -185,11 +198,18 @@ def _prepare_lengths(lengths, B: int, L: int, device) -> Tensor:
         raise ValueError(f"lengths must have shape ({B},) for a batch of {B}, got {tuple(lengths.shape)}")
     if lengths.device != device:
         raise ValueError(f"lengths is on {lengths.device} but emissions is on {device}; put them on one device")
-    if not _is_compiling() and B > 0:  # data-dependent: the kernels check again while compiled
+    # Data-dependent: while compiled, and where the kernels check on the device, they raise instead.
+    if not _is_compiling() and not _values_checked_on_device(lengths):
+        check_length_values(lengths, L)
+    return _as_compute(lengths, torch.long)
+
+
+def check_length_values(lengths: Tensor, L: int) -> None:
+    """Raise ValueError unless every value of lengths (B,) lies in [0, L]. (Reads them on the host.)"""
+    if lengths.shape[0] > 0:
         low, high = _length_range(lengths)
         if low < 0 or high > L:
             raise ValueError(f"lengths must lie in [0, seq_len = {L}], got values in [{low}, {high}]")
-    return _as_compute(lengths, torch.long)
 
 
 def log_partition(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
@@ -276,7 +296,7 @@ def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=N
     if not (squeeze or tags.dim() == 3) or tags.shape[0] != B or tags.shape[-1] != L:
         raise ValueError(f"tags must have shape ({B}, {L}) or ({B}, N, {L}), got {tuple(tags.shape)}")
     tags3 = (tags.unsqueeze(1) if squeeze else tags).to(torch.long).contiguous()
-    if not _is_compiling() and tags3.numel() > 0:
+    if not _is_compiling() and tags3.numel() > 0 and not _values_checked_on_device(tags3):
         valid = torch.arange(L, device=tags.device) < lengths.view(B, 1, 1)
         real = tags3[valid.expand_as(tags3)]
         if real.numel() and (int(real.min()) < 0 or int(real.max()) >= T):

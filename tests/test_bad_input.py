@@ -305,3 +305,65 @@ def test_outputs_record_a_backward_only_when_asked(op):
         raw = getattr(torch.ops.crfkit, op)(em, tr, torch.zeros(3), torch.zeros(3), torch.tensor([4, 2]),
                                            *([2] if op == "kbest_viterbi" else []))
     assert not any(x.requires_grad for x in (raw if isinstance(raw, tuple) else (raw,)))
+
+
+# Where the compiled kernels check lengths and tags on the device (CUDA: compiled.py's
+# VALUES_CHECKED_ON_DEVICE), the front end must not read them back, and the kernels' errors
+# must still reach the caller. The CPU kernels check them as the CUDA ones do (same messages),
+# so the CUDA arrangement is run here on the CPU by listing "cpu" as such a device.
+@pytest.fixture
+def values_checked_by_the_cpu_kernels(monkeypatch):
+    if "compiled" not in crfkit.backends.available():
+        pytest.skip("the compiled extension is not built")
+    from crfkit.backends import compiled
+
+    def no_host_read(*args):
+        raise AssertionError("the front end read lengths back although the kernels check them")
+
+    monkeypatch.setattr(compiled, "VALUES_CHECKED_ON_DEVICE", ("cpu",))
+    monkeypatch.setattr(F, "_length_range", no_host_read)
+    with crfkit.use_backend("compiled"):
+        yield
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("lengths", [[4, -1], [5, 1]])
+def test_lengths_checked_on_the_device_still_raise(values_checked_by_the_cpu_kernels, op, lengths):
+    em, tr, kw = good()
+    kw["lengths"] = torch.tensor(lengths)
+    with pytest.raises(ValueError, match=r"lengths\[[01]\] = (-1|5) is outside \[0, seq_len = 4\]"):
+        OPS[op](em, tr, **kw)
+
+
+def test_tags_checked_on_the_device_still_raise(values_checked_by_the_cpu_kernels):
+    em, tr, kw = good()
+    kw["lengths"] = torch.tensor([4, 2])
+    tags = torch.tensor([[0, 1, 2, 0], [1, 3, -100, -100]])  # 3 is not a tag; -100 is padding
+    with pytest.raises(ValueError, match=r"tags\[1, 0, 1\] = 3 is not a tag index in \[0, 3\)"):
+        crfkit.sequence_score(em, tr, tags, **kw)
+    tags[1, 1] = 2
+    expected = crfkit.reference.sequence_score(em, tr, tags.clamp(min=0), kw["lengths"], kw["start"], kw["end"])
+    torch.testing.assert_close(crfkit.sequence_score(em, tr, tags, **kw), expected)
+
+
+def test_differentiable_expected_counts_check_lengths_for_the_reference(monkeypatch):
+    # A differentiable expected_transition_counts takes the reference, which does not check the
+    # lengths: where the front end left them to the kernels, the backend checks them itself.
+    if "compiled" not in crfkit.backends.available():
+        pytest.skip("the compiled extension is not built")
+    from crfkit.backends import compiled
+
+    monkeypatch.setattr(compiled, "VALUES_CHECKED_ON_DEVICE", ("cpu",))
+    em, tr, kw = good()
+    kw["lengths"] = torch.tensor([5, 1])
+    with crfkit.use_backend("compiled"), pytest.raises(ValueError, match=r"lengths must lie in \[0, seq_len = 4\]"):
+        crfkit.expected_transition_counts(em.requires_grad_(), tr, **kw)
+
+
+def test_only_cuda_kernels_take_over_the_value_checks():
+    if "compiled" not in crfkit.backends.available():
+        pytest.skip("the compiled extension is not built")
+    from crfkit.backends import compiled
+
+    assert compiled.VALUES_CHECKED_ON_DEVICE == (("cuda",) if crfkit.backend_info()["cuda_kernels"] else ())
+    assert not F._values_checked_on_device(torch.zeros(1, dtype=torch.long))

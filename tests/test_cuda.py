@@ -433,11 +433,21 @@ def test_garbage_beyond_the_lengths_is_ignored(op):
 def test_lengths_out_of_range_raise(op, lengths):
     em, tr, _, s, e = _good()
     bad = torch.tensor(lengths, device=DEVICE)
-    with pytest.raises(ValueError, match=r"lengths\[[01]\] = (-1|5) is outside \[0, seq_len = 4\]"):
+    message = r"lengths\[[01]\] = (-1|5) is outside \[0, seq_len = 4\]"
+    with pytest.raises(ValueError, match=message):
         RAW[op](em, tr, bad, s, e)
     if op in FUNCTIONAL:
-        with on_device(), pytest.raises(ValueError, match=r"lengths must lie in \[0, seq_len = 4\]"):
+        # The front end leaves the lengths to the kernels here (no read back to the host:
+        # compiled.VALUES_CHECKED_ON_DEVICE), so the message is theirs.
+        with on_device(), pytest.raises(ValueError, match=message):
             FUNCTIONAL[op](em, tr, bad, s, e)
+
+
+def test_differentiable_expected_counts_check_the_lengths_themselves():
+    # That call takes the reference, which no kernel's check precedes.
+    em, tr, _, s, e = _good()
+    with on_device(), pytest.raises(ValueError, match=r"lengths must lie in \[0, seq_len = 4\]"):
+        crfkit.expected_transition_counts(em.requires_grad_(), tr, torch.tensor([5, 1], device=DEVICE), s, e)
 
 
 def test_bad_tags_raise():
@@ -447,6 +457,8 @@ def test_bad_tags_raise():
     tags[1, 0, 1] = 7  # within sentence 1 (length 2)
     with pytest.raises(ValueError, match=r"tags\[1, 0, 1\] = 7 is not a tag index in \[0, 3\)"):
         ops.sequence_score(em, tr, s, e, ln, tags)
+    with on_device(), pytest.raises(ValueError, match=r"tags\[1, 0, 1\] = 7 is not a tag index in \[0, 3\)"):
+        crfkit.sequence_score(em, tr, tags[:, 0], ln, s, e)  # the front end leaves the tags to the kernel
     with pytest.raises(ValueError, match="is not a tag index"):
         ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, ln, tags)
     tags[1, 0, 1] = 0

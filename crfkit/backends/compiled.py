@@ -139,6 +139,16 @@ _KERNELS = {(name, key): torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit
             for name in EXPECTED_SCHEMAS for key in ("CPU", "CUDA")}
 
 
+# The device types whose kernels check the values of lengths and tags themselves (on the device,
+# raising once they have run, with the argument and index named: csrc/cuda/common.cu): CUDA,
+# where the kernels are built. The front end (crfkit.functional) leaves those checks to them
+# there, as its own would read the values back to the host, a reduction and copies that wait
+# for the device, on every call. Not the CPU: its kernels check them too, but the front end's
+# check costs about 1 us there and its message gives the whole range. (The emulator's tests put
+# "cpu" here, to run the CUDA path on its CPU tensors.)
+VALUES_CHECKED_ON_DEVICE = ("cuda",) if _KERNELS[("log_partition", "CUDA")] else ()
+
+
 def _has_kernel(op_name: str, tensor: Tensor) -> bool:
     """Whether op_name has a kernel for tensor's device."""
     return _KERNELS[(op_name, "CUDA" if tensor.is_cuda else "CPU")]
@@ -153,6 +163,10 @@ def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start
 def expected_transition_counts(emissions, transitions, lengths, start, end) -> Tensor:
     # The kernel has no derivative of its own: differentiable calls take the reference.
     if _needs_grad(emissions, transitions, start, end) or not _has_kernel("expected_transition_counts", emissions):
+        if lengths.device.type in VALUES_CHECKED_ON_DEVICE:  # no kernel checks them in this call
+            from ..functional import check_length_values
+
+            check_length_values(lengths, emissions.shape[1])
         return reference.expected_transition_counts(emissions, transitions, lengths, start, end)
     return ops.expected_transition_counts(emissions, transitions, start, end, lengths)
 

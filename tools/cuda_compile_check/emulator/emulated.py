@@ -120,8 +120,11 @@ def emulated_kernels():
     """Within the block, crfkit's compiled backend runs the emulated CUDA kernels."""
     from crfkit.backends import compiled
 
-    saved_ops, saved_kernels = compiled.ops, dict(compiled._KERNELS)
+    saved_ops, saved_kernels, saved_checked = compiled.ops, dict(compiled._KERNELS), compiled.VALUES_CHECKED_ON_DEVICE
     compiled.ops = torch.ops.crfkit_emu
+    # Like the CUDA kernels, the emulated ones check lengths and tags themselves: the front end
+    # leaves those checks to them, as it does on a GPU.
+    compiled.VALUES_CHECKED_ON_DEVICE = ("cpu",)
     # The emulated tensors are CPU tensors: on "CPU", only the ops that have CUDA kernels exist
     # (the others take compiled.py's fallbacks, as they would on a GPU).
     for name, key in saved_kernels:
@@ -131,5 +134,6 @@ def emulated_kernels():
         yield torch.ops.crfkit_emu
     finally:
         compiled.ops = saved_ops
+        compiled.VALUES_CHECKED_ON_DEVICE = saved_checked
         compiled._KERNELS.clear()
         compiled._KERNELS.update(saved_kernels)
