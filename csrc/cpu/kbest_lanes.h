@@ -253,9 +253,12 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
 // (32, 128, T) float, lanes forced, AVX2-only EPYC, best of 5 alternating processes), K = 5 /
 // 15 (two or three runs where given): T = 3 +9% / +14%, T = 5 +3%, +13%, 0% / +4%, +8%, +3%,
 // T = 7 +6% / -6%, T = 9 -5%, +1%, +9% / -8%, -10%, -15%, T = 12 -26% / -27%, T = 16 -20%,
-// -20%, -6% / -26%, -31%, -26%. The op alone at (32, 128, 9), best of 9: -3% / -12%. Not
-// measured with AVX-512's 16 lanes, where a group has twice as many lanes that must all hold
-// for the pruned merge to stand.
+// -20%, -6% / -26%, -31%, -26%. The op alone at (32, 128, 9), best of 9: -3% / -12%. With
+// AVX-512's 16 lanes (a group has twice as many lanes that must all hold for the pruned merge
+// to stand) it neither gains nor loses: raw op, 2 threads, (32, 128, T), lanes forced, best of
+// 2 alternating processes, pruned time over merge_lanes' alone at K = 2 / 5 / 15: float T = 9
+// 1.02, 0.99, 1.02; T = 12 1.04, 1.02, 1.01; T = 16 1.01, 0.99, 0.95; double T = 9 0.98,
+// 1.00, 0.97; T = 12 0.99, 0.97, 0.99; T = 16 0.99, 1.00, 0.99 (2026-11-23). Kept there too.
 inline constexpr int kPrunedMergeMinTags = 9;
 
 // One merge of merge_lanes (kT > 0, one target tag) with the lists that cannot contribute left
@@ -323,7 +326,11 @@ __attribute__((always_inline)) inline bool merge_lanes_pruned(
 
   // Two-way merge of list a = s1 and list b = the other one. The entry after each head is kept
   // at hand (as merge_lanes' kNextAhead), so a round's head update needs no gather; the gather
-  // that refills it follows the round's choice and has until the next round's update.
+  // that refills it follows the round's choice and has until the next round's update. (Still
+  // the hottest spot: perf on AVX-512, (16, 128, 9), K = 5, put 19% of the group decoder's
+  // samples on the blend that takes the refill gather's result. The extract-and-OR chain of
+  // any_lane above drew about 8%, but one test instruction in its place changed nothing
+  // measurable, 260.7 against 262.2 us for (32, 128, 9) with 1 thread: it is off the chain.)
   const Mask b_wins_ties = second_address < best_address;  // the smaller predecessor
   Vector head_a = best, head_b = second;
   Mask address_a = best_address, address_b = second_address;
