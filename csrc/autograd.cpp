@@ -275,12 +275,29 @@ at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor
   return autograd_kernel<SequenceScore>(sequence_score_op(), emissions, transitions, start, end, lengths, tags);
 }
 
+// kbest_viterbi_with_log_probs has no derivative: a call that would record one raises instead of
+// returning outputs that silently carry no gradient.
+using KBestLogProbsOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // scores, paths, log_probs
+
+KBestLogProbsOutputs kbest_viterbi_with_log_probs_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
+                                                           const at::Tensor& start, const at::Tensor& end,
+                                                           const at::Tensor& lengths, int64_t k) {
+  TORCH_CHECK(!records_backward(emissions, transitions, start, end),
+              "crfkit: kbest_viterbi_with_log_probs is not differentiable; call it under torch.no_grad(), or "
+              "use kbest_viterbi and log_partition (crfkit.kbest_viterbi does)");
+  static const auto op =
+      op_handle<KBestLogProbsOutputs(Crf, Crf, Crf, Crf, Crf, int64_t)>("crfkit::kbest_viterbi_with_log_probs");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(emissions, transitions, start, end, lengths, k);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(crfkit, Autograd, m) {
   m.impl("log_partition", &log_partition_autograd);
   m.impl("viterbi", &viterbi_autograd);
   m.impl("kbest_viterbi", &kbest_viterbi_autograd);
+  m.impl("kbest_viterbi_with_log_probs", &kbest_viterbi_with_log_probs_autograd);
   m.impl("sequence_score", &sequence_score_autograd);
 }
 

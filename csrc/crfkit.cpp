@@ -59,6 +59,11 @@ TORCH_LIBRARY(crfkit, m) {
         "Tensor lengths) -> (Tensor scores, Tensor paths)");
   m.def("kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
         "Tensor lengths, int k) -> (Tensor scores, Tensor paths)");
+  // kbest_viterbi's outputs and log_probs (B, k) = scores - log Z, from one call (the CPU runs
+  // the two kernels side by side for small batches; CUDA reads its status once). Not
+  // differentiable: the front end uses it for k-best without gradient.
+  m.def("kbest_viterbi_with_log_probs(Tensor emissions, Tensor transitions, Tensor start, "
+        "Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths, Tensor log_probs)");
   m.def("sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
         "Tensor lengths, Tensor tags) -> Tensor");
   m.def("sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, "

@@ -205,6 +205,29 @@ def test_both_kbest_kernels_decode_like_the_cpu(B, L, T, k, dtype, scores, kerne
     assert torch.equal(got_paths.cpu(), want_paths)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T,k", [(1, 1, 1, 1), (1, 9, 5, 4), (6, 3, 2, 20), (7, 9, 5, 5), (4, 30, 37, 5)])
+def test_kbest_with_log_probs_is_the_separate_ops(dtype, B, L, T, k):
+    # The op behind a k-best without gradient (one status read on the device): the outputs of
+    # kbest_viterbi and log_probs_from_scores(log_partition) on the same device, bit for bit,
+    # and the CPU's (log-probabilities to the tolerance of log Z).
+    inputs = forbid(random_crf(B, L, T, dtype=dtype, scale=2.0), seed=B + L + T)
+    em, tr, ln, s, e = to(DEVICE, inputs)
+    ops = device_ops()
+    scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(em, tr, s, e, ln, k)
+    want_scores, want_paths = ops.kbest_viterbi(em, tr, s, e, ln, k)
+    want_log_probs = crfkit.reference.log_probs_from_scores(want_scores, ops.log_partition(em, tr, s, e, ln))
+    assert torch.equal(scores, want_scores) and torch.equal(paths, want_paths)
+    assert torch.equal(log_probs, want_log_probs) and not log_probs.isnan().any()
+    cem, ctr, cln, cs, ce = inputs  # on the CPU
+    cpu_scores, cpu_paths, cpu_log_probs = torch.ops.crfkit.kbest_viterbi_with_log_probs(cem, ctr, cs, ce, cln, k)
+    assert torch.equal(scores.cpu(), cpu_scores) and torch.equal(paths.cpu(), cpu_paths)
+    torch.testing.assert_close(log_probs.cpu(), cpu_log_probs, **TOL[dtype])
+    with on_device():
+        public = crfkit.kbest_viterbi(em, tr, k, ln, s, e)
+    assert torch.equal(public.log_probs, log_probs) and torch.equal(public.paths, paths)
+
+
 @pytest.mark.parametrize("kernel", ["per_tag", "per_sentence"])
 def test_both_kbest_kernels_check_the_emissions_within_the_lengths(kernel, monkeypatch):
     monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", kernel)
@@ -348,6 +371,7 @@ def test_opcheck_every_op():
           ln)),
         (ops.expected_transition_counts, (em, tr, s, e, ln)),
         (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64, device=DEVICE), em, ln, tags)),
+        (ops.kbest_viterbi_with_log_probs, (em, tr, s, e, ln, 5)),
     ]
     with on_device():  # the autograd formulas call the backward ops of the same kernels
         for op, args in cases:
@@ -389,6 +413,8 @@ RAW = {
         em, tr, s, e, ln),
     "viterbi": lambda em, tr, ln, s, e: device_ops().viterbi(em, tr, s, e, ln),
     "kbest_viterbi": lambda em, tr, ln, s, e: device_ops().kbest_viterbi(em, tr, s, e, ln, 3),
+    "kbest_viterbi_with_log_probs": lambda em, tr, ln, s, e: device_ops().kbest_viterbi_with_log_probs(
+        em, tr, s, e, ln, 3),
     "sequence_score": lambda em, tr, ln, s, e: device_ops().sequence_score(
         em, tr, s, e, ln, torch.zeros(em.shape[0], 1, em.shape[1], dtype=torch.long, device=em.device)),
 }

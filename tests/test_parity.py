@@ -106,11 +106,69 @@ def test_opcheck_every_op():
         (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64), em, ln, tags)),
         (ops.log_partition_with_marginals, (em, tr, s, e, ln)),
         (ops.expected_transition_counts, (em, tr, s, e, ln)),
+        (ops.kbest_viterbi_with_log_probs, (em, tr, s, e, ln, 5)),
     ]
     _, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
     cases.append((ops.log_partition_backward_from_marginals, (torch.ones(3, dtype=torch.float64), mu, counts, ln)))
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("threads", [1, 2])  # with 2, B = 1 runs both kernels side by side
+@pytest.mark.parametrize("B,T,k", [(0, 3, 2), (1, 5, 4), (1, 9, 1), (2, 9, 7), (6, 5, 300), (21, 9, 5), (21, 37, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kbest_with_log_probs_equals_the_separate_ops(threads, B, T, k, dtype):
+    # One op for a k-best without gradient (compiled.kbest_viterbi): its outputs must be those
+    # of kbest_viterbi and of log_probs_from_scores(log_partition), bit for bit, however its
+    # two kernels are scheduled; 300 exceeds the sequences of the short sentences.
+    em, tr, ln, s, e = random_crf(B, 7, T, dtype=dtype)
+    if B > 1:
+        tr[1, 2] = -math.inf  # a forbidden transition
+        ln[1] = 4
+        em[1] = -math.inf  # a sentence with nothing allowed: every row missing, log Z = -inf
+        ln[0] = 0  # the empty sentence: one row, score 0, log-prob 0
+    ops = torch.ops.crfkit
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(em, tr, s, e, ln, k)
+    finally:
+        torch.set_num_threads(saved)
+    want_scores, want_paths = ops.kbest_viterbi(em, tr, s, e, ln, k)
+    want_log_probs = crfkit.reference.log_probs_from_scores(want_scores, ops.log_partition(em, tr, s, e, ln))
+    assert torch.equal(scores, want_scores) and torch.equal(paths, want_paths)
+    assert torch.equal(log_probs, want_log_probs)
+    assert not log_probs.isnan().any()
+    if B > 1:
+        assert log_probs[0, 0] == 0 and (log_probs[1] == -math.inf).all()
+    # and the public call takes it without gradient, the two differentiable ops with
+    with crfkit.use_backend("compiled"):
+        public = crfkit.kbest_viterbi(em, tr, k, ln, s, e)
+        differentiable = crfkit.kbest_viterbi(em.clone().requires_grad_(), tr, k, ln, s, e)
+    for got in (public, differentiable):
+        assert torch.equal(got.paths, paths) and torch.equal(got.scores.detach(), scores)
+        assert torch.equal(got.log_probs.detach(), log_probs)
+    assert differentiable.log_probs.requires_grad
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("B", [1, 5])
+def test_kbest_with_log_probs_rejects_what_the_separate_ops_reject(B):
+    em, tr, ln, s, e = random_crf(B, 4, 3)
+    ops = torch.ops.crfkit
+    bad = em.clone()
+    bad[B - 1, 0, 1] = math.nan
+    with pytest.raises(ValueError, match=rf"emissions\[{B - 1}\] contains NaN or \+inf"):
+        ops.kbest_viterbi_with_log_probs(bad, tr, s, e, ln, 2)
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 5 is outside"):
+        ops.kbest_viterbi_with_log_probs(em, tr, s, e, torch.full((B,), 5), 2)
+    with pytest.raises(ValueError, match="k must be at least 1"):
+        ops.kbest_viterbi_with_log_probs(em, tr, s, e, ln, 0)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        ops.kbest_viterbi_with_log_probs(em.requires_grad_(), tr, s, e, ln, 2)
+    with torch.no_grad():
+        ops.kbest_viterbi_with_log_probs(em, tr, s, e, ln, 2)  # fine without gradient
 
 
 def _hard_cases(B, scale):

@@ -29,6 +29,7 @@ EXPECTED_SCHEMAS = {
     "expected_transition_counts": "crfkit::expected_transition_counts(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
     "viterbi": "crfkit::viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor scores, Tensor paths)",
     "kbest_viterbi": "crfkit::kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths)",
+    "kbest_viterbi_with_log_probs": "crfkit::kbest_viterbi_with_log_probs(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths, Tensor log_probs)",
     "sequence_score": "crfkit::sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, Tensor tags) -> Tensor",
     "sequence_score_backward": "crfkit::sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, Tensor tags) -> (Tensor, Tensor, Tensor, Tensor)",
 }
@@ -92,6 +93,12 @@ def _(emissions, transitions, start, end, lengths):
 def _(emissions, transitions, start, end, lengths, k):
     B, L, _T = emissions.shape
     return emissions.new_empty((B, k)), emissions.new_empty((B, k, L), dtype=torch.long)
+
+
+@torch.library.register_fake("crfkit::kbest_viterbi_with_log_probs")
+def _(emissions, transitions, start, end, lengths, k):
+    B, L, _T = emissions.shape
+    return emissions.new_empty((B, k)), emissions.new_empty((B, k, L), dtype=torch.long), emissions.new_empty((B, k))
 
 
 @torch.library.register_fake("crfkit::sequence_score")
@@ -192,6 +199,12 @@ def viterbi(emissions, transitions, lengths, start, end):
 
 
 def kbest_viterbi(emissions, transitions, k, lengths, start, end):
+    # Without gradient, one op gives the lists and log Z (the CPU runs both kernels side by side
+    # when the batch is smaller than the threads); differentiable calls take the two
+    # differentiable ops.
+    if not _needs_grad(emissions, transitions, start, end) and _has_kernel("kbest_viterbi_with_log_probs", emissions):
+        scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(emissions, transitions, start, end, lengths, k)
+        return paths, scores, log_probs
     scores, paths = ops.kbest_viterbi(emissions, transitions, start, end, lengths, k)
     log_z = ops.log_partition(emissions, transitions, start, end, lengths)
     return paths, scores, reference.log_probs_from_scores(scores, log_z)

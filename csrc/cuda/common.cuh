@@ -92,6 +92,11 @@ void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at
 // read every emission themselves (sequence_score).
 void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengths, Status& status);
 
+// log Z (B,) for CRF arguments checked by checked_cuda_args and validated into `status` by
+// launch_validate_inputs; launched on the current stream, the caller raises
+// (log_partition.cu; used by kbest_viterbi_with_log_probs in viterbi.cu).
+at::Tensor launch_log_partition(const CrfArgs& a, Status& status);
+
 // ---- arguments -----------------------------------------------------------------------------
 // The CRF arguments of a CUDA op, dense and shape-checked (values are checked on the device).
 inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& transitions,

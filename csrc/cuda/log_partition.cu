@@ -924,6 +924,21 @@ FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const 
   return out;
 }
 
+}  // namespace
+
+// log Z (B,) launched on the current stream for arguments already checked and validated
+// (common.cuh); the caller raises from `status` (kbest_viterbi_with_log_probs in viterbi.cu).
+at::Tensor launch_log_partition(const CrfArgs& a, Status& status) {
+  check_num_tags(a.emissions.size(2));
+  FbOutputs out;
+  AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_log_partition_cuda", [&] {
+    launch_forward_backward<scalar_t, Output::kLogPartition>(a, at::Tensor(), out, status);
+  });
+  return out.log_z;
+}
+
+namespace {
+
 // log Z per sentence: (B,).
 at::Tensor log_partition_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                               const at::Tensor& end, const at::Tensor& lengths) {

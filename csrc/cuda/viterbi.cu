@@ -626,16 +626,12 @@ void check_sizes(int64_t T, int64_t K) {
                     ", k = ", K);
 }
 
+// The decoders' launches, for arguments checked by checked_cuda_args and validated into `status`
+// by launch_validate_inputs; the ops below raise from `status` once everything is launched.
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
-std::tuple<at::Tensor, at::Tensor> viterbi_cuda(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                                                const at::Tensor& start_in, const at::Tensor& end_in,
-                                                const at::Tensor& lengths_in) {
-  const CrfArgs a = checked_cuda_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
-  const c10::cuda::CUDAGuard guard(a.emissions.device());
+std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& status) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   check_sizes(T, 1);
-  Status status(a.emissions);
-  launch_validate_inputs(a.lengths, L, a.transitions, a.start, a.end, status);
   at::Tensor paths = at::full({B, L}, -1, a.lengths.options());
   at::Tensor scores = at::empty({B}, a.emissions.options());
   AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_viterbi_cuda", [&] {
@@ -645,28 +641,21 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cuda(const at::Tensor& emissions_in, 
                                      1, 1, align_up(2 * T * sizeof(scalar_t)), scores, paths, status);
     });
   });
-  status.raise_if_bad(a.lengths, L);
   return {scores, paths};
 }
 
 // scores (B, k), paths (B, k, L) int64: the k best distinct sequences per sentence, descending;
 // rows beyond the number of allowed sequences hold -1 / -inf.
-std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                                                      const at::Tensor& start_in, const at::Tensor& end_in,
-                                                      const at::Tensor& lengths_in, int64_t k) {
+std::tuple<at::Tensor, at::Tensor> launch_kbest_viterbi(const CrfArgs& a, int64_t k, Status& status) {
   TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   if (k == 1) {  // the 1-best is Viterbi, with the same tie rule: use the cheaper kernel
-    auto [best_scores, best_paths] = viterbi_cuda(emissions_in, transitions_in, start_in, end_in, lengths_in);
+    auto [best_scores, best_paths] = launch_viterbi(a, status);
     return {best_scores.unsqueeze(1), best_paths.unsqueeze(1)};
   }
-  const CrfArgs a = checked_cuda_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
-  const c10::cuda::CUDAGuard guard(a.emissions.device());
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   // No sentence has more than T^L sequences, so lists longer than that only hold -inf.
   const int64_t K = num_sequences_capped(T, L, k);
   check_sizes(T, K);
-  Status status(a.emissions);
-  launch_validate_inputs(a.lengths, L, a.transitions, a.start, a.end, status);
   at::Tensor paths = at::full({B, k, L}, -1, a.lengths.options());
   at::Tensor scores = at::full({B, k}, -std::numeric_limits<double>::infinity(), a.emissions.options());
   const KbestKernel choice = kbest_kernel_choice();
@@ -683,8 +672,52 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emission
                                      K, arena_bytes, scores, paths, status);
     });
   });
-  status.raise_if_bad(a.lengths, L);
   return {scores, paths};
+}
+
+// Runs launch(a, status) for checked and validated arguments on their device, then raises from
+// the status words (one read back to the host, which waits for the kernels).
+template <typename Launch>
+auto checked_launch(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                    const at::Tensor& end, const at::Tensor& lengths, Launch&& launch) {
+  const CrfArgs a = checked_cuda_args(emissions, transitions, start, end, lengths);
+  const c10::cuda::CUDAGuard guard(a.emissions.device());
+  Status status(a.emissions);
+  launch_validate_inputs(a.lengths, a.emissions.size(1), a.transitions, a.start, a.end, status);
+  auto outputs = launch(a, status);
+  status.raise_if_bad(a.lengths, a.emissions.size(1));
+  return outputs;
+}
+
+std::tuple<at::Tensor, at::Tensor> viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
+                                                const at::Tensor& start, const at::Tensor& end,
+                                                const at::Tensor& lengths) {
+  return checked_launch(emissions, transitions, start, end, lengths,
+                        [](const CrfArgs& a, Status& status) { return launch_viterbi(a, status); });
+}
+
+std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
+                                                      const at::Tensor& start, const at::Tensor& end,
+                                                      const at::Tensor& lengths, int64_t k) {
+  return checked_launch(emissions, transitions, start, end, lengths,
+                        [&](const CrfArgs& a, Status& status) { return launch_kbest_viterbi(a, k, status); });
+}
+
+// kbest_viterbi's outputs and log_probs (B, k) = scores - log Z (log Z clamped to the lowest
+// finite value, as reference.log_probs_from_scores does, so missing rows stay -inf): both
+// kernels and the subtraction queued on the stream, then one status read, where the two ops
+// called in turn read theirs twice.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cuda(
+    const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start, const at::Tensor& end,
+    const at::Tensor& lengths, int64_t k) {
+  return checked_launch(emissions, transitions, start, end, lengths, [&](const CrfArgs& a, Status& status) {
+    auto [scores, paths] = launch_kbest_viterbi(a, k, status);
+    const at::Tensor log_z = launch_log_partition(a, status);
+    const double lowest = a.emissions.scalar_type() == at::kFloat ? std::numeric_limits<float>::lowest()
+                                                                   : std::numeric_limits<double>::lowest();
+    at::Tensor log_probs = scores - log_z.clamp_min(lowest).unsqueeze(1);
+    return std::make_tuple(scores, paths, log_probs);
+  });
 }
 
 }  // namespace
@@ -692,6 +725,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emission
 TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
   m.impl("viterbi", &viterbi_cuda);
   m.impl("kbest_viterbi", &kbest_viterbi_cuda);
+  m.impl("kbest_viterbi_with_log_probs", &kbest_viterbi_with_log_probs_cuda);
 }
 
 }  // namespace cuda

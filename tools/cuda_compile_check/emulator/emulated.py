@@ -49,6 +49,9 @@ def _register_python_side() -> None:
                                               em.new_empty(em.shape[:2], dtype=torch.long)))
     fake("kbest_viterbi", lambda em, tr, s, e, ln, k: (em.new_empty((em.shape[0], k)),
                                                        em.new_empty((em.shape[0], k, em.shape[1]), dtype=torch.long)))
+    fake("kbest_viterbi_with_log_probs", lambda em, tr, s, e, ln, k: (
+        em.new_empty((em.shape[0], k)), em.new_empty((em.shape[0], k, em.shape[1]), dtype=torch.long),
+        em.new_empty((em.shape[0], k))))
     fake("sequence_score", lambda em, tr, s, e, ln, tags: em.new_empty(tags.shape[:2]))
     fake("sequence_score_backward", lambda g, em, ln, tags: (torch.empty_like(em), em.new_empty((em.shape[2], em.shape[2])),
                                                              em.new_empty(em.shape[2]), em.new_empty(em.shape[2])))
