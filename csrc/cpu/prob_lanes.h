@@ -233,7 +233,7 @@ struct ProbLaneWork {
   // the backward's marginals
   std::vector<LaneVector> transposed;
   ProbLaneWork(int64_t T, bool pairwise)
-      : a(T), d(T), b(T), gw(T), pair_acc(pairwise ? T * T : 0),
+      : a(T), d(T), b(T), gw(T), pair_acc(pairwise ? padded_to_lanes<double>(T * T) : 0),
         pair_left(pairwise ? kPairBatch * T : 0), pair_right(pairwise ? kPairBatch * T : 0),
         transposed(padded_to_lanes<double>(kTransposeChunk * T)) {}
 };
@@ -356,7 +356,8 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
 
 // Backward scan of a group after lanes_forward(rows): the marginals times g (per lane; 0 for
 // lanes to skip) into grad_emit (B, L, T); with kPairwise also the per-sentence transition
-// (B, T, T, added) gradients, and start and end (B, T) ones where those are not null. Lanes in `skip` (and g = 0) are left alone.
+// gradients (B, T, T; each sentence's block overwritten, not added to), and start and end
+// (B, T) ones where those are not null. Lanes in `skip` (and g = 0) are left alone.
 // Returns the lanes that failed: their outputs are partial and must be redone by the caller
 // (the transition gradient of a failed lane is never written).
 // Not inlined: once per group, and inlined into run_sentences' lambda GCC 12's SLP vectoriser
@@ -463,15 +464,21 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
   }
   failed &= used;
   if (kPairwise) {
-    for (int64_t j = 0; j < kGroup; ++j) {
-      if (!used[j] || failed[j]) continue;
-      scalar_t* out = grad_trans + group.sentence[j] * T * T;
-      for (int64_t s = 0; s < T; ++s) {
-        for (int64_t t = 0; t < T; ++t) {
-          out[s * T + t] += static_cast<scalar_t>(tab.by_row[s * stride + t] * pair_acc[s * T + t][j]);
-        }
-      }
+    // E applied once, then each lane's T x T block written out whole, 8 x 8 blocks transposed
+    // in registers: reading lane j of every pair_acc vector in turn, a scalar at a time, took
+    // about as long as the marginals' whole backward at L = 1 (e.g. (256, 1, 37)).
+    for (int64_t s = 0; s < T; ++s) {
+      for (int64_t t = 0; t < T; ++t) pair_acc[s * T + t] *= tab.by_row[s * stride + t];
     }
+    scalar_t* dest[kGroup];
+    int64_t limit[kGroup];
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const bool writes = used[j] && !failed[j];
+      // Written, not added: no other path has touched these rows (the caller's are zero).
+      dest[j] = writes ? grad_trans + group.sentence[j] * T * T : nullptr;
+      limit[j] = writes ? T * T : 0;
+    }
+    lanes_to_rows<double>(pair_acc, limit, dest);
   }
   return failed;
 }
