@@ -130,15 +130,24 @@ inline void lanes_matvec(const double* m, int64_t stride, const LaneVector* x, i
 // GCC kept its accumulators in memory, and it loaded 9 vectors per 8 multiply-adds.) The loops
 // over the tile must stay unrolled for the same reason. Each accumulator adds its terms in p
 // order, as that row did: same results.
+// With `fresh` the accumulators start from 0 instead of acc (the first update: no fill of acc
+// first); with `scale` (not null) each is stored times scale[s * stride + t] (the last update:
+// no separate pass for that).
+struct RankUpdateEnds {
+  bool fresh = false;
+  const double* scale = nullptr;
+  int64_t stride = 0;
+};
+
 template <int kRows, int kCols>
 inline void lanes_rank_update_tile(const LaneVector* __restrict__ left, const LaneVector* __restrict__ right,
                                    int64_t count, int64_t T, int64_t s0, int64_t t0,
-                                   LaneVector* __restrict__ acc) {
+                                   LaneVector* __restrict__ acc, RankUpdateEnds ends) {
   LaneVector sum[kRows][kCols];
 #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r) {
 #pragma GCC unroll 4
-    for (int c = 0; c < kCols; ++c) sum[r][c] = acc[(s0 + r) * T + t0 + c];
+    for (int c = 0; c < kCols; ++c) sum[r][c] = ends.fresh ? LaneVector{} : acc[(s0 + r) * T + t0 + c];
   }
   for (int64_t p = 0; p < count; ++p) {
     LaneVector l[kRows];
@@ -149,6 +158,13 @@ inline void lanes_rank_update_tile(const LaneVector* __restrict__ left, const La
       const LaneVector x = right[p * T + t0 + c];
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) sum[r][c] += l[r] * x;
+    }
+  }
+  if (ends.scale != nullptr) {
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+      for (int c = 0; c < kCols; ++c) sum[r][c] *= ends.scale[(s0 + r) * ends.stride + t0 + c];
     }
   }
 #pragma GCC unroll 4
@@ -163,27 +179,27 @@ constexpr int kTileRows = 4, kTileCols = 4;  // 16 accumulators + 5 operands: 21
 // lanes_rank_update_tile<rows, cols> for rows, cols at most kTileRows, kTileCols.
 template <int kRows>
 inline void lanes_rank_update_tile_of(int cols, const LaneVector* left, const LaneVector* right, int64_t count,
-                                      int64_t T, int64_t s0, int64_t t0, LaneVector* acc) {
+                                      int64_t T, int64_t s0, int64_t t0, LaneVector* acc, RankUpdateEnds ends) {
   switch (cols) {
-    case 1: return lanes_rank_update_tile<kRows, 1>(left, right, count, T, s0, t0, acc);
-    case 2: return lanes_rank_update_tile<kRows, 2>(left, right, count, T, s0, t0, acc);
-    case 3: return lanes_rank_update_tile<kRows, 3>(left, right, count, T, s0, t0, acc);
-    default: return lanes_rank_update_tile<kRows, kTileCols>(left, right, count, T, s0, t0, acc);
+    case 1: return lanes_rank_update_tile<kRows, 1>(left, right, count, T, s0, t0, acc, ends);
+    case 2: return lanes_rank_update_tile<kRows, 2>(left, right, count, T, s0, t0, acc, ends);
+    case 3: return lanes_rank_update_tile<kRows, 3>(left, right, count, T, s0, t0, acc, ends);
+    default: return lanes_rank_update_tile<kRows, kTileCols>(left, right, count, T, s0, t0, acc, ends);
   }
 }
 
 inline void lanes_rank_update(const LaneVector* left, const LaneVector* right, int64_t count,
-                              int64_t T, LaneVector* acc) {
+                              int64_t T, LaneVector* acc, RankUpdateEnds ends) {
   static_assert(kTileRows == 4 && kTileCols == 4, "the switches below list the tile sizes");
   for (int64_t s0 = 0; s0 < T; s0 += kTileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, T - s0));
     for (int64_t t0 = 0; t0 < T; t0 += kTileCols) {
       const int cols = static_cast<int>(std::min<int64_t>(kTileCols, T - t0));
       switch (rows) {
-        case 1: lanes_rank_update_tile_of<1>(cols, left, right, count, T, s0, t0, acc); break;
-        case 2: lanes_rank_update_tile_of<2>(cols, left, right, count, T, s0, t0, acc); break;
-        case 3: lanes_rank_update_tile_of<3>(cols, left, right, count, T, s0, t0, acc); break;
-        default: lanes_rank_update_tile_of<kTileRows>(cols, left, right, count, T, s0, t0, acc); break;
+        case 1: lanes_rank_update_tile_of<1>(cols, left, right, count, T, s0, t0, acc, ends); break;
+        case 2: lanes_rank_update_tile_of<2>(cols, left, right, count, T, s0, t0, acc, ends); break;
+        case 3: lanes_rank_update_tile_of<3>(cols, left, right, count, T, s0, t0, acc, ends); break;
+        default: lanes_rank_update_tile_of<kTileRows>(cols, left, right, count, T, s0, t0, acc, ends); break;
       }
     }
   }
@@ -374,7 +390,7 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
   LaneVector* b_prev = work.d.data();
   LaneVector* pair_acc = work.pair_acc.data();  // [s][t]: sum_i left_i[s] gw_i[t]
   int64_t pending = 0;  // rank-one terms in work.pair_left / pair_right not yet in pair_acc
-  if (kPairwise) std::fill(work.pair_acc.begin(), work.pair_acc.end(), zero);
+  bool pair_started = false;  // whether pair_acc holds this group's sums (it is not zeroed first)
   // Lanes wait with beta = 0 until their last position (no NaN from an earlier group's values).
   std::fill(work.b.begin(), work.b.end(), zero);
   const LaneMask used = (zero < group.length) & ~skip & (g != zero);
@@ -446,7 +462,10 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
       for (int64_t s = 0; s < T; ++s) left[s] = load_lanes(a_prev + s * kGroup) * pair_scale;
       std::copy(gw, gw + T, work.pair_right.data() + pending * T);
       if (++pending == kPairBatch || i == 1) {
-        lanes_rank_update(work.pair_left.data(), work.pair_right.data(), pending, T, pair_acc);
+        // The last batch (i = 1) also applies E: pair_acc ends as the gradients.
+        const RankUpdateEnds ends = {!pair_started, i == 1 ? tab.by_row.data() : nullptr, stride};
+        lanes_rank_update(work.pair_left.data(), work.pair_right.data(), pending, T, pair_acc, ends);
+        pair_started = true;
         pending = 0;
       }
     }
@@ -463,13 +482,11 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
     }
   }
   failed &= used;
-  if (kPairwise) {
-    // E applied once, then each lane's T x T block written out whole, 8 x 8 blocks transposed
-    // in registers: reading lane j of every pair_acc vector in turn, a scalar at a time, took
-    // about as long as the marginals' whole backward at L = 1 (e.g. (256, 1, 37)).
-    for (int64_t s = 0; s < T; ++s) {
-      for (int64_t t = 0; t < T; ++t) pair_acc[s * T + t] *= tab.by_row[s * stride + t];
-    }
+  // Without a transition (every lane of length 1) the gradients are the caller's zeros.
+  if (kPairwise && pair_started) {
+    // Each lane's T x T block written out whole, 8 x 8 blocks transposed in registers: reading
+    // lane j of every pair_acc vector in turn, a scalar at a time, took about as long as the
+    // marginals' whole backward at L = 1 (e.g. (256, 1, 37)).
     scalar_t* dest[kGroup];
     int64_t limit[kGroup];
     for (int64_t j = 0; j < kGroup; ++j) {
