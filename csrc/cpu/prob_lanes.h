@@ -484,7 +484,8 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
   failed &= used;
   // Without a transition (every lane of length 1) the gradients are the caller's zeros.
   if (kPairwise && pair_started) {
-    // Each lane's T x T block written out whole, 8 x 8 blocks transposed in registers: reading
+    // Each lane's T x T block written out whole, kGroup x kGroup blocks transposed in registers
+    // (lanes_to_rows, which reads pair_acc in whole blocks: hence its padded size): reading
     // lane j of every pair_acc vector in turn, a scalar at a time, took about as long as the
     // marginals' whole backward at L = 1 (e.g. (256, 1, 37)).
     scalar_t* dest[kGroup];
