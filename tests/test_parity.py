@@ -277,6 +277,31 @@ def test_log_z_is_the_lane_value_when_only_the_lane_backward_fails():
 
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_counts_without_transitions_are_zero_in_recycled_memory(dtype):
+    # The lane groups' backward writes each sentence's (T, T) counts whole, and a group with no
+    # transition at all (every sentence of length 0 or 1: lanes take the longest first, so the
+    # last groups here) writes nothing: those rows must still come out 0 when the counts'
+    # recycled buffer (over 64 KiB at T = 37) was left full of NaN by an earlier call.
+    B, L, T = 24, 3, 37
+    em, tr, _, s, e = random_crf(B, L, T, dtype=dtype, ragged=False)
+    lengths = torch.tensor([3] * 8 + [1, 0] * 8)
+    ops = torch.ops.crfkit
+    crfkit.release_cached_memory()
+    earlier = ops.log_partition_with_marginals(em, tr, s, e, torch.full((B,), L))
+    for x in earlier:
+        x.fill_(math.nan)
+    del earlier, x  # their buffers are kept, NaN-filled
+    assert crfkit.cached_memory() >= B * T * T * em.element_size()
+    _, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, lengths)
+    assert torch.equal(counts[8:], torch.zeros_like(counts[8:]))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(counts, crfkit.reference.expected_transition_counts(em, tr, lengths, s, e), **tol)
+    torch.testing.assert_close(mu, crfkit.reference.marginals(em, tr, lengths, s, e), **tol)
+    crfkit.release_cached_memory()
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 @pytest.mark.parametrize("B", [6, 21])
 def test_recycled_memory_leaves_no_trace(B):
     # The marginals, counts and emissions gradient of a differentiable log Z live in recycled
