@@ -110,6 +110,21 @@ inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& 
   return a;
 }
 
+// The frame of an op on CRF arguments: checks them, validates them into a Status on their
+// device, runs launch(a, status) (which queues the op's kernels), then raises from the status
+// words (one read back to the host, which waits for the kernels) and returns launch's outputs.
+template <typename Launch>
+auto checked_launch(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                    const at::Tensor& end, const at::Tensor& lengths, Launch&& launch) {
+  const CrfArgs a = checked_cuda_args(emissions, transitions, start, end, lengths);
+  const c10::cuda::CUDAGuard guard(a.emissions.device());
+  Status status(a.emissions);
+  launch_validate_inputs(a.lengths, a.emissions.size(1), a.transitions, a.start, a.end, status);
+  auto outputs = launch(a, status);
+  status.raise_if_bad(a.lengths, a.emissions.size(1));
+  return outputs;
+}
+
 // ---- numerics ------------------------------------------------------------------------------
 template <typename scalar_t>
 __device__ __forceinline__ scalar_t neg_inf();

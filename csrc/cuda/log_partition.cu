@@ -902,26 +902,30 @@ void check_num_tags(int64_t T) {
   TORCH_CHECK_VALUE(T * T < (int64_t{1} << 31), "crfkit: the CUDA kernels support num_tags up to 46340, got ", T);
 }
 
+// One forward-backward launch for arguments checked and validated into `status` (the caller
+// raises from it): log Z, marginals or gradients, as kOut says.
 template <Output kOut>
-FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& grad_log_z_in = {}) {
-  const CrfArgs a = checked_cuda_args(emissions, transitions, start, end, lengths);
-  const c10::cuda::CUDAGuard guard(a.emissions.device());
-  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
-  check_num_tags(T);
+FbOutputs launch_fb(const CrfArgs& a, const at::Tensor& grad_log_z_in, Status& status) {
+  const int64_t B = a.emissions.size(0);
+  check_num_tags(a.emissions.size(2));
   at::Tensor grad_log_z;
   if (kOut == Output::kBackward) {
     grad_log_z = grad_log_z_in.contiguous();
     check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, a.emissions, "emissions");
   }
-  Status status(a.emissions);
-  launch_validate_inputs(a.lengths, L, a.transitions, a.start, a.end, status);
   FbOutputs out;
   AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_forward_backward_cuda", [&] {
     launch_forward_backward<scalar_t, kOut>(a, grad_log_z, out, status);
   });
-  status.raise_if_bad(a.lengths, L);
   return out;
+}
+
+template <Output kOut>
+FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& grad_log_z = {}) {
+  return checked_launch(emissions, transitions, start, end, lengths, [&](const CrfArgs& a, Status& status) {
+    return launch_fb<kOut>(a, grad_log_z, status);
+  });
 }
 
 }  // namespace
@@ -929,12 +933,7 @@ FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const 
 // log Z (B,) launched on the current stream for arguments already checked and validated
 // (common.cuh); the caller raises from `status` (kbest_viterbi_with_log_probs in viterbi.cu).
 at::Tensor launch_log_partition(const CrfArgs& a, Status& status) {
-  check_num_tags(a.emissions.size(2));
-  FbOutputs out;
-  AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_log_partition_cuda", [&] {
-    launch_forward_backward<scalar_t, Output::kLogPartition>(a, at::Tensor(), out, status);
-  });
-  return out.log_z;
+  return launch_fb<Output::kLogPartition>(a, at::Tensor(), status).log_z;
 }
 
 namespace {

@@ -675,20 +675,6 @@ std::tuple<at::Tensor, at::Tensor> launch_kbest_viterbi(const CrfArgs& a, int64_
   return {scores, paths};
 }
 
-// Runs launch(a, status) for checked and validated arguments on their device, then raises from
-// the status words (one read back to the host, which waits for the kernels).
-template <typename Launch>
-auto checked_launch(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                    const at::Tensor& end, const at::Tensor& lengths, Launch&& launch) {
-  const CrfArgs a = checked_cuda_args(emissions, transitions, start, end, lengths);
-  const c10::cuda::CUDAGuard guard(a.emissions.device());
-  Status status(a.emissions);
-  launch_validate_inputs(a.lengths, a.emissions.size(1), a.transitions, a.start, a.end, status);
-  auto outputs = launch(a, status);
-  status.raise_if_bad(a.lengths, a.emissions.size(1));
-  return outputs;
-}
-
 std::tuple<at::Tensor, at::Tensor> viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
                                                 const at::Tensor& start, const at::Tensor& end,
                                                 const at::Tensor& lengths) {
