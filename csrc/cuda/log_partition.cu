@@ -507,7 +507,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
 // The marginals and pairwise terms of a step hang off the chain and overlap it. Measured on the
 // H100 (2026-11-23): log Z 0.131 -> 0.095 ms at (256, 128, 9), marginals 0.367 -> 0.211 ms, i.e.
 // about 1,300 cycles per position, still well above the ~450 that chain's latencies add up to
-// (not yet profiled; benchmarks/results/gpu_nvidia_h100_80gb_hbm3_notes.md).
+// (not yet profiled; benchmarks/results/gpu_nvidia_h100_80gb_hbm3_notes.md). Part of the gap, read
+// from the SASS since: group_dot's shuffles were conditional, one at a time (see there; changed,
+// not yet timed).
 //
 // Same numerics as forward_backward_kernel (factored log-space steps with the exact fallback,
 // rows normalised to max 0, offsets in double); results agree to rounding. Where a fallback is
@@ -523,13 +525,23 @@ __device__ __forceinline__ scalar_t from_lane(scalar_t v, int source, int lanes)
 
 // sum_s value[s] * weights[s] over the group's first T lanes, value[s] being lane s's `value`
 // (two chains of multiply-adds: the sum is on the kernel's critical path).
+//
+// The shuffles run over all kLanes lanes, unconditionally. Lanes at and beyond T add 0 * 0:
+// their weights are 0, and both callers' values there are exp(-inf) = 0 (the backward's is NaN
+// only when every lane's is, a sum the caller does not use). Adding +0 to a sum of non-negative
+// terms changes no bit, so the result is that of the T terms alone (the emulator's outputs are
+// identical to the conditional version's). The conditional version, `if (s < T)` per shuffle,
+// compiled (sm_90) into a branch and a divergence check around each SHFL, so each multiply-add
+// waited for its own shuffle before the next shuffle was issued: 136 instructions with 32
+// branches for the float dot at kLanes = 16, against 16 shuffles issued back to back, 16 FFMAs
+// and one divergence check now. Not yet timed on a GPU.
 template <typename scalar_t, int kLanes>
-__device__ __forceinline__ scalar_t group_dot(scalar_t value, const scalar_t (&weights)[kLanes], int T) {
+__device__ __forceinline__ scalar_t group_dot(scalar_t value, const scalar_t (&weights)[kLanes]) {
   scalar_t even = 0, odd = 0;
 #pragma unroll
   for (int s = 0; s < kLanes; s += 2) {
-    if (s < T) even += from_lane(value, s, kLanes) * weights[s];
-    if (s + 1 < T) odd += from_lane(value, s + 1, kLanes) * weights[s + 1];
+    even += from_lane(value, s, kLanes) * weights[s];
+    odd += from_lane(value, s + 1, kLanes) * weights[s + 1];
   }
   return even + odd;
 }
@@ -622,7 +634,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
       emit_1 = emit_2;
       emit_2 = own && i + 2 < n ? emit[(i + 2) * T] : scalar_t(0);
       bad |= active && is_nan_or_pos_inf(e);
-      const scalar_t sum = group_dot(exp_(a), e_col, T);
+      const scalar_t sum = group_dot(exp_(a), e_col);
       const bool fast = sum >= trusted_sum_min<scalar_t>();
       scalar_t x = col_max != kNegInf && fast ? col_max + log_(sum) : kNegInf;
       const bool need_exact = active && col_max != kNegInf && !fast;  // col_max = -inf off own
@@ -707,7 +719,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
       // beta_{i-1}[lane] = logsumexp_t(trans[lane, t] + v[t]), v = emit_i + beta_i, factored
       // with the shift max_t emit_i[t] (v - shift <= 0 since beta <= 0).
       const scalar_t v = emit_i + beta;  // -inf off own
-      const scalar_t row_sum = group_dot(exp_(v - emit_max_i), e_row, T);
+      const scalar_t row_sum = group_dot(exp_(v - emit_max_i), e_row);
       const bool fast = row_sum >= trusted_sum_min<scalar_t>();
       scalar_t x = row_max != kNegInf && fast ? emit_max_i + row_max + log_(row_sum) : kNegInf;
       const bool need_exact = step && row_max != kNegInf && !fast;  // row_max = -inf off own
@@ -728,7 +740,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
         scalar_t column_sum = 0;
 #pragma unroll
         for (int s = 0; s < kLanes; ++s) {
-          column[s] = s < T ? from_lane(pr, s, kLanes) * e_col[s] : scalar_t(0);
+          column[s] = from_lane(pr, s, kLanes) * e_col[s];  // 0 * 0 beyond T (see group_dot)
           column_sum += column[s];
         }
         scalar_t part = w == kNegInf ? scalar_t(0) : coef * column_sum;
