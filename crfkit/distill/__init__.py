@@ -1,5 +1,5 @@
 """crfkit.distill: the losses, weightings and schedules of knowledge distillation for sequence
-labelling (../shared/METHODS.md states the maths of each), plus the teacher-label cache.
+labelling (docs/METHODS.md states the maths of each), plus the teacher-label cache.
 
 Modules:
     structured      structure-level losses on CRFs (seed 000 and its comparison points)

@@ -1,4 +1,4 @@
-"""Transfer-set augmentation for tagging (Tang et al. 2019, seed 004 in METHODS.md).
+"""Transfer-set augmentation for tagging (Tang et al. 2019, "Distilling Task-Specific Knowledge from BERT into Simple Neural Networks"; docs/METHODS.md).
 
     from crfkit.data import load_conll2003
     from crfkit.distill.augment import augment_sentences

@@ -38,6 +38,11 @@ On-disk format (format_version 1), one directory:
         marginals  float16 or float32 (num_tokens, T), only with with_marginals (float16 by
                                           default: probabilities in [0, 1] keep ~3 significant
                                           digits, half the size of float32)
+        emissions  float32 (num_tokens, T) only with with_emissions: the teacher's emissions,
+        transitions float32 (T, T), start, end float32 (T,): the teacher's CRF (0 where the
+                                          teacher has no start / end scores), with_emissions only;
+                                          together they give the teacher's whole distribution
+                                          (token-level and exact CRF-to-CRF distillation)
     and safetensors metadata: format, format_version, config_hash, shard_index, first_id,
     end_id, num_tokens, k, num_tags, rank.
     Scores and probabilities are stored in float32 whatever the teacher's dtype.
@@ -133,6 +138,7 @@ class CachedLabels(NamedTuple):
     scores     (K,) float32         the teacher's path scores s(x, path)
     log_z      () float32           the teacher's log Z(x)
     marginals  (n, T) or None       teacher marginals, float16 or float32 as stored
+    emissions  (n, T) or None       teacher emissions (float32), with_emissions only
     """
 
     id: int
@@ -141,6 +147,7 @@ class CachedLabels(NamedTuple):
     scores: Tensor
     log_z: Tensor
     marginals: Optional[Tensor]
+    emissions: Optional[Tensor] = None
 
 
 class CachedBatch(NamedTuple):
@@ -152,6 +159,7 @@ class CachedBatch(NamedTuple):
     lengths    (B,) int64
     log_z      (B,)
     marginals  (B, L, T) (zero at padded positions) or None
+    emissions  (B, L, T) teacher emissions (zero at padded positions) or None
     """
 
     ids: Tensor
@@ -159,6 +167,7 @@ class CachedBatch(NamedTuple):
     lengths: Tensor
     log_z: Tensor
     marginals: Optional[Tensor]
+    emissions: Optional[Tensor] = None
 
 
 class CacheMismatchError(ValueError):
@@ -386,7 +395,7 @@ def _as_teacher_output(out: Any) -> TeacherOutput:
                     f"end=None) (or a tuple / mapping of those), got {type(out).__name__}")
 
 
-def _label_batch(teacher, items: list, k: int, with_marginals: bool) -> dict:
+def _label_batch(teacher, items: list, k: int, with_marginals: bool, with_emissions: bool = False) -> dict:
     """Teacher outputs for one batch -> the batch's ragged arrays (CPU)."""
     with torch.no_grad():
         out = _as_teacher_output(teacher(items))
@@ -417,6 +426,11 @@ def _label_batch(teacher, items: list, k: int, with_marginals: bool) -> dict:
     }
     if margs is not None:
         batch["marginals"] = torch.from_numpy(margs.detach().cpu().numpy()[real])   # (sum n_b, T)
+    if with_emissions:
+        batch["emissions"] = torch.from_numpy(emissions.detach().to("cpu", _FLOAT_DTYPE).numpy()[real])
+        batch["crf"] = {"transitions": transitions.detach().to("cpu", _FLOAT_DTYPE),
+                        "start": (torch.zeros(T) if start is None else start.detach()).to("cpu", _FLOAT_DTYPE),
+                        "end": (torch.zeros(T) if end is None else end.detach()).to("cpu", _FLOAT_DTYPE)}
     return batch
 
 
@@ -435,6 +449,9 @@ def _shard_bytes(batches: List[dict], first_id: int, end_id: int, metadata: dict
     }
     if marginals_dtype is not None:
         tensors["marginals"] = torch.cat([b["marginals"] for b in batches]).to(marginals_dtype)
+    if "emissions" in batches[0]:
+        tensors["emissions"] = torch.cat([b["emissions"] for b in batches])
+        tensors.update(batches[-1]["crf"])
     metadata = dict(metadata, num_tokens=str(int(offsets[-1])))
     return _safetensors_save({name: t.contiguous() for name, t in tensors.items()}, metadata=metadata)
 
@@ -457,6 +474,7 @@ def label_corpus(
     label_names: Optional[Sequence[str]] = None,
     with_marginals: bool = False,
     marginals_dtype: torch.dtype = torch.float16,
+    with_emissions: bool = False,
     progress: bool = True,
     corpus_fingerprint: Optional[str] = None,
     distributed: Optional[bool] = None,
@@ -477,6 +495,9 @@ def label_corpus(
     label_names     optional tag names (len = num_tags), recorded and checked likewise
     with_marginals  also store the teacher's marginals (num_tokens, T) in marginals_dtype
                     (torch.float16, the default, or torch.float32)
+    with_emissions  also store the teacher's emissions (num_tokens, T) and its transitions /
+                    start / end (float32): the teacher's whole CRF, for token-level and exact
+                    CRF-to-CRF losses (TeacherLabelCache.teacher_crf(), CachedBatch.emissions)
     corpus_fingerprint  your own fingerprint of the corpus (default: corpus_fingerprint(sentences))
     distributed     None: split across ranks when torch.distributed is initialised or RANK /
                     WORLD_SIZE are set; False: never; True: require it
@@ -521,6 +542,8 @@ def label_corpus(
             "with_marginals": bool(with_marginals),
             "marginals_dtype": _MARGINAL_DTYPES[marginals_dtype] if with_marginals else None,
         }
+        if with_emissions:  # recorded only when on, so caches written before the option keep their hash
+            request["with_emissions"] = True
         plan = _on_rank0(ctx, lambda: _prepare_directory(directory, request, shard_size))
         if plan["missing"]:
             _label_shards(teacher, sentences, directory, plan, ctx, batch_size, progress)
@@ -554,6 +577,7 @@ def _prepare_directory(directory: str, request: dict, shard_size: Optional[int])
         shard_size = shard_size or DEFAULT_SHARD_SIZE
     else:
         asked = dict(request, shard_size=shard_size or manifest.get("shard_size"))
+        asked.setdefault("with_emissions", None)  # absent when off (see label_corpus)
         differences = [f"{key}: the cache has {manifest.get(key)!r}, this run asks for {value!r}"
                        for key, value in asked.items() if manifest.get(key) != value]
         if differences:
@@ -618,7 +642,8 @@ def _label_shards(teacher, sentences, directory, plan, ctx, batch_size, progress
             batches = []
             for lo in range(first, end, batch_size):
                 hi = min(end, lo + batch_size)
-                batch = _label_batch(teacher, [sentences[i] for i in range(lo, hi)], k, config["with_marginals"])
+                batch = _label_batch(teacher, [sentences[i] for i in range(lo, hi)], k, config["with_marginals"],
+                                     config.get("with_emissions", False))
                 T = batch["num_tags"]
                 if num_tags is None:
                     if label_names is not None and len(label_names) != T:
@@ -692,6 +717,9 @@ class _Shard:
         self.log_z = handle.get_tensor("log_z")
         # the marginals (the bulk of a shard) stay on disk, memory-mapped, sliced per sentence
         self.marginals = handle.get_slice("marginals") if "marginals" in handle.keys() else None
+        self.emissions = handle.get_slice("emissions") if "emissions" in handle.keys() else None
+        self.crf = ({name: handle.get_tensor(name) for name in ("transitions", "start", "end")}
+                    if "transitions" in handle.keys() else None)
         self.first_id, self.k = first_id, k
 
     def record(self, sentence_id: int) -> CachedLabels:
@@ -699,7 +727,8 @@ class _Shard:
         begin, end = self.offsets[j], self.offsets[j + 1]
         paths = self.paths[self.k * begin:self.k * end].view(self.k, end - begin).to(torch.long)
         margs = self.marginals[begin:end] if self.marginals is not None else None
-        return CachedLabels(sentence_id, paths, self.log_probs[j], self.scores[j], self.log_z[j], margs)
+        emissions = self.emissions[begin:end] if self.emissions is not None else None
+        return CachedLabels(sentence_id, paths, self.log_probs[j], self.scores[j], self.log_z[j], margs, emissions)
 
 
 class TeacherLabelCache:
@@ -812,10 +841,25 @@ class TeacherLabelCache:
             margs = torch.zeros((B, L, T), dtype=dtype or records[0].marginals.dtype)
             for b, r in enumerate(records):
                 margs[b, :r.marginals.shape[0]] = r.marginals
+        emissions = None
+        if all(r.emissions is not None for r in records):
+            T = records[0].emissions.shape[1]
+            emissions = torch.zeros((B, L, T), dtype=dtype or records[0].emissions.dtype)
+            for b, r in enumerate(records):
+                emissions[b, :r.emissions.shape[0]] = r.emissions
         if dtype is not None:
             log_probs, scores, log_z = log_probs.to(dtype), scores.to(dtype), log_z.to(dtype)
         ids = torch.tensor([r.id for r in records], dtype=torch.long)
-        return CachedBatch(ids, KBest(paths, scores, log_probs), lengths, log_z, margs)
+        return CachedBatch(ids, KBest(paths, scores, log_probs), lengths, log_z, margs, emissions)
+
+    def teacher_crf(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The teacher's (transitions (T, T), start (T,), end (T,)), float32, stored by a
+        with_emissions labelling (with the teacher's constraints: -inf where forbidden)."""
+        if not self.manifest.get("with_emissions"):
+            raise ValueError(f"the cache in {self.directory} was labelled without with_emissions=True: "
+                             "it holds no teacher CRF")
+        shard = self._shard(min(self._files))
+        return shard.crf["transitions"], shard.crf["start"], shard.crf["end"]
 
     def close(self) -> None:
         """Close every open shard (the cache reopens them on demand)."""

@@ -1,5 +1,5 @@
 """Structure-level distillation losses on linear-chain CRFs: seed 000 (multi-grained k-best
-distillation) and the points it is compared with. ../shared/METHODS.md states the maths.
+distillation) and the points it is compared with. docs/METHODS.md states the maths.
 
 Notation, per sentence x: the teacher's k-best Viterbi gives sequences y_1..y_K with teacher
 log-probabilities log p_j^t; the student gives log p_j^s = s_student(x, y_j) - log Z_student(x)

@@ -1,0 +1,418 @@
+"""The main job: distil a transformer+CRF tagger into a small BiLSTM+CRF tagger on CoNLL-2003.
+
+    python -m crfkit.pipeline                       # quick defaults: about 20 minutes on 2 CPU cores
+    python -m crfkit.pipeline --full                # the full-size settings (hours)
+    python -m crfkit.pipeline --runs vanilla te_da_seq@10 --seeds 0 1 2
+    torchrun --nproc_per_node=2 -m crfkit.pipeline  # the same, over two processes (gloo on CPU)
+
+Stages, each resumable (run the same command again after a kill, and it continues from the last
+checkpoint; finished runs are skipped):
+1. teacher   fine-tune TransformerCRFTagger (MiniLM-L6 + casing + CRF) on the train split, with
+             layer-wise learning-rate decay; the best epoch on the validation split is kept;
+2. label     the teacher labels the transfer set (the train text, plus teacher-labelled
+             unlabelled text for the DA variants) into a teacher-label cache: K best paths with
+             log-probabilities, and its emissions and CRF;
+3. students  BiLSTMCRFTagger students, one per run (variant, K, seed): see crfkit.training.VARIANTS;
+             early stopping on validation F1 (patience 5); the test split is scored once, when
+             a run finishes;
+4. report    test F1, parameters and tagging speed (sentences/s, same batch size, measured side
+             by side in this process) of the teacher and each student: WORKDIR/report.md / .json.
+Every finished run appends a record to WORKDIR/results.jsonl (variant, K, seed, dev_f1, test_f1,
+params, sentences_per_s, wall_s, command, git). Tag new text with the student afterwards:
+    python -m crfkit.tag --model WORKDIR/students/te_seq-k5-seed0/model < sentences.txt
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from . import data, distill  # noqa: E402
+from .taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger  # noqa: E402
+
+QUICK = {"teacher_epochs": 1.0, "train_sentences": 0, "dev_sentences": 1000, "student_epochs": 6.0,
+         "runs": ["vanilla", "te_seq"], "seeds": [0], "da_augment": 1}
+FULL = {"teacher_epochs": 4.0, "train_sentences": 0, "dev_sentences": 0, "student_epochs": 50.0,
+        "runs": ["vanilla", "te", "te_token_em", "te_token_pos", "te_seq", "te_da", "te_da_seq", "te_exact_kl"],
+        "seeds": [0, 1, 2], "da_augment": 1}
+STAGES = ("teacher", "label", "students", "report")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One student run: a variant of crfkit.training.VARIANTS, K (teacher paths), a seed."""
+
+    variant: str
+    k: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}-k{self.k}-seed{self.seed}"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m crfkit.pipeline", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", help="where checkpoints, caches and results go (default runs/quick, "
+                        "runs/full with --full)")
+    parser.add_argument("--full", action="store_true", help="full-size settings (defaults below change)")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    parser.add_argument("--teacher-encoder", default="minilm", help="'minilm', 'mpnet' or a local model folder")
+    parser.add_argument("--teacher-epochs", type=float)
+    parser.add_argument("--teacher-lr", type=float, default=5e-5, help="encoder learning rate (top layer)")
+    parser.add_argument("--teacher-head-lr", type=float, default=1e-3, help="linear layer, casing and CRF")
+    parser.add_argument("--layer-decay", type=float, default=0.9)
+    parser.add_argument("--train-sentences", type=int, help="first N train sentences (0: all)")
+    parser.add_argument("--dev-sentences", type=int, help="first N validation sentences for selection (0: all)")
+    parser.add_argument("--eval-sentences", type=int, default=0,
+                        help="score finished runs on the first N validation / test sentences only (0: all; for tests)")
+    parser.add_argument("--runs", nargs="+", help="student runs: VARIANT or VARIANT@K (default K: --k)")
+    parser.add_argument("--k", type=int, default=5, help="teacher paths for the SEQ losses")
+    parser.add_argument("--cache-k", type=int, help="paths kept in the teacher-label cache (default: the largest K)")
+    parser.add_argument("--seeds", nargs="+", type=int)
+    parser.add_argument("--student-epochs", type=float)
+    parser.add_argument("--student-lr", type=float, default=1e-3)
+    parser.add_argument("--student-hidden", type=int, default=300, help="BiLSTM width (both directions)")
+    parser.add_argument("--student-dropout", type=float, default=0.5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--patience", type=int, default=5, help="early stopping on validation F1 (evaluations)")
+    parser.add_argument("--da-augment", type=int, help="DA: Tang et al. samples per train sentence, teacher-labelled")
+    parser.add_argument("--seed", type=int, default=0, help="the teacher's seed")
+    args = parser.parse_args(argv)
+    defaults = FULL if args.full else QUICK
+    args.workdir = args.workdir or ("runs/full" if args.full else "runs/quick")
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.run_specs = [_parse_run(text, args.k, seed) for text in args.runs for seed in args.seeds]
+    largest = max([spec.k for spec in args.run_specs], default=args.k)
+    args.cache_k = args.cache_k or largest
+    if args.cache_k < largest:
+        parser.error(f"--cache-k {args.cache_k} is below the largest K asked for ({largest})")
+    return args
+
+
+def _parse_run(text: str, default_k: int, seed: int) -> RunSpec:
+    from .training import VARIANTS
+
+    variant, _, k = text.partition("@")
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    return RunSpec(variant, int(k) if k else default_k, seed)
+
+
+# --------------------------------------------------------------------------- helpers
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _log(message: str) -> None:
+    if _is_main_process():
+        print(f"[crfkit.pipeline {datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _training_arguments(output_dir: str, args, **overrides):
+    from .training import TaggerTrainingArguments
+
+    settings = dict(output_dir=output_dir, per_device_train_batch_size=args.batch_size,
+                    per_device_eval_batch_size=64, eval_strategy="epoch", save_strategy="epoch", save_total_limit=2,
+                    logging_steps=50, report_to="none", use_cpu=not torch.cuda.is_available(), seed=args.seed,
+                    patience=args.patience, disable_tqdm=not _is_main_process(), dataloader_num_workers=0)
+    settings.update(overrides)
+    return TaggerTrainingArguments(**settings)
+
+
+class Corpus:
+    """The splits, and the transfer set the teacher labels (train text, then the DA pool)."""
+
+    def __init__(self, args):
+        self.train = data.load_conll2003("train")
+        if args.train_sentences:
+            self.train = self.train[:args.train_sentences]
+        self.dev_all = data.load_conll2003("valid")
+        self.dev = self.dev_all[:args.dev_sentences] if args.dev_sentences else self.dev_all
+        self.test = data.load_conll2003("test")
+        if args.eval_sentences:
+            self.dev_all, self.test = self.dev_all[:args.eval_sentences], self.test[:args.eval_sentences]
+        self.needs_pool = any(_variant(spec).da for spec in args.run_specs)
+        self.pool: list[tuple[str, ...]] = []
+        if self.needs_pool and args.da_augment:
+            augmented = distill.augment_sentences(self.train, distill.PosUnigrams.from_sentences(self.train),
+                                                  n_iter=args.da_augment, seed=0)
+            self.pool = [tuple(a.tokens) for a in augmented]
+
+    @property
+    def transfer(self) -> list[tuple[str, ...]]:
+        return [tuple(s.tokens) for s in self.train] + self.pool
+
+
+def _variant(spec: RunSpec):
+    from .training import VARIANTS
+
+    return VARIANTS[spec.variant]
+
+
+# --------------------------------------------------------------------------- stages
+def train_teacher(args, corpus: Corpus) -> str:
+    """Stage 1: returns the saved teacher's folder."""
+    import transformers
+
+    from .training import fit_tagger, tagging_items
+
+    out = os.path.join(args.workdir, "teacher")
+    model_dir = os.path.join(out, "model")
+    if os.path.isfile(os.path.join(out, "result.json")):
+        _log(f"teacher: done already ({model_dir})")
+        return model_dir
+    _log(f"teacher: fine-tuning {args.teacher_encoder} + CRF on {len(corpus.train)} sentences, "
+         f"{args.teacher_epochs:g} epoch(s)")
+    transformers.set_seed(args.seed)
+    teacher = TransformerCRFTagger(data.CONLL2003_TAGS, encoder=args.teacher_encoder)
+    training = _training_arguments(out, args, num_train_epochs=args.teacher_epochs, learning_rate=args.teacher_lr,
+                                   head_learning_rate=args.teacher_head_lr, layer_decay=args.layer_decay,
+                                   weight_decay=0.01, warmup_steps=0.1)
+    begin = time.perf_counter()
+    trainer = fit_tagger(teacher, tagging_items(corpus.train), tagging_items(corpus.dev), training)
+    if _is_main_process():
+        _finish_run(args, corpus, trainer.model.tagger, out, {"variant": "teacher", "K": None, "seed": args.seed},
+                    time.perf_counter() - begin, trainer)
+    _barrier()
+    return model_dir
+
+
+def label_transfer_set(args, corpus: Corpus, teacher_dir: str):
+    """Stage 2: the teacher-label cache over corpus.transfer."""
+    teacher = load_tagger(teacher_dir)
+    transfer = corpus.transfer
+    directory = os.path.join(args.workdir, f"labels-k{args.cache_k}-n{len(transfer)}")
+    _log(f"label: teacher's {args.cache_k} best paths for {len(transfer)} sentences -> {directory}")
+
+    @torch.no_grad()
+    def teacher_fn(token_lists):
+        batch = teacher.featurize(token_lists)
+        transitions, start, end = teacher.distribution_parameters()
+        return distill.TeacherOutput(teacher.emissions(batch), transitions, batch["lengths"], start, end)
+
+    return distill.label_corpus(teacher_fn, transfer, directory, k=args.cache_k, batch_size=64, with_emissions=True,
+                                label_names=list(data.CONLL2003_TAGS),
+                                teacher_info={"model": os.path.abspath(teacher_dir),
+                                              "weights_sha256": _sha256(os.path.join(teacher_dir, "model.safetensors"))},
+                                corpus_info={"train_sentences": len(corpus.train), "da_pool": len(corpus.pool),
+                                             "da_augment": args.da_augment})
+
+
+def build_student(args, corpus: Corpus, teacher_dir: str, te: bool) -> BiLSTMCRFTagger:
+    """The one student configuration of every variant: lower-cased words, embedding width = the
+    teacher's, casing, BiLSTM. With TE the vocabulary is the train words plus the teacher's
+    whole-word pieces, their rows copied from the teacher and frozen; without, it is the train
+    words seen at least twice (so that <unk> is trained on the singletons), random and trained."""
+    teacher = load_tagger(teacher_dir)
+    if te:
+        pieces = [p for p in teacher.tokenizer.get_vocab() if p.isalnum()]
+        words = BiLSTMCRFTagger.build_vocabulary(corpus.train, extra_words=sorted(pieces))
+    else:
+        words = BiLSTMCRFTagger.build_vocabulary(corpus.train, min_count=2)
+    width = teacher.encoder.get_input_embeddings().weight.shape[1]
+    student = BiLSTMCRFTagger(data.CONLL2003_TAGS, words, embedding_dim=width, hidden_size=args.student_hidden,
+                              dropout=args.student_dropout)
+    if te:
+        student.load_teacher_embeddings(teacher, freeze=True)
+    return student
+
+
+def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) -> dict:
+    import transformers
+
+    from .training import fit_tagger, tagging_items
+
+    out = os.path.join(args.workdir, "students", spec.name)
+    done = os.path.join(out, "result.json")
+    if os.path.isfile(done):
+        with open(done) as f:
+            return json.load(f)
+    variant = _variant(spec)
+    objective = variant.objective
+    if objective.needs_teacher:
+        from dataclasses import replace
+
+        objective = replace(objective, k=spec.k)
+    items = tagging_items(corpus.train)
+    if variant.da:
+        items += tagging_items(corpus.pool, first_id=len(corpus.train), with_tags=False)
+    _log(f"student {spec.name}: {len(items)} training sentences, losses {objective.losses}"
+         + (f" ({objective.weighting} weighting, K = {spec.k})" if len(objective.losses) > 1 else ""))
+    transformers.set_seed(spec.seed)
+    student = build_student(args, corpus, teacher_dir, te=variant.te)
+    training = _training_arguments(out, args, num_train_epochs=args.student_epochs, learning_rate=args.student_lr,
+                                   seed=spec.seed, lr_scheduler_type="constant", max_grad_norm=5.0)
+    begin = time.perf_counter()
+    trainer = fit_tagger(student, items, tagging_items(corpus.dev), training, objective=objective, cache=cache)
+    record = None
+    if _is_main_process():
+        record = _finish_run(args, corpus, trainer.model.tagger, out,
+                             {"variant": spec.variant, "K": spec.k if objective.needs_teacher else None,
+                              "seed": spec.seed, "losses": list(objective.losses), "weighting": objective.weighting},
+                             time.perf_counter() - begin, trainer)
+    _barrier()
+    return record
+
+
+def _finish_run(args, corpus: Corpus, tagger, out: str, fields: dict, wall_s: float, trainer) -> dict:
+    """Score the finished run once on validation and test, record it, append to results.jsonl."""
+    from .training.evaluation import evaluate_tagger, tagging_throughput
+
+    tagger.eval()
+    dev = evaluate_tagger(tagger, corpus.dev_all)
+    test = evaluate_tagger(tagger, corpus.test)
+    speed = tagging_throughput(tagger, [s.tokens for s in corpus.test[:512]], batch_size=args.batch_size)
+    record = {**fields, "dev_f1": round(100 * dev["f1"], 2), "test_f1": round(100 * test["f1"], 2),
+              "dev": dev, "test": test, "test_sentences": len(corpus.test), "params": tagger.num_parameters(),
+              "trainable_params": tagger.num_parameters(trainable_only=True),
+              "sentences_per_s": round(speed["sentences_per_s"], 1), "wall_s": round(wall_s, 1),
+              "epochs": trainer.state.epoch, "best_checkpoint": trainer.state.best_model_checkpoint,
+              "command": shlex.join([os.path.basename(sys.executable), "-m", "crfkit.pipeline", *sys.argv[1:]]),
+              "git": _git_commit(), "machine": machine_description(),
+              "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(record, f, indent=2)
+    with open(os.path.join(args.workdir, "results.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    _log(f"{fields['variant']}: dev F1 {record['dev_f1']:.2f}, test F1 {record['test_f1']:.2f}, "
+         f"{record['sentences_per_s']:.0f} sentences/s, {wall_s / 60:.1f} min")
+    return record
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def report(args, corpus: Corpus, teacher_dir: str, records: list[dict]) -> dict:
+    """Stage 4: the table, with the speeds of teacher and students measured side by side now."""
+    from .training.evaluation import tagging_throughput
+
+    with open(os.path.join(os.path.dirname(teacher_dir), "result.json")) as f:
+        teacher_record = json.load(f)
+    sentences = [s.tokens for s in corpus.test[:512]]
+    rows = []
+    teacher = load_tagger(teacher_dir)
+    teacher_speed = tagging_throughput(teacher, sentences, batch_size=args.batch_size)["sentences_per_s"]
+    rows.append({"model": f"teacher ({args.teacher_encoder} + CRF)", "test_f1": teacher_record["test_f1"],
+                 "dev_f1": teacher_record["dev_f1"], "params": teacher_record["params"],
+                 "sentences_per_s": teacher_speed, "speedup": 1.0})
+    for record in records:
+        directory = os.path.join(args.workdir, "students",
+                                 RunSpec(record["variant"], record["K"] or args.k, record["seed"]).name, "model")
+        speed = tagging_throughput(load_tagger(directory), sentences, batch_size=args.batch_size)["sentences_per_s"]
+        k = f", K = {record['K']}" if record.get("K") else ""
+        rows.append({"model": f"BiLSTM+CRF {record['variant']}{k}, seed {record['seed']}",
+                     "test_f1": record["test_f1"], "dev_f1": record["dev_f1"], "params": record["params"],
+                     "trainable_params": record["trainable_params"], "sentences_per_s": speed,
+                     "speedup": speed / teacher_speed})
+    result = {"rows": rows, "machine": machine_description(), "git": _git_commit(),
+              "command": shlex.join([os.path.basename(sys.executable), "-m", "crfkit.pipeline", *sys.argv[1:]]),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "batch_size": args.batch_size,
+              "throughput_sentences": len(sentences)}
+    lines = ["| model | test F1 | dev F1 | parameters (trainable) | sentences/s | vs teacher |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        params = f"{row['params'] / 1e6:.1f}M" + (f" ({row['trainable_params'] / 1e6:.2f}M)" if "trainable_params" in row else "")
+        lines.append(f"| {row['model']} | {row['test_f1']:.2f} | {row['dev_f1']:.2f} | {params} | "
+                     f"{row['sentences_per_s']:.0f} | {row['speedup']:.1f}x |")
+    text = "\n".join(lines)
+    header = (f"CoNLL-2003 English, entity F1 (seqeval, strict IOB2). Speed: tagging the first {len(sentences)} "
+              f"test sentences, batch {args.batch_size}, {result['machine']}, measured side by side in one run.\n")
+    with open(os.path.join(args.workdir, "report.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(args.workdir, "report.md"), "w") as f:
+        f.write(f"# crfkit pipeline report\n\n- command: `{result['command']}`\n- git: {result['git']}\n"
+                f"- date: {result['date']}\n\n{header}\n{text}\n")
+    print("\n" + header + "\n" + text + "\n", flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from .training import init_distributed
+
+    init_distributed()
+    os.makedirs(args.workdir, exist_ok=True)
+    _log(f"workdir {args.workdir}; stages {', '.join(args.stages)}; {len(args.run_specs)} student run(s); "
+         f"{machine_description()}")
+    corpus = Corpus(args)
+    teacher_dir = os.path.join(args.workdir, "teacher", "model")
+    if "teacher" in args.stages:
+        teacher_dir = train_teacher(args, corpus)
+    elif not os.path.isfile(os.path.join(teacher_dir, "config.json")):
+        raise SystemExit(f"no trained teacher in {teacher_dir}: run the 'teacher' stage first")
+    needs_cache = any(_variant(spec).objective.needs_teacher or _variant(spec).da for spec in args.run_specs)
+    cache = None
+    if needs_cache and ("label" in args.stages or "students" in args.stages):
+        cache = label_transfer_set(args, corpus, teacher_dir)
+    records = []
+    if "students" in args.stages:
+        for spec in args.run_specs:
+            records.append(train_student(args, corpus, teacher_dir, cache, spec))
+    elif "report" in args.stages:
+        records = [_load_record(args, spec) for spec in args.run_specs]
+        records = [r for r in records if r is not None]
+    if "report" in args.stages and _is_main_process():
+        report(args, corpus, teacher_dir, [r for r in records if r is not None])
+    return 0
+
+
+def _load_record(args, spec: RunSpec) -> Optional[dict[str, Any]]:
+    path = os.path.join(args.workdir, "students", spec.name, "result.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

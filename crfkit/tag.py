@@ -1,0 +1,74 @@
+"""Tag text with a saved crfkit tagger and print the entities.
+
+    python -m crfkit.tag --model runs/quick/students/te_seq-k5-seed0/model < sentences.txt
+    echo "EU rejects German call to boycott British lamb ." | python -m crfkit.tag --model DIR --format conll
+
+Input: one sentence per line, words separated by whitespace (empty lines are skipped). Output,
+one line per sentence: the entities as "text<TAB>TYPE" pairs separated by " | " (--format
+entities, the default), or one "word<TAB>tag" line per word with a blank line between sentences
+(--format conll), or one JSON object per sentence (--format json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+__all__ = ["entities", "main"]
+
+
+def entities(tokens, tags) -> list[tuple[str, str, int, int]]:
+    """(text, type, first word, end word) of each entity in BIO / IOB1 / BIOES tags."""
+    found, begin, kind = [], None, None
+
+    def close(end):
+        if begin is not None:
+            found.append((" ".join(tokens[begin:end]), kind, begin, end))
+
+    for i, tag in enumerate(tags):
+        prefix, _, label = tag.partition("-")
+        if tag == "O" or not label:
+            close(i)
+            begin, kind = None, None
+        elif prefix in ("B", "S") or begin is None or label != kind:
+            close(i)
+            begin, kind = i, label
+        if prefix in ("E", "S"):
+            close(i + 1)
+            begin, kind = None, None
+    close(len(tags))
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m crfkit.tag", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a folder written by a tagger's save_pretrained")
+    parser.add_argument("--format", choices=("entities", "conll", "json"), default="entities")
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    from .taggers import load_tagger
+
+    try:
+        tagger = load_tagger(args.model)
+    except (FileNotFoundError, ValueError) as error:
+        parser.error(str(error))
+    sentences = [line.split() for line in sys.stdin if line.strip()]
+    for tokens, tags in zip(sentences, tagger.predict(sentences, batch_size=args.batch_size)):
+        if args.format == "conll":
+            print("\n".join(f"{w}\t{t}" for w, t in zip(tokens, tags)) + "\n")
+        elif args.format == "json":
+            print(json.dumps({"tokens": tokens, "tags": tags,
+                              "entities": [{"text": e[0], "type": e[1], "start": e[2], "end": e[3]}
+                                           for e in entities(tokens, tags)]}, ensure_ascii=False))
+        else:
+            print(" | ".join(f"{text}\t{kind}" for text, kind, _, _ in entities(tokens, tags)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

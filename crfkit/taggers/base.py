@@ -1,0 +1,201 @@
+"""What every crfkit tagger shares: a CRF over word-level emissions, saving and loading as a folder,
+decoding, and predict() on token lists.
+
+A tagger is an nn.Module with
+    featurize(token_lists) -> dict of tensors   the model's inputs for B sentences, always with
+                                                "lengths" (B,) int64 (the words of each sentence)
+    emissions(batch) -> (B, L, T)               word-level scores, L = max(lengths)
+    forward(tags=None, **batch) -> dict         {"emissions", and "loss" (mean CRF NLL) if tags}
+and the CRF ops on top (decode, kbest, marginals). The Trainer feeds forward() the collated
+batches of crfkit.training; predict() is the user's entry point.
+
+A saved tagger is a folder: config.json (the class, every constructor argument, the labels),
+model.safetensors (the weights) and the class's own extra files (vocabulary, tokenizer).
+Loading reads JSON and safetensors only: nothing is unpickled.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..constraints import allowed_transitions
+from ..functional import KBest
+from ..nn import CRF
+
+__all__ = ["CRFTagger", "load_tagger", "TAGGER_FORMAT"]
+
+TAGGER_FORMAT = "crfkit-tagger"
+TAGGER_FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_REGISTRY: dict[str, type] = {}
+
+
+def _check_token_lists(token_lists) -> list[list[str]]:
+    if isinstance(token_lists, (str, bytes)) or not isinstance(token_lists, Sequence):
+        raise TypeError("token_lists must be a list of sentences, each a list of word strings "
+                        f"(got {type(token_lists).__name__})")
+    checked = []
+    for i, tokens in enumerate(token_lists):
+        if isinstance(tokens, str) or not isinstance(tokens, Sequence):
+            raise TypeError(f"token_lists[{i}] must be a list of word strings, got {type(tokens).__name__}; "
+                            "split sentences into words first (e.g. text.split())")
+        for word in tokens:
+            if not isinstance(word, str) or word == "":
+                raise ValueError(f"token_lists[{i}] holds {word!r}; every word must be a non-empty str")
+        checked.append(list(tokens))
+    return checked
+
+
+class CRFTagger(nn.Module):
+    """Base class: labels (T names), the tagging scheme's constraints and a crfkit.CRF.
+
+    labels: the T tag names, e.g. crfkit.data.CONLL2003_TAGS.
+    scheme: "BIO" (IOB2), "IOB1", "BIOES" or "BMES": forbidden transitions are -inf in training and
+        decoding alike; None for an unconstrained CRF.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[cls.__name__] = cls
+
+    def __init__(self, labels: Sequence[str], scheme: Optional[str] = "BIO"):
+        super().__init__()
+        if isinstance(labels, str) or not isinstance(labels, Sequence) or len(labels) < 1:
+            raise ValueError(f"labels must be a non-empty list of tag names, got {labels!r}")
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"labels must be distinct, got {list(labels)}")
+        self.labels = [str(label) for label in labels]
+        self.scheme = scheme
+        constraints = allowed_transitions(self.labels, scheme) if scheme is not None else None
+        self.crf = CRF(len(self.labels), constraints=constraints)
+
+    # ------------------------------------------------------------------ to implement
+    def featurize(self, token_lists: Sequence[Sequence[str]]) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def emissions(self, batch: Mapping[str, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (JSON values) that rebuild this tagger, labels excluded."""
+        raise NotImplementedError
+
+    def save_extra(self, directory: str) -> None:
+        """Write the files besides config.json and model.safetensors that loading needs."""
+
+    @classmethod
+    def build_from_saved(cls, directory: str, labels: list[str], config: dict[str, Any]) -> "CRFTagger":
+        """A tagger with the saved architecture and untrained weights (no pretrained download)."""
+        return cls(labels, **config)
+
+    # ------------------------------------------------------------------ the CRF on top
+    @property
+    def num_tags(self) -> int:
+        return len(self.labels)
+
+    def forward(self, tags: Optional[Tensor] = None, **batch: Tensor) -> dict[str, Tensor]:
+        """batch: featurize()'s tensors (extra keys are ignored); tags: (B, L) gold tag indices,
+        anything (e.g. -100) past each length. Returns {"emissions": (B, L, T)} and, with tags,
+        "loss": the CRF negative log-likelihood averaged over sentences."""
+        emissions = self.emissions(batch)
+        out = {"emissions": emissions}
+        if tags is not None:
+            out["loss"] = self.crf.nll(emissions, tags[:, :emissions.shape[1]], lengths=batch["lengths"])
+        return out
+
+    def distribution_parameters(self):
+        """(transitions (T, T), start (T,), end (T,)) with the constraints applied."""
+        return self.crf.constrained_parameters()
+
+    def decode(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """Viterbi paths (B, L) int64, -1 past each length."""
+        return self.crf.decode(self.emissions(batch), lengths=batch["lengths"])[0]
+
+    def kbest(self, batch: Mapping[str, Tensor], k: int) -> KBest:
+        """The k best paths with scores and log-probabilities (crfkit.kbest_viterbi)."""
+        return self.crf.kbest(self.emissions(batch), k, lengths=batch["lengths"])
+
+    def marginals(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """P(y_i = t | x): (B, L, T), zero past each length."""
+        return self.crf.marginals(self.emissions(batch), lengths=batch["lengths"])
+
+    @torch.no_grad()
+    def predict(self, token_lists: Sequence[Sequence[str]], batch_size: int = 32) -> list[list[str]]:
+        """Tag sentences: a list of word lists -> a list of tag-name lists (same lengths).
+        Runs in eval mode on the tagger's device, batch_size sentences at a time."""
+        sentences = _check_token_lists(token_lists)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        was_training = self.training
+        self.eval()
+        device = next(self.parameters()).device
+        tagged: list[list[str]] = []
+        try:
+            for begin in range(0, len(sentences), batch_size):
+                chunk = sentences[begin:begin + batch_size]
+                batch = {name: t.to(device) for name, t in self.featurize(chunk).items()}
+                paths = self.decode(batch).tolist()
+                for tokens, path in zip(chunk, paths):
+                    tagged.append([self.labels[t] for t in path[:len(tokens)]])
+        finally:
+            self.train(was_training)
+        return tagged
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def parameter_groups(self, learning_rate: float, **_: Any) -> list[dict[str, Any]]:
+        """Optimizer parameter groups; the base gives every trainable parameter one rate."""
+        return [{"params": [p for p in self.parameters() if p.requires_grad], "lr": learning_rate}]
+
+    # ------------------------------------------------------------------ saving and loading
+    def save_pretrained(self, directory: str) -> None:
+        """Write config.json, model.safetensors and the class's extra files into directory."""
+        from safetensors.torch import save_model
+
+        from .. import __version__
+
+        os.makedirs(directory, exist_ok=True)
+        record = {"format": TAGGER_FORMAT, "format_version": TAGGER_FORMAT_VERSION, "tagger": type(self).__name__,
+                  "labels": self.labels, "scheme": self.scheme, "config": self.config(),
+                  "crfkit_version": __version__}
+        self.save_extra(directory)
+        save_model(self, os.path.join(directory, WEIGHTS_NAME))
+        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def from_pretrained(cls, directory: str, device: Optional[torch.device] = None) -> "CRFTagger":
+        """Load a tagger saved by save_pretrained (of this class, or any tagger class when called
+        on CRFTagger / through crfkit.taggers.load_tagger). Returns it in eval mode."""
+        from safetensors.torch import load_model
+
+        path = os.path.join(os.fspath(directory), CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist: {directory!r} is not a saved crfkit tagger")
+        with open(path) as f:
+            record = json.load(f)
+        if record.get("format") != TAGGER_FORMAT:
+            raise ValueError(f"{path} is not a crfkit tagger config (format {record.get('format')!r})")
+        target = _REGISTRY.get(record["tagger"])
+        if target is None:
+            raise ValueError(f"{path} names an unknown tagger class {record['tagger']!r}; known: {sorted(_REGISTRY)}")
+        if cls is not CRFTagger and not issubclass(target, cls):
+            raise ValueError(f"{directory!r} holds a {record['tagger']}, not a {cls.__name__}")
+        config = dict(record["config"])
+        config["scheme"] = record["scheme"]
+        tagger = target.build_from_saved(os.fspath(directory), record["labels"], config)
+        load_model(tagger, os.path.join(directory, WEIGHTS_NAME), strict=True, device=str(device or "cpu"))
+        return tagger.eval()
+
+
+def load_tagger(directory: str, device: Optional[torch.device] = None) -> CRFTagger:
+    """Load any saved crfkit tagger (the class is read from its config.json)."""
+    return CRFTagger.from_pretrained(directory, device=device)

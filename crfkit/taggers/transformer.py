@@ -1,0 +1,170 @@
+"""TransformerCRFTagger: a pretrained encoder (transformers), word-level emissions, a crfkit CRF.
+
+    tagger = TransformerCRFTagger(crfkit.data.CONLL2003_TAGS)          # MiniLM-L6, BIO constraints
+    tagger.predict([["EU", "rejects", "German", "call"]])              # [['B-ORG', 'O', 'B-MISC', 'O']]
+    small = TransformerCRFTagger(labels, num_layers=2)                 # the encoder's first 2 layers
+
+Word features are the encoder's hidden state at each word's first piece (crfkit.distill.
+align_to_words), concatenated with a casing embedding (the encoders here are uncased), then
+dropout and a linear layer give the emissions. Words cut off by max_pieces keep their casing
+feature and a zero encoder feature. parameter_groups() gives the layer-wise learning-rate decay
+of the multi-grained distillation paper's teacher recipe.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..distill.alignment import REDUCTIONS, align_to_words, word_index_from_word_ids
+from .base import CRFTagger, _check_token_lists
+from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_ids
+from .encoders import encoder_path, require
+
+__all__ = ["TransformerCRFTagger"]
+
+ENCODER_DIR = "encoder"
+_LAYER = re.compile(r"(?:^|\.)layer\.(\d+)\.")
+
+
+class TransformerCRFTagger(CRFTagger):
+    """Encoder + casing embedding + dropout + linear + CRF.
+
+    labels: T tag names. encoder: "minilm" (default), "mpnet" or a local transformers folder.
+    scheme: the CRF's constraints ("BIO", "IOB1", "BIOES", "BMES" or None).
+    dropout: on the word features before the linear layer. casing_dim: width of the casing
+    embedding (0: none). num_layers: keep only the encoder's first num_layers layers (a small
+    transformer student initialised from the teacher's encoder); None keeps all.
+    max_pieces: word pieces per sentence (longer sentences are truncated for the encoder only).
+    word_pooling: "first", "mean" or "max" piece of each word.
+    """
+
+    def __init__(self, labels: Sequence[str], encoder: str = "minilm", scheme: Optional[str] = "BIO",
+                 dropout: float = 0.1, casing_dim: int = 16, num_layers: Optional[int] = None,
+                 max_pieces: int = 256, word_pooling: str = "first", *, _saved_encoder: Optional[str] = None):
+        super().__init__(labels, scheme)
+        transformers = require("transformers", "pip install transformers")
+        if word_pooling not in REDUCTIONS:
+            raise ValueError(f"word_pooling must be one of {REDUCTIONS}, got {word_pooling!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if isinstance(casing_dim, bool) or not isinstance(casing_dim, int) or casing_dim < 0:
+            raise ValueError(f"casing_dim must be a non-negative int, got {casing_dim!r}")
+        if isinstance(max_pieces, bool) or not isinstance(max_pieces, int) or max_pieces < 3:
+            raise ValueError(f"max_pieces must be an int >= 3, got {max_pieces!r}")
+        path = _saved_encoder or encoder_path(encoder)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        if not self.tokenizer.is_fast:
+            raise ValueError(f"encoder {encoder!r} has no fast tokenizer; word alignment needs one")
+        config = transformers.AutoConfig.from_pretrained(path)
+        if num_layers is not None:
+            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= config.num_hidden_layers:
+                raise ValueError(f"num_layers must be in 1 .. {config.num_hidden_layers}, got {num_layers!r}")
+            config.num_hidden_layers = num_layers
+        if _saved_encoder is None:
+            self.encoder = _load_encoder(transformers, path, config)
+        else:
+            self.encoder = _encoder_from_config(transformers, config)
+        self.encoder_name = encoder
+        self.dropout_rate = float(dropout)
+        self.num_layers = config.num_hidden_layers
+        self.max_pieces = max_pieces
+        self.word_pooling = word_pooling
+        self.casing = nn.Embedding(NUM_CASING_CLASSES, casing_dim, padding_idx=PAD_CASING) if casing_dim else None
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(config.hidden_size + casing_dim, self.num_tags)
+
+    # ------------------------------------------------------------------ inputs
+    def featurize(self, token_lists: Sequence[Sequence[str]]) -> dict[str, Tensor]:
+        """B sentences -> input_ids / attention_mask (B, P), word_index (B, P) (the word of each
+        piece, -1 for none), casing (B, L), lengths (B,)."""
+        sentences = _check_token_lists(token_lists)
+        encoded = self.tokenizer(sentences, is_split_into_words=True, truncation=True, max_length=self.max_pieces,
+                                 padding=True, return_tensors="pt")
+        lengths = torch.tensor([len(s) for s in sentences], dtype=torch.long)
+        casing = torch.full((len(sentences), int(lengths.max()) if len(sentences) else 0), PAD_CASING,
+                            dtype=torch.long)
+        for b, s in enumerate(sentences):
+            casing[b, :len(s)] = torch.tensor(casing_ids(s), dtype=torch.long)
+        batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
+                 "word_index": word_index_from_word_ids(encoded, encoded["input_ids"].shape[1]),
+                 "casing": casing, "lengths": lengths}
+        return batch
+
+    def emissions(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """(B, L, T) word-level emissions."""
+        hidden = self.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        lengths = batch["lengths"]
+        words, _ = align_to_words(hidden, batch["word_index"], num_words=lengths, reduce=self.word_pooling)
+        if self.casing is not None:
+            words = torch.cat([words, self.casing(batch["casing"][:, :words.shape[1]])], dim=-1)
+        return self.head(self.dropout(words))
+
+    # ------------------------------------------------------------------ optimisation
+    def parameter_groups(self, learning_rate: float, head_learning_rate: Optional[float] = None,
+                         layer_decay: float = 1.0, weight_decay: float = 0.0, **_: Any) -> list[dict[str, Any]]:
+        """Encoder layer i of N gets learning_rate * layer_decay ** (N - 1 - i), the embeddings
+        learning_rate * layer_decay ** N; the casing embedding, linear layer and CRF get
+        head_learning_rate (default learning_rate). No weight decay on biases and norms."""
+        head_rate = learning_rate if head_learning_rate is None else head_learning_rate
+        groups: dict[tuple[float, float], list[nn.Parameter]] = {}
+        for name, parameter in self.named_parameters():
+            if not parameter.requires_grad:
+                continue
+            if name.startswith("encoder."):
+                inner = name[len("encoder."):]
+                match = _LAYER.search(inner)
+                if match:
+                    depth = self.num_layers - 1 - int(match.group(1))
+                elif "embeddings" in inner:
+                    depth = self.num_layers
+                else:
+                    depth = 0
+                rate = learning_rate * layer_decay ** depth
+            else:
+                rate = head_rate
+            no_decay = parameter.dim() < 2 or "LayerNorm" in name or "layer_norm" in name
+            decay = 0.0 if no_decay or name.startswith("crf.") else weight_decay
+            groups.setdefault((rate, decay), []).append(parameter)
+        return [{"params": params, "lr": rate, "weight_decay": decay} for (rate, decay), params in groups.items()]
+
+    # ------------------------------------------------------------------ saving
+    def config(self) -> dict[str, Any]:
+        return {"encoder": self.encoder_name, "dropout": self.dropout_rate,
+                "casing_dim": 0 if self.casing is None else self.casing.embedding_dim,
+                "num_layers": self.num_layers, "max_pieces": self.max_pieces, "word_pooling": self.word_pooling}
+
+    def save_extra(self, directory: str) -> None:
+        target = os.path.join(directory, ENCODER_DIR)
+        self.tokenizer.save_pretrained(target)
+        self.encoder.config.save_pretrained(target)
+
+    @classmethod
+    def build_from_saved(cls, directory: str, labels: list[str], config: dict[str, Any]) -> "TransformerCRFTagger":
+        config = dict(config)
+        config["num_layers"] = None  # the saved encoder config already has the kept layers
+        return cls(labels, **config, _saved_encoder=os.path.join(directory, ENCODER_DIR))
+
+
+def _load_encoder(transformers, path: str, config) -> nn.Module:
+    # The saved sentence encoders carry a pooler the tagger drops; transformers reports those
+    # weights as unexpected at warning level, which is noise here.
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        return transformers.AutoModel.from_pretrained(path, config=config, add_pooling_layer=False)
+    except TypeError:  # encoders without a pooler take no such argument
+        return transformers.AutoModel.from_pretrained(path, config=config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _encoder_from_config(transformers, config) -> nn.Module:
+    try:
+        return transformers.AutoModel.from_config(config, add_pooling_layer=False)
+    except TypeError:
+        return transformers.AutoModel.from_config(config)

@@ -1,0 +1,19 @@
+"""crfkit.training: train crfkit taggers with transformers' Trainer, on gold tags or by
+distillation from a teacher's labels (crfkit.distill losses, named by configuration).
+
+    from crfkit.training import TaggerTrainingArguments, VARIANTS, fit_tagger, tagging_items
+    args = TaggerTrainingArguments("runs/student", num_train_epochs=30, eval_strategy="epoch",
+                                   save_strategy="epoch", learning_rate=1e-3)
+    trainer = fit_tagger(student, tagging_items(train), tagging_items(dev), args,
+                         objective=VARIANTS["te_seq"].objective, cache=teacher_label_cache)
+
+Needs transformers and accelerate (pip install transformers accelerate) and seqeval.
+"""
+from .data import TaggingCollator, tagging_items
+from .metrics import entity_scores, make_compute_metrics
+from .objectives import LOSSES, VARIANTS, WEIGHTINGS, ObjectiveConfig, TaggingObjective, Variant
+from .trainer import TaggerTrainer, TaggerTrainingArguments, fit_tagger, init_distributed
+
+__all__ = ["LOSSES", "ObjectiveConfig", "TaggerTrainer", "TaggerTrainingArguments", "TaggingCollator",
+           "TaggingObjective", "VARIANTS", "Variant", "WEIGHTINGS", "entity_scores", "fit_tagger",
+           "init_distributed", "make_compute_metrics", "tagging_items"]

@@ -1,0 +1,96 @@
+"""Datasets and the collator that feeds a tagger (and, when distilling, the teacher's labels).
+
+    items = tagging_items(train_sentences)                   # gold sentences, ids 0 .. n-1
+    items += tagging_items(unlabelled_token_lists, first_id=len(items))   # no gold (DA)
+    collate = TaggingCollator(student, cache=TeacherLabelCache(dir), k=5)
+    batch = collate(items[:32])
+
+An item is a dict {"tokens": tuple of words, "tags": tuple of tag names or None, "id": int or
+None}; "id" indexes the teacher-label cache (the corpus the teacher labelled), so a training set
+and its cache must list the same sentences in the same order.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["TaggingCollator", "tagging_items"]
+
+IGNORE_INDEX = -100  # padding of tags and of decoded paths, as transformers pads predictions
+
+
+def tagging_items(sentences: Iterable, first_id: Optional[int] = 0, with_tags: bool = True) -> list[dict[str, Any]]:
+    """crfkit.data.Sentence objects (or plain word lists) -> items. first_id: the cache id of the
+    first sentence (None: no cache ids). with_tags=False drops gold tags (unlabelled text)."""
+    items = []
+    for i, sentence in enumerate(sentences):
+        tokens = tuple(getattr(sentence, "tokens", sentence))
+        tags = getattr(sentence, "tags", None) if with_tags else None
+        items.append({"tokens": tokens, "tags": None if tags is None else tuple(tags),
+                      "id": None if first_id is None else first_id + i})
+    return items
+
+
+class TaggingCollator:
+    """items -> one batch dict of tensors for a tagger (B sentences, L = the longest):
+
+    the tagger's featurize() tensors (lengths (B,) among them), tags (B, L) int64 (-100 past each
+    length), has_gold (B,) bool. With a teacher-label cache, also teacher_paths (B, K, L) and
+    teacher_log_probs (B, K) (the first k of the cache's K best, -1 / -inf for missing rows), and
+    teacher_emissions (B, L, T) when the cache stores emissions. A sentence without gold tags is
+    given the teacher's best path as its tags (the hard loss on unlabelled text).
+    """
+
+    def __init__(self, tagger, cache=None, k: Optional[int] = None, teacher_emissions: bool = False):
+        self.tagger = tagger
+        self.cache = cache
+        self.label_index = {label: i for i, label in enumerate(tagger.labels)}
+        if cache is not None:
+            k = cache.k if k is None else k
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cache.k:
+                raise ValueError(f"k must be an int in 1 .. {cache.k} (the cache's K), got {k!r}")
+            if cache.label_names is not None and list(cache.label_names) != list(tagger.labels):
+                raise ValueError(f"the cache's labels {cache.label_names} differ from the tagger's {tagger.labels}")
+            if teacher_emissions and not cache.manifest.get("with_emissions"):
+                raise ValueError("teacher_emissions=True needs a cache labelled with with_emissions=True")
+        self.k = k
+        self.teacher_emissions = teacher_emissions
+
+    def _tag_indices(self, tags: Sequence[str], position: int) -> list[int]:
+        try:
+            return [self.label_index[t] for t in tags]
+        except KeyError as error:
+            raise ValueError(f"item {position} has tag {error.args[0]!r}, not one of the tagger's labels "
+                             f"{self.tagger.labels}") from None
+
+    def __call__(self, items: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
+        batch = self.tagger.featurize([item["tokens"] for item in items])
+        lengths = batch["lengths"]
+        B, L = len(items), int(lengths.max()) if len(items) else 0
+        tags = torch.full((B, L), IGNORE_INDEX, dtype=torch.long)
+        has_gold = torch.zeros(B, dtype=torch.bool)
+        for b, item in enumerate(items):
+            if item["tags"] is not None:
+                if len(item["tags"]) != len(item["tokens"]):
+                    raise ValueError(f"item {b} has {len(item['tokens'])} tokens but {len(item['tags'])} tags")
+                tags[b, :len(item["tags"])] = torch.tensor(self._tag_indices(item["tags"], b), dtype=torch.long)
+                has_gold[b] = True
+        if self.cache is not None and all(item["id"] is not None for item in items):
+            cached = self.cache.batch([item["id"] for item in items], pad_to=L)
+            if not torch.equal(cached.lengths, lengths):
+                raise ValueError("the teacher-label cache's sentence lengths differ from the batch's: the items' "
+                                 "ids do not index the corpus the cache was labelled on")
+            batch["teacher_paths"] = cached.kbest.paths[:, :self.k]
+            batch["teacher_log_probs"] = cached.kbest.log_probs[:, :self.k]
+            if self.teacher_emissions:
+                batch["teacher_emissions"] = cached.emissions
+            best = cached.kbest.paths[:, 0]
+            tags = torch.where(has_gold[:, None], tags, torch.where(best >= 0, best, IGNORE_INDEX))
+        elif not bool(has_gold.all()):
+            raise ValueError("items without gold tags need a teacher-label cache (and cache ids)")
+        batch["tags"] = tags
+        batch["has_gold"] = has_gold
+        return batch

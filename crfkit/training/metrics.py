@@ -1,0 +1,58 @@
+"""Entity-level precision, recall and F1 with seqeval (strict IOB2 matching, word level).
+
+    entity_scores([["B-PER", "I-PER", "O"]], [["B-PER", "O", "O"]])
+    # {'precision': 0.0, 'recall': 0.0, 'f1': 0.0, 'entities': 1}
+
+Strict mode counts an entity as found only when its type and exact span match, and treats a
+span that breaks the scheme (e.g. an I- without its B-) as no entity; the taggers' CRFs are
+constrained to the scheme, so their output is always well formed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..taggers.encoders import require
+
+__all__ = ["entity_scores", "make_compute_metrics", "paths_to_tags"]
+
+
+def entity_scores(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]],
+                  scheme: str = "IOB2") -> dict[str, float]:
+    """Micro-averaged entity precision / recall / F1 (fractions in [0, 1]) over sentences of tag
+    names, and the number of gold entities. scheme: seqeval's "IOB2" (BIO), "IOB1", "IOBES"."""
+    metrics = require("seqeval.metrics", "pip install seqeval")
+    schemes = require("seqeval.scheme", "pip install seqeval")
+    if len(gold) != len(predicted):
+        raise ValueError(f"gold has {len(gold)} sentences, predicted {len(predicted)}")
+    for i, (g, p) in enumerate(zip(gold, predicted)):
+        if len(g) != len(p):
+            raise ValueError(f"sentence {i}: {len(g)} gold tags but {len(p)} predicted")
+    gold, predicted = [list(g) for g in gold], [list(p) for p in predicted]
+    kind = getattr(schemes, scheme)
+    kwargs = {"mode": "strict", "scheme": kind, "zero_division": 0}
+    report = metrics.classification_report(gold, predicted, output_dict=True, **kwargs)
+    micro = report["micro avg"]
+    return {"precision": float(micro["precision"]), "recall": float(micro["recall"]),
+            "f1": float(micro["f1-score"]), "entities": int(micro["support"])}
+
+
+def paths_to_tags(paths: np.ndarray, labels: Sequence[str], reference: np.ndarray) -> list[list[str]]:
+    """(N, L) tag indices -> tag-name lists, keeping the positions where reference >= 0
+    (reference: (N, L) gold indices padded with -100, which marks each sentence's length)."""
+    return [[labels[int(t)] for t, r in zip(row, ref) if r >= 0] for row, ref in zip(paths, reference)]
+
+
+def make_compute_metrics(labels: Sequence[str], scheme: str = "IOB2"):
+    """A transformers Trainer compute_metrics: EvalPrediction(predictions = decoded paths (N, L),
+    label_ids = gold (N, L), both padded with -100) -> {"precision", "recall", "f1"} in percent."""
+    labels = list(labels)
+
+    def compute_metrics(prediction) -> dict[str, float]:
+        gold = np.asarray(prediction.label_ids)
+        paths = np.asarray(prediction.predictions)
+        scores = entity_scores(paths_to_tags(gold, labels, gold), paths_to_tags(paths, labels, gold), scheme)
+        return {"precision": 100 * scores["precision"], "recall": 100 * scores["recall"], "f1": 100 * scores["f1"]}
+
+    return compute_metrics

@@ -1,0 +1,210 @@
+"""The training objective of a tagger: the CRF loss on gold tags, or a distillation loss built from
+crfkit.distill and named by configuration (docs/METHODS.md states each loss).
+
+    config = VARIANTS["te_seq"].objective          # hard + fuzzy + k-best CE, uncertainty-weighted
+    objective = TaggingObjective(student, config, teacher_crf=cache.teacher_crf())
+    out = objective(**collated_batch)             # {"loss": ..., "loss_hard": ..., ...}
+
+Loss names (each a mean over the batch's sentences):
+    hard       -log P_s(y | x) for the gold tags (the teacher's best path on unlabelled text)
+    fuzzy      coarse-grained: binary cross entropy on the mass of the teacher's K best
+    kbest_ce   fine-grained: cross entropy over the K best, with the residual mass
+    token_em   token-level cross entropy between softmax(emissions) of teacher and student
+    token_pos  the same between the CRF marginals (posteriors) of teacher and student
+    exact_kl   the exact KL(P_teacher || P_student) over all tag sequences (crfkit's own)
+    logit_mse  squared distance between teacher and student emissions (Tang et al.)
+Weighting: "uncertainty" (learned, Kendall et al.), "equal" (sum), or "adaptive": the adaptive
+schedule theta_t of the adaptive-weight BERT NER distillation paper, theta_t times the sum of the
+distillation losses plus (1 - theta_t) times the hard loss.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import distill
+from ..distribution import LinearChainCRF
+
+__all__ = ["LOSSES", "WEIGHTINGS", "ObjectiveConfig", "TaggingObjective", "Variant", "VARIANTS"]
+
+LOSSES = ("hard", "fuzzy", "kbest_ce", "token_em", "token_pos", "exact_kl", "logit_mse")
+WEIGHTINGS = ("uncertainty", "equal", "adaptive")
+_NEEDS_KBEST = {"fuzzy", "kbest_ce"}
+_NEEDS_TEACHER_CRF = {"token_em", "token_pos", "exact_kl", "logit_mse"}
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """losses: names from LOSSES; weighting: one of WEIGHTINGS (ignored for a single loss);
+    k: teacher paths for fuzzy / kbest_ce; temperature: of token_em / token_pos;
+    adaptive_bias: b of theta_t = max(1 - exp(t / steps + b) / e, 0)."""
+
+    losses: tuple[str, ...] = ("hard",)
+    weighting: str = "uncertainty"
+    k: int = 5
+    temperature: float = 1.0
+    adaptive_bias: float = 0.0
+
+    def __post_init__(self):
+        losses = tuple(self.losses)
+        object.__setattr__(self, "losses", losses)
+        if not losses or len(set(losses)) != len(losses):
+            raise ValueError(f"losses must be distinct names from {LOSSES}, got {losses}")
+        for name in losses:
+            if name not in LOSSES:
+                raise ValueError(f"unknown loss {name!r}; choose from {LOSSES}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.weighting == "adaptive" and ("hard" not in losses or len(losses) < 2):
+            raise ValueError("weighting='adaptive' mixes the hard loss with distillation losses: give 'hard' and at "
+                             "least one other loss")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k must be a positive int, got {self.k!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature!r}")
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.losses != ("hard",)
+
+    @property
+    def needs_teacher_crf(self) -> bool:
+        return bool(_NEEDS_TEACHER_CRF & set(self.losses))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A row of the multi-grained distillation paper's tables: the student's embedding (te: the
+    teacher's table, frozen), whether teacher-labelled unlabelled text is pooled in (da), and the
+    objective."""
+
+    te: bool
+    da: bool
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+
+def _seq(*extra: str, drop: tuple[str, ...] = (), weighting: str = "uncertainty") -> ObjectiveConfig:
+    losses = tuple(name for name in ("hard", "fuzzy", "kbest_ce") if name not in drop) + extra
+    return ObjectiveConfig(losses=losses, weighting=weighting)
+
+
+VARIANTS: dict[str, Variant] = {
+    "vanilla": Variant(te=False, da=False),
+    "te": Variant(te=True, da=False),
+    "te_token_em": Variant(te=True, da=False, objective=ObjectiveConfig(("hard", "token_em"))),
+    "te_token_pos": Variant(te=True, da=False, objective=ObjectiveConfig(("hard", "token_pos"))),
+    "te_seq": Variant(te=True, da=False, objective=_seq()),
+    "te_seq_equal": Variant(te=True, da=False, objective=_seq(weighting="equal")),
+    "te_exact_kl": Variant(te=True, da=False, objective=ObjectiveConfig(("hard", "exact_kl"))),
+    "te_da": Variant(te=True, da=True),
+    "te_da_token_em": Variant(te=True, da=True, objective=ObjectiveConfig(("hard", "token_em"))),
+    "te_da_token_pos": Variant(te=True, da=True, objective=ObjectiveConfig(("hard", "token_pos"))),
+    "te_da_seq": Variant(te=True, da=True, objective=_seq()),
+    "te_da_seq_equal": Variant(te=True, da=True, objective=_seq(weighting="equal")),
+    "te_da_exact_kl": Variant(te=True, da=True, objective=ObjectiveConfig(("hard", "exact_kl"))),
+    # the loss combinations of the paper's Table 2 (with DA, as there)
+    "te_da_seq_token_pos": Variant(te=True, da=True, objective=_seq("token_pos")),
+    "te_da_seq_no_fuzzy": Variant(te=True, da=True, objective=_seq(drop=("fuzzy",))),
+    "te_da_seq_no_kbest_ce": Variant(te=True, da=True, objective=_seq(drop=("kbest_ce",))),
+    # the other papers' losses as options of the same trainer
+    "te_da_logit_mse": Variant(te=True, da=True, objective=ObjectiveConfig(("hard", "logit_mse"), weighting="equal")),
+    "te_da_seq_adaptive": Variant(te=True, da=True, objective=_seq(weighting="adaptive")),
+}
+
+
+class TaggingObjective(nn.Module):
+    """The module transformers' Trainer optimises: the tagger plus the loss weights.
+
+    tagger: a crfkit.taggers tagger (the student, or the model being trained on gold).
+    config: ObjectiveConfig. teacher_crf: the teacher's (transitions, start, end), needed by
+    token_em / token_pos / exact_kl / logit_mse (TeacherLabelCache.teacher_crf()).
+    forward(**batch) takes TaggingCollator's batch and returns {"loss", "loss_<name>" per loss}.
+    progress (step, total_steps) is set by the trainer for weighting="adaptive".
+    """
+
+    def __init__(self, tagger: nn.Module, config: ObjectiveConfig = ObjectiveConfig(),
+                 teacher_crf: Optional[tuple[Tensor, Tensor, Tensor]] = None):
+        super().__init__()
+        self.tagger = tagger
+        self.objective_config = config
+        if config.needs_teacher_crf and teacher_crf is None:
+            raise ValueError(f"losses {config.losses} need the teacher's CRF: pass teacher_crf=cache.teacher_crf() "
+                             "(label the cache with with_emissions=True)")
+        self.teacher_crf = None
+        if teacher_crf is not None:
+            self.register_buffer("teacher_transitions", teacher_crf[0].float(), persistent=False)
+            self.register_buffer("teacher_start", teacher_crf[1].float(), persistent=False)
+            self.register_buffer("teacher_end", teacher_crf[2].float(), persistent=False)
+            self.teacher_crf = True
+        n = len(config.losses)
+        self.weighting = distill.UncertaintyWeighting(n) if n > 1 and config.weighting == "uncertainty" else None
+        self.progress = (0, 1)
+        self.last_terms: dict[str, float] = {}
+
+    def parameter_groups(self, learning_rate: float, **kwargs: Any) -> list[dict[str, Any]]:
+        """The tagger's groups, plus the loss weights at the head's rate without weight decay."""
+        groups = self.tagger.parameter_groups(learning_rate, **kwargs)
+        if self.weighting is not None:
+            rate = kwargs.get("head_learning_rate") or learning_rate
+            groups.append({"params": list(self.weighting.parameters()), "lr": rate, "weight_decay": 0.0})
+        return groups
+
+    def forward(self, tags: Tensor, lengths: Tensor, teacher_paths: Optional[Tensor] = None,
+                teacher_log_probs: Optional[Tensor] = None, teacher_emissions: Optional[Tensor] = None,
+                **features: Tensor) -> dict[str, Tensor]:
+        features["lengths"] = lengths
+        emissions = self.tagger.emissions(features)
+        transitions, start, end = self.tagger.distribution_parameters()
+        terms = {}
+        for name in self.objective_config.losses:
+            if name == "hard":
+                terms[name] = self.tagger.crf.nll(emissions, tags[:, :emissions.shape[1]], lengths=lengths)
+                continue
+            if name in _NEEDS_KBEST:
+                if teacher_paths is None:
+                    raise ValueError(f"loss {name!r} needs the teacher's k best (a TaggingCollator with a cache)")
+                kb = (teacher_paths[:, :self.objective_config.k], None, teacher_log_probs[:, :self.objective_config.k])
+                loss_fn = distill.fuzzy_loss if name == "fuzzy" else distill.kbest_cross_entropy
+                terms[name] = loss_fn(emissions, transitions, kb, lengths, start, end)
+                continue
+            if teacher_emissions is None:
+                raise ValueError(f"loss {name!r} needs the teacher's emissions (a cache labelled with_emissions=True "
+                                 "and a TaggingCollator with teacher_emissions=True)")
+            teacher = teacher_emissions.to(emissions.dtype)
+            if name == "token_em":
+                terms[name] = distill.token_kd(emissions, teacher, lengths, source="emissions",
+                                               temperature=self.objective_config.temperature)
+            elif name == "token_pos":
+                terms[name] = distill.token_kd(emissions, teacher, lengths, source="marginals",
+                                               student_transitions=transitions, teacher_transitions=self.teacher_transitions,
+                                               student_start=start, student_end=end, teacher_start=self.teacher_start,
+                                               teacher_end=self.teacher_end, temperature=self.objective_config.temperature)
+            elif name == "exact_kl":
+                teacher_dist = LinearChainCRF(teacher, self.teacher_transitions, lengths, self.teacher_start,
+                                              self.teacher_end)
+                student_dist = LinearChainCRF(emissions, transitions, lengths, start, end)
+                terms[name] = distill.crf_kl_divergence(teacher_dist, student_dist)
+            elif name == "logit_mse":
+                mask = torch.arange(emissions.shape[1], device=lengths.device) < lengths[:, None]
+                terms[name] = distill.logit_mse(emissions, teacher, mask)
+        self.last_terms = {name: float(value.detach()) for name, value in terms.items()}
+        values = list(terms.values())
+        if len(values) == 1:
+            loss = values[0]
+        elif self.weighting is not None:
+            loss = self.weighting(values)
+        elif self.objective_config.weighting == "adaptive":
+            step, total = self.progress
+            theta = distill.adaptive_theta(min(step, total), max(total, 1), self.objective_config.adaptive_bias)
+            soft = sum(value for name, value in terms.items() if name != "hard")
+            loss = theta * soft + (1 - theta) * terms["hard"]
+        else:
+            loss = sum(values)
+        return {"loss": loss, **{f"loss_{name}": value.detach() for name, value in terms.items()}}
+

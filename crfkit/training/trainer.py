@@ -1,0 +1,146 @@
+"""Training taggers with transformers' Trainer (accelerate underneath).
+
+The Trainer brings the training loop, checkpoints in safetensors with full resume (optimizer,
+scheduler, RNG states, data position), torchrun / DDP, early stopping, progress bars and JSON
+logs. crfkit adds only what a CRF tagger needs on top:
+- TaggingObjective is the model the Trainer optimises (the tagger plus the loss weights; its
+  forward computes the configured loss from TaggingCollator's batch);
+- TaggerTrainer builds the optimizer from the model's parameter groups (layer-wise learning-rate
+  decay, a larger rate for the head and CRF), evaluates by Viterbi decoding and seqeval entity F1,
+  and logs each loss term and the learned loss weights beside the total;
+- fit_tagger() wires these together: model selection and early stopping on the validation F1,
+  resume from the last checkpoint in output_dir, the best tagger saved to output_dir/model.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..taggers.encoders import require
+from .data import IGNORE_INDEX, TaggingCollator
+from .metrics import make_compute_metrics
+from .objectives import ObjectiveConfig, TaggingObjective
+
+transformers = require("transformers", "pip install transformers accelerate")
+
+__all__ = ["TaggerTrainer", "TaggerTrainingArguments", "fit_tagger", "init_distributed"]
+
+MODEL_DIR = "model"
+
+
+@dataclass
+class TaggerTrainingArguments(transformers.TrainingArguments):
+    """transformers.TrainingArguments plus the tagger's learning-rate layout.
+
+    head_learning_rate: rate of the linear layer, casing embedding, CRF and loss weights (default
+    learning_rate). layer_decay: encoder layer i of N trains at learning_rate * layer_decay **
+    (N - 1 - i) (the multi-grained distillation paper's teacher uses 0.9). patience: evaluations
+    without a better validation F1 before training stops."""
+
+    head_learning_rate: Optional[float] = field(default=None, metadata={"help": "rate of head, CRF and loss weights"})
+    layer_decay: float = field(default=1.0, metadata={"help": "layer-wise learning-rate decay towards the input"})
+    patience: int = field(default=5, metadata={"help": "early-stopping patience (evaluations)"})
+
+
+class _ObjectiveProgress(transformers.TrainerCallback):
+    """Tells the objective the current step, for the adaptive weighting schedule."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and hasattr(model, "progress"):
+            model.progress = (state.global_step, state.max_steps)
+
+
+class TaggerTrainer(transformers.Trainer):
+    """A Trainer for TaggingObjective models: see the module docstring."""
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            args = self.args
+            objective = self.model if model is None else model
+            groups = objective.parameter_groups(args.learning_rate, head_learning_rate=args.head_learning_rate,
+                                                layer_decay=args.layer_decay, weight_decay=args.weight_decay)
+            self.optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                               eps=args.adam_epsilon)
+        return self.optimizer
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Validation: (gold CRF NLL, Viterbi paths (B, L) padded with -100, gold tags)."""
+        inputs = self._prepare_inputs(inputs)
+        tagger = self.accelerator.unwrap_model(model).tagger
+        with torch.no_grad():
+            emissions = tagger.emissions(inputs)
+            lengths, tags = inputs["lengths"], inputs["tags"][:, :emissions.shape[1]]
+            loss = tagger.crf.nll(emissions, tags, lengths=lengths).detach()
+            paths = None
+            if not prediction_loss_only:
+                paths = tagger.crf.decode(emissions, lengths=lengths)[0]
+                paths = paths.masked_fill(paths < 0, IGNORE_INDEX)
+        return loss, paths, tags
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        objective = self.accelerator.unwrap_model(self.model)
+        if "loss" in logs and len(getattr(objective, "last_terms", {})) > 1:
+            logs.update({f"loss_{name}": round(value, 4) for name, value in objective.last_terms.items()})
+            if objective.weighting is not None:
+                for name, weight in zip(objective.objective_config.losses, objective.weighting.weights.tolist()):
+                    logs[f"weight_{name}"] = round(weight, 4)
+        super().log(logs, *args, **kwargs)
+
+
+def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], args: TaggerTrainingArguments,
+               objective: ObjectiveConfig = ObjectiveConfig(), cache=None, resume: bool = True,
+               callbacks: Sequence = ()) -> TaggerTrainer:
+    """Train tagger on train_items (crfkit.training.tagging_items), select and early-stop on the
+    F1 of dev_items, and save the best tagger to args.output_dir/model (rank 0).
+
+    objective: the loss (ObjectiveConfig); distillation losses read the teacher's labels from
+    cache (a TeacherLabelCache over the corpus that the items' ids index). resume: continue from
+    the last checkpoint in args.output_dir if there is one. callbacks: more TrainerCallbacks.
+    Returns the trainer, its model holding
+    the best weights (trainer.model.tagger).
+    """
+    if args.eval_strategy == "no" or args.save_strategy != args.eval_strategy:
+        raise ValueError("fit_tagger selects the best model on validation: give eval_strategy and save_strategy "
+                         f"the same value (got {args.eval_strategy!r} and {args.save_strategy!r})")
+    if objective.needs_teacher and cache is None:
+        raise ValueError(f"the losses {objective.losses} need a teacher-label cache (cache=...)")
+    if cache is not None and objective.needs_teacher and objective.k > cache.k:
+        raise ValueError(f"objective.k = {objective.k} but the cache holds only K = {cache.k} paths per sentence")
+    args.load_best_model_at_end = True
+    args.metric_for_best_model = "f1"
+    args.greater_is_better = True
+    args.remove_unused_columns = False
+    args.label_names = ["tags"]
+    model = TaggingObjective(tagger, objective, cache.teacher_crf() if objective.needs_teacher_crf else None)
+    collator = TaggingCollator(tagger, cache=cache if objective.needs_teacher or _any_unlabelled(train_items) else None,
+                               k=objective.k if cache is not None else None,
+                               teacher_emissions=objective.needs_teacher_crf)
+    trainer = TaggerTrainer(
+        model=model, args=args, data_collator=collator, train_dataset=list(train_items),
+        eval_dataset=[dict(item, id=None) for item in dev_items], compute_metrics=make_compute_metrics(tagger.labels),
+        callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=args.patience), _ObjectiveProgress(),
+                   *callbacks],
+    )
+    checkpoint = transformers.trainer_utils.get_last_checkpoint(args.output_dir) if (
+        resume and os.path.isdir(args.output_dir)) else None
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if trainer.is_world_process_zero():
+        trainer.model.tagger.save_pretrained(os.path.join(args.output_dir, MODEL_DIR))
+    return trainer
+
+
+def init_distributed() -> None:
+    """Under torchrun (WORLD_SIZE > 1), initialise the default process group once, first: gloo on
+    the CPU, nccl with CUDA. The teacher-label cache and the Trainer both join an existing group;
+    letting each create (and the cache destroy) its own made gloo's second rendezvous flaky."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _any_unlabelled(items: Sequence[dict[str, Any]]) -> bool:
+    return any(item["tags"] is None for item in items)

