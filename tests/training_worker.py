@@ -46,14 +46,8 @@ def main() -> int:
     transformers.set_seed(0)
     teacher = TransformerCRFTagger(labels, num_layers=1).eval()
 
-    @torch.no_grad()
-    def teacher_fn(token_lists):
-        batch = teacher.featurize(token_lists)
-        transitions, start, end = teacher.distribution_parameters()
-        return distill.TeacherOutput(teacher.emissions(batch), transitions, batch["lengths"], start, end)
-
     variant = VARIANTS[args.variant]
-    cache = distill.label_corpus(teacher_fn, [s.tokens for s in train], os.path.join(args.output_dir, "labels"),
+    cache = distill.label_corpus(teacher.teacher_output, [s.tokens for s in train], os.path.join(args.output_dir, "labels"),
                                  k=5, with_emissions=True, label_names=labels, progress=False)
     transformers.set_seed(0)
     student = BiLSTMCRFTagger(labels, BiLSTMCRFTagger.build_vocabulary(train), embedding_dim=32, hidden_size=32)

@@ -126,6 +126,18 @@ class CRFTagger(nn.Module):
         return self.crf.marginals(self.emissions(batch), lengths=batch["lengths"])
 
     @torch.no_grad()
+    def teacher_output(self, token_lists: Sequence[Sequence[str]]):
+        """The tagger as a teacher for crfkit.distill.label_corpus: B sentences ->
+        TeacherOutput(emissions (B, L, T), transitions, lengths, start, end), without gradient,
+        on the tagger's device, in the tagger's current mode (call .eval() first)."""
+        from ..distill.cache import TeacherOutput
+
+        device = next(self.parameters()).device
+        batch = {name: t.to(device) for name, t in self.featurize(_check_token_lists(token_lists)).items()}
+        transitions, start, end = self.distribution_parameters()
+        return TeacherOutput(self.emissions(batch), transitions, batch["lengths"], start, end)
+
+    @torch.no_grad()
     def predict(self, token_lists: Sequence[Sequence[str]], batch_size: int = 32) -> list[list[str]]:
         """Tag sentences: a list of word lists -> a list of tag-name lists (same lengths).
         Runs in eval mode on the tagger's device, batch_size sentences at a time."""

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .. import distill
 from ..distribution import LinearChainCRF
 
-__all__ = ["LOSSES", "WEIGHTINGS", "ObjectiveConfig", "TaggingObjective", "Variant", "VARIANTS"]
+__all__ = ["EMBEDDINGS", "LOSSES", "WEIGHTINGS", "ObjectiveConfig", "TaggingObjective", "Variant", "VARIANTS"]
 
 LOSSES = ("hard", "fuzzy", "kbest_ce", "token_em", "token_pos", "exact_kl", "logit_mse")
 WEIGHTINGS = ("uncertainty", "equal", "adaptive")
@@ -78,15 +78,23 @@ class ObjectiveConfig:
         return asdict(self)
 
 
+EMBEDDINGS = ("random", "teacher", "glove")
+
+
 @dataclass(frozen=True)
 class Variant:
-    """A row of the multi-grained distillation paper's tables: the student's embedding (te: the
-    teacher's table, frozen), whether teacher-labelled unlabelled text is pooled in (da), and the
-    objective."""
+    """A row of the multi-grained distillation paper's tables: the student's word embeddings
+    ("random": trained from scratch; "teacher": TE, the teacher's table, frozen; "glove": GloVe
+    vectors, frozen, the baseline without a teacher), whether teacher-labelled unlabelled text is
+    pooled in (da), and the objective."""
 
-    te: bool
+    embeddings: str
     da: bool
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+    def __post_init__(self):
+        if self.embeddings not in EMBEDDINGS:
+            raise ValueError(f"embeddings must be one of {EMBEDDINGS}, got {self.embeddings!r}")
 
 
 def _seq(*extra: str, drop: tuple[str, ...] = (), weighting: str = "uncertainty") -> ObjectiveConfig:
@@ -95,26 +103,27 @@ def _seq(*extra: str, drop: tuple[str, ...] = (), weighting: str = "uncertainty"
 
 
 VARIANTS: dict[str, Variant] = {
-    "vanilla": Variant(te=False, da=False),
-    "te": Variant(te=True, da=False),
-    "te_token_em": Variant(te=True, da=False, objective=ObjectiveConfig(("hard", "token_em"))),
-    "te_token_pos": Variant(te=True, da=False, objective=ObjectiveConfig(("hard", "token_pos"))),
-    "te_seq": Variant(te=True, da=False, objective=_seq()),
-    "te_seq_equal": Variant(te=True, da=False, objective=_seq(weighting="equal")),
-    "te_exact_kl": Variant(te=True, da=False, objective=ObjectiveConfig(("hard", "exact_kl"))),
-    "te_da": Variant(te=True, da=True),
-    "te_da_token_em": Variant(te=True, da=True, objective=ObjectiveConfig(("hard", "token_em"))),
-    "te_da_token_pos": Variant(te=True, da=True, objective=ObjectiveConfig(("hard", "token_pos"))),
-    "te_da_seq": Variant(te=True, da=True, objective=_seq()),
-    "te_da_seq_equal": Variant(te=True, da=True, objective=_seq(weighting="equal")),
-    "te_da_exact_kl": Variant(te=True, da=True, objective=ObjectiveConfig(("hard", "exact_kl"))),
+    "vanilla": Variant("random", da=False),
+    "glove": Variant("glove", da=False),
+    "te": Variant("teacher", da=False),
+    "te_token_em": Variant("teacher", da=False, objective=ObjectiveConfig(("hard", "token_em"))),
+    "te_token_pos": Variant("teacher", da=False, objective=ObjectiveConfig(("hard", "token_pos"))),
+    "te_seq": Variant("teacher", da=False, objective=_seq()),
+    "te_seq_equal": Variant("teacher", da=False, objective=_seq(weighting="equal")),
+    "te_exact_kl": Variant("teacher", da=False, objective=ObjectiveConfig(("hard", "exact_kl"))),
+    "te_da": Variant("teacher", da=True),
+    "te_da_token_em": Variant("teacher", da=True, objective=ObjectiveConfig(("hard", "token_em"))),
+    "te_da_token_pos": Variant("teacher", da=True, objective=ObjectiveConfig(("hard", "token_pos"))),
+    "te_da_seq": Variant("teacher", da=True, objective=_seq()),
+    "te_da_seq_equal": Variant("teacher", da=True, objective=_seq(weighting="equal")),
+    "te_da_exact_kl": Variant("teacher", da=True, objective=ObjectiveConfig(("hard", "exact_kl"))),
     # the loss combinations of the paper's Table 2 (with DA, as there)
-    "te_da_seq_token_pos": Variant(te=True, da=True, objective=_seq("token_pos")),
-    "te_da_seq_no_fuzzy": Variant(te=True, da=True, objective=_seq(drop=("fuzzy",))),
-    "te_da_seq_no_kbest_ce": Variant(te=True, da=True, objective=_seq(drop=("kbest_ce",))),
+    "te_da_seq_token_pos": Variant("teacher", da=True, objective=_seq("token_pos")),
+    "te_da_seq_no_fuzzy": Variant("teacher", da=True, objective=_seq(drop=("fuzzy",))),
+    "te_da_seq_no_kbest_ce": Variant("teacher", da=True, objective=_seq(drop=("kbest_ce",))),
     # the other papers' losses as options of the same trainer
-    "te_da_logit_mse": Variant(te=True, da=True, objective=ObjectiveConfig(("hard", "logit_mse"), weighting="equal")),
-    "te_da_seq_adaptive": Variant(te=True, da=True, objective=_seq(weighting="adaptive")),
+    "te_da_logit_mse": Variant("teacher", da=True, objective=ObjectiveConfig(("hard", "logit_mse"), weighting="equal")),
+    "te_da_seq_adaptive": Variant("teacher", da=True, objective=_seq(weighting="adaptive")),
 }
 
 
