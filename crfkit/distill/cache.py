@@ -731,6 +731,16 @@ class _Shard:
         return CachedLabels(sentence_id, paths, self.log_probs[j], self.scores[j], self.log_z[j], margs, emissions)
 
 
+def _pad_per_token(values: Sequence[Optional[Tensor]], L: int, dtype: Optional[torch.dtype]) -> Optional[Tensor]:
+    """B per-token (n_b, T) tensors -> (B, L, T), zero past each n_b; None if any is None."""
+    if not values or any(v is None for v in values):
+        return None
+    out = torch.zeros((len(values), L, values[0].shape[1]), dtype=dtype or values[0].dtype)
+    for b, v in enumerate(values):
+        out[b, :v.shape[0]] = v
+    return out
+
+
 class TeacherLabelCache:
     """A labelled corpus on disk, read lazily: only the manifest is read when it is opened; a
     shard is opened at the first request of one of its sentences, and at most
@@ -835,18 +845,8 @@ class TeacherLabelCache:
         log_probs = torch.stack([r.log_probs for r in records])
         scores = torch.stack([r.scores for r in records])
         log_z = torch.stack([r.log_z for r in records])
-        margs = None
-        if all(r.marginals is not None for r in records):
-            T = records[0].marginals.shape[1]
-            margs = torch.zeros((B, L, T), dtype=dtype or records[0].marginals.dtype)
-            for b, r in enumerate(records):
-                margs[b, :r.marginals.shape[0]] = r.marginals
-        emissions = None
-        if all(r.emissions is not None for r in records):
-            T = records[0].emissions.shape[1]
-            emissions = torch.zeros((B, L, T), dtype=dtype or records[0].emissions.dtype)
-            for b, r in enumerate(records):
-                emissions[b, :r.emissions.shape[0]] = r.emissions
+        margs = _pad_per_token([r.marginals for r in records], L, dtype)
+        emissions = _pad_per_token([r.emissions for r in records], L, dtype)
         if dtype is not None:
             log_probs, scores, log_z = log_probs.to(dtype), scores.to(dtype), log_z.to(dtype)
         ids = torch.tensor([r.id for r in records], dtype=torch.long)

@@ -78,7 +78,7 @@ class ObjectiveConfig:
         return asdict(self)
 
 
-EMBEDDINGS = ("random", "teacher", "glove")
+EMBEDDINGS = ("random", "teacher", "glove", "pretrained")
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,20 @@ class Variant:
     """A row of the multi-grained distillation paper's tables: the student's word embeddings
     ("random": trained from scratch; "teacher": TE, the teacher's table, frozen; "glove": GloVe
     vectors, frozen, the baseline without a teacher), whether teacher-labelled unlabelled text is
-    pooled in (da), and the objective."""
+    pooled in (da), and the objective. transformer_layers > 0 makes the student a
+    TransformerCRFTagger of the pretrained encoder's first layers instead of a BiLSTM (the
+    paper's appendix; embeddings is then "pretrained")."""
 
     embeddings: str
     da: bool
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    transformer_layers: int = 0
 
     def __post_init__(self):
         if self.embeddings not in EMBEDDINGS:
             raise ValueError(f"embeddings must be one of {EMBEDDINGS}, got {self.embeddings!r}")
+        if (self.embeddings == "pretrained") != (self.transformer_layers > 0):
+            raise ValueError("embeddings='pretrained' goes with a transformer student (transformer_layers > 0)")
 
 
 def _seq(*extra: str, drop: tuple[str, ...] = (), weighting: str = "uncertainty") -> ObjectiveConfig:
@@ -124,6 +129,10 @@ VARIANTS: dict[str, Variant] = {
     # the other papers' losses as options of the same trainer
     "te_da_logit_mse": Variant("teacher", da=True, objective=ObjectiveConfig(("hard", "logit_mse"), weighting="equal")),
     "te_da_seq_adaptive": Variant("teacher", da=True, objective=_seq(weighting="adaptive")),
+    # a small transformer student: the pretrained encoder's first 2 layers (of MiniLM's 6)
+    "bp2": Variant("pretrained", da=False, transformer_layers=2),
+    "bp2_seq": Variant("pretrained", da=False, objective=_seq(), transformer_layers=2),
+    "bp2_da_seq": Variant("pretrained", da=True, objective=_seq(), transformer_layers=2),
 }
 
 
