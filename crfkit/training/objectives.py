@@ -88,12 +88,20 @@ class Variant:
     vectors, frozen, the baseline without a teacher), whether teacher-labelled unlabelled text is
     pooled in (da), and the objective. transformer_layers > 0 makes the student a
     TransformerCRFTagger of the pretrained encoder's first layers instead of a BiLSTM (the
-    paper's appendix; embeddings is then "pretrained")."""
+    paper's appendix; embeddings is then "pretrained"). stages: objectives trained one after the
+    other, each to its best validation F1 (the stage-wise schedule of the multi-stage
+    distillation paper); when given, they replace objective."""
 
     embeddings: str
     da: bool
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     transformer_layers: int = 0
+    stages: tuple[ObjectiveConfig, ...] = ()
+
+    @property
+    def objectives(self) -> tuple[ObjectiveConfig, ...]:
+        """The objectives in training order (one, unless stage-wise)."""
+        return tuple(self.stages) or (self.objective,)
 
     def __post_init__(self):
         if self.embeddings not in EMBEDDINGS:
@@ -129,6 +137,9 @@ VARIANTS: dict[str, Variant] = {
     # the other papers' losses as options of the same trainer
     "te_da_logit_mse": Variant("teacher", da=True, objective=ObjectiveConfig(("hard", "logit_mse"), weighting="equal")),
     "te_da_seq_adaptive": Variant("teacher", da=True, objective=_seq(weighting="adaptive")),
+    # stage-wise (multi-stage distillation): the teacher's logits first, then the hard loss; the
+    # paper's first stage (hidden-state regression) needs teacher hidden states the cache lacks
+    "te_da_stagewise": Variant("teacher", da=True, stages=(ObjectiveConfig(("logit_mse",)), ObjectiveConfig())),
     # a small transformer student: the pretrained encoder's first 2 layers (of MiniLM's 6)
     "bp2": Variant("pretrained", da=False, transformer_layers=2),
     "bp2_seq": Variant("pretrained", da=False, objective=_seq(), transformer_layers=2),
