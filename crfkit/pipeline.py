@@ -325,7 +325,8 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
             student.save_pretrained(os.path.join(out, "model"))
         final = objectives[-1]
         record = _finish_run(args, corpus, student, out,
-                             {"variant": spec.variant, "K": spec.k if any(o.needs_teacher for o in objectives) else None,
+                             {"run": spec.name, "variant": spec.variant,
+                              "K": spec.k if any(o.uses_kbest for o in objectives) else None,
                               "seed": spec.seed, "losses": [list(o.losses) for o in objectives] if len(objectives) > 1
                               else list(final.losses), "weighting": final.weighting},
                              time.perf_counter() - begin, trainer)
@@ -379,8 +380,8 @@ def report(args, corpus: Corpus, teacher_dir: str, records: list[dict]) -> dict:
                  "dev_f1": teacher_record["dev_f1"], "params": teacher_record["params"],
                  "sentences_per_s": teacher_speed, "speedup": 1.0})
     for record in records:
-        directory = os.path.join(args.workdir, "students",
-                                 RunSpec(record["variant"], record["K"] or args.k, record["seed"]).name, "model")
+        run = record.get("run") or RunSpec(record["variant"], record["K"] or args.k, record["seed"]).name
+        directory = os.path.join(args.workdir, "students", run, "model")
         speed = tagging_throughput(load_tagger(directory), sentences, batch_size=args.batch_size)["sentences_per_s"]
         k = f", K = {record['K']}" if record.get("K") else ""
         kind = "MiniLM-2L+CRF" if _variant(RunSpec(record["variant"], 0, 0)).transformer_layers else "BiLSTM+CRF"

@@ -355,7 +355,7 @@ def test_pipeline_tiny_end_to_end(tmp_path):
                                                "bp2_seq", "te_da_stagewise"]
     assert records[-3]["K"] == 3 and records[-2]["K"] == 2 and records[1]["K"] is None
     assert records[-2]["params"] < records[0]["params"]  # 2 of the teacher's 6 encoder layers
-    assert records[-1]["losses"] == [["logit_mse"], ["hard"]]
+    assert records[-1]["losses"] == [["logit_mse"], ["hard"]] and records[-1]["K"] is None  # K unused there
     stages = tmp_path / "students" / "te_da_stagewise-k5-seed0"
     assert (stages / "stage1" / "model" / "config.json").exists() and (stages / "stage2" / "model").exists()
     if with_glove:  # 400k GloVe words, frozen 50-d rows

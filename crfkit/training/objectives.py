@@ -71,6 +71,11 @@ class ObjectiveConfig:
         return self.losses != ("hard",)
 
     @property
+    def uses_kbest(self) -> bool:
+        """Whether k (the teacher's K best) matters: the fuzzy or k-best CE loss is on."""
+        return bool(_NEEDS_KBEST & set(self.losses))
+
+    @property
     def needs_teacher_crf(self) -> bool:
         return bool(_NEEDS_TEACHER_CRF & set(self.losses))
 
