@@ -326,6 +326,7 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
         final = objectives[-1]
         record = _finish_run(args, corpus, student, out,
                              {"run": spec.name, "variant": spec.variant,
+                              "teacher_sha256": _sha256(os.path.join(teacher_dir, "model.safetensors")),
                               "K": spec.k if any(o.uses_kbest for o in objectives) else None,
                               "seed": spec.seed, "losses": [list(o.losses) for o in objectives] if len(objectives) > 1
                               else list(final.losses), "weighting": final.weighting},

@@ -37,20 +37,22 @@ TABLE1 = [("teacher", "teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF)"),
 TABLE2 = [("te_da_seq", "SEQ (hard + fuzzy + k-best CE)"), ("te_da_seq_token_pos", "+ TOKEN-POS"),
           ("te_da_seq_no_fuzzy", "- fuzzy"), ("te_da_seq_no_kbest_ce", "- k-best CE")]
 TABLE3 = [("te_seq", "te_seq_equal", "without DA"), ("te_da_seq", "te_da_seq_equal", "with DA")]
-RECORD_FIELDS = ("run", "variant", "K", "seed", "dev_f1", "test_f1", "params", "trainable_params", "sentences_per_s",
+RECORD_FIELDS = ("run", "variant", "K", "teacher_sha256", "seed", "dev_f1", "test_f1", "params", "trainable_params", "sentences_per_s",
                  "wall_s", "epochs", "command", "git", "machine", "date", "losses", "weighting", "test_sentences")
 
 
 def load_records(workdir: Path) -> list[dict]:
-    """The latest record per (variant, K, seed) of workdir/results.jsonl."""
+    """The latest record per (variant, K, seed): those already in docs/reproduction.json (so that
+    records of earlier sessions are kept when their workdir is gone), then workdir/results.jsonl."""
     latest = {}
     path = workdir / "results.jsonl"
     if not path.exists():
         raise SystemExit(f"{path} does not exist: run python -m crfkit.pipeline --workdir {workdir} first")
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            latest[(record["variant"], record.get("K"), record["seed"])] = {k: record.get(k) for k in RECORD_FIELDS}
+    previous = DOCS / "reproduction.json"
+    records = json.loads(previous.read_text())["records"] if previous.exists() else []
+    records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for record in records:
+        latest[(record["variant"], record.get("K"), record["seed"])] = {k: record.get(k) for k in RECORD_FIELDS}
     return sorted(latest.values(), key=lambda r: (r["variant"], r.get("K") or 0, r["seed"]))
 
 
