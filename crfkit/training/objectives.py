@@ -123,6 +123,9 @@ def _seq(*extra: str, drop: tuple[str, ...] = (), weighting: str = "uncertainty"
 VARIANTS: dict[str, Variant] = {
     "vanilla": Variant("random", da=False),
     "glove": Variant("glove", da=False),
+    # distillation into the GloVe student (the strongest student without a teacher)
+    "glove_seq": Variant("glove", da=False, objective=_seq()),
+    "glove_exact_kl": Variant("glove", da=False, objective=ObjectiveConfig(("hard", "exact_kl"))),
     "te": Variant("teacher", da=False),
     "te_token_em": Variant("teacher", da=False, objective=ObjectiveConfig(("hard", "token_em"))),
     "te_token_pos": Variant("teacher", da=False, objective=ObjectiveConfig(("hard", "token_pos"))),
