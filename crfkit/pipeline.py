@@ -235,13 +235,14 @@ def label_transfer_set(args, corpus: Corpus, teacher_dir: str):
     """Stage 2: the teacher-label cache over corpus.transfer."""
     teacher = load_tagger(teacher_dir).eval()
     transfer = corpus.transfer
-    directory = os.path.join(args.workdir, f"labels-k{args.cache_k}-n{len(transfer)}")
+    weights = _sha256(os.path.join(teacher_dir, "model.safetensors"))
+    # named by K, corpus size and teacher, and described without paths, so a moved workdir reuses it
+    directory = os.path.join(args.workdir, f"labels-k{args.cache_k}-n{len(transfer)}-{weights[:8]}")
     _log(f"label: teacher's {args.cache_k} best paths for {len(transfer)} sentences -> {directory}")
 
     return distill.label_corpus(teacher.teacher_output, transfer, directory, k=args.cache_k, batch_size=64, with_emissions=True,
                                 label_names=list(data.CONLL2003_TAGS),
-                                teacher_info={"model": os.path.abspath(teacher_dir),
-                                              "weights_sha256": _sha256(os.path.join(teacher_dir, "model.safetensors"))},
+                                teacher_info={"encoder": args.teacher_encoder, "weights_sha256": weights},
                                 corpus_info={"train_sentences": len(corpus.train), "da_pool": len(corpus.pool),
                                              "da_augment": args.da_augment})
 
