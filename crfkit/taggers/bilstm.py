@@ -24,7 +24,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ..data import Vocabulary
 from .base import CRFTagger, _check_token_lists
-from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_ids
+from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_tensor
 
 __all__ = ["BiLSTMCRFTagger"]
 
@@ -149,12 +149,10 @@ class BiLSTMCRFTagger(CRFTagger):
         lengths = torch.tensor([len(s) for s in sentences], dtype=torch.long)
         L = int(lengths.max()) if len(sentences) else 0
         words = torch.zeros((len(sentences), L), dtype=torch.long)
-        casing = torch.zeros((len(sentences), L), dtype=torch.long)
         for b, s in enumerate(sentences):
             if s:
                 words[b, :len(s)] = torch.tensor(self.vocabulary.encode(s))
-                casing[b, :len(s)] = torch.tensor(casing_ids(s))
-        batch = {"words": words, "casing": casing, "lengths": lengths}
+        batch = {"words": words, "casing": casing_tensor(sentences, L), "lengths": lengths}
         if self.char_vocabulary is not None:
             C = max((len(w) for s in sentences for w in s), default=1)
             chars = torch.zeros((len(sentences), L, C), dtype=torch.long)

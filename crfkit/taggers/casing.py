@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["CASING_CLASSES", "NUM_CASING_CLASSES", "PAD_CASING", "casing_id", "casing_ids"]
+import torch
+
+__all__ = ["CASING_CLASSES", "NUM_CASING_CLASSES", "PAD_CASING", "casing_id", "casing_ids", "casing_tensor"]
 
 # Index 0 is padding (never produced for a real word).
 CASING_CLASSES = ("<pad>", "lower", "title", "upper", "mixed", "numeric", "has_digit", "other")
@@ -47,3 +49,12 @@ def casing_id(word: str) -> int:
 def casing_ids(words: Sequence[str]) -> list[int]:
     """Casing classes of a sentence's words: (n,) ints in 1 .. NUM_CASING_CLASSES - 1."""
     return [casing_id(w) for w in words]
+
+
+def casing_tensor(sentences: Sequence[Sequence[str]], length: int) -> torch.Tensor:
+    """(B, length) int64 casing classes of B sentences, PAD_CASING past each sentence's end."""
+    casing = torch.full((len(sentences), length), PAD_CASING, dtype=torch.long)
+    for b, s in enumerate(sentences):
+        if s:
+            casing[b, :len(s)] = torch.tensor(casing_ids(s), dtype=torch.long)
+    return casing

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..distill.alignment import REDUCTIONS, align_to_words, word_index_from_word_ids
 from .base import CRFTagger, _check_token_lists
-from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_ids
+from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_tensor
 from .encoders import encoder_path, require
 
 __all__ = ["TransformerCRFTagger"]
@@ -86,10 +86,7 @@ class TransformerCRFTagger(CRFTagger):
         encoded = self.tokenizer(sentences, is_split_into_words=True, truncation=True, max_length=self.max_pieces,
                                  padding=True, return_tensors="pt")
         lengths = torch.tensor([len(s) for s in sentences], dtype=torch.long)
-        casing = torch.full((len(sentences), int(lengths.max()) if len(sentences) else 0), PAD_CASING,
-                            dtype=torch.long)
-        for b, s in enumerate(sentences):
-            casing[b, :len(s)] = torch.tensor(casing_ids(s), dtype=torch.long)
+        casing = casing_tensor(sentences, int(lengths.max()) if len(sentences) else 0)
         batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
                  "word_index": word_index_from_word_ids(encoded, encoded["input_ids"].shape[1]),
                  "casing": casing, "lengths": lengths}

@@ -173,12 +173,10 @@ class TaggingObjective(nn.Module):
         if config.needs_teacher_crf and teacher_crf is None:
             raise ValueError(f"losses {config.losses} need the teacher's CRF: pass teacher_crf=cache.teacher_crf() "
                              "(label the cache with with_emissions=True)")
-        self.teacher_crf = None
         if teacher_crf is not None:
             self.register_buffer("teacher_transitions", teacher_crf[0].float(), persistent=False)
             self.register_buffer("teacher_start", teacher_crf[1].float(), persistent=False)
             self.register_buffer("teacher_end", teacher_crf[2].float(), persistent=False)
-            self.teacher_crf = True
         n = len(config.losses)
         self.weighting = distill.UncertaintyWeighting(n) if n > 1 and config.weighting == "uncertainty" else None
         self.progress = (0, 1)
