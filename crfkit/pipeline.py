@@ -45,11 +45,11 @@ from . import data, distill  # noqa: E402
 from .taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger  # noqa: E402
 
 QUICK = {"teacher_epochs": 1.0, "train_sentences": 0, "dev_sentences": 1000, "student_epochs": 6.0,
-         "runs": ["vanilla", "te_seq"], "seeds": [0], "da_augment": 0, "cache_k": None}
+         "runs": ["vanilla", "te_seq"], "seeds": [0], "da_augment": 0, "da_news": False, "cache_k": None}
 FULL = {"teacher_epochs": 4.0, "train_sentences": 0, "dev_sentences": 0, "student_epochs": 50.0,
         "runs": ["vanilla", "glove", "te", "te_token_em", "te_token_pos", "te_seq", "te_da", "te_da_seq",
                  "te_exact_kl"],
-        "seeds": [0, 1, 2], "da_augment": 1, "cache_k": 15}
+        "seeds": [0, 1, 2], "da_augment": 0, "da_news": True, "cache_k": 15}
 STAGES = ("teacher", "label", "students", "report")
 
 
@@ -93,8 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--student-dropout", type=float, default=0.5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--patience", type=int, default=5, help="early stopping on validation F1 (evaluations)")
-    parser.add_argument("--da-augment", type=int, help="DA: Tang et al. samples per train sentence, teacher-labelled "
-                        "(0: no DA pool; default 0, 1 with --full)")
+    parser.add_argument("--da-news", action=argparse.BooleanOptionalAction,
+                        help="DA pool: the 2,687 sentences of real news in gensim's test data, teacher-labelled "
+                        "(default: off, on with --full)")
+    parser.add_argument("--da-augment", type=int, help="DA pool: Tang et al. samples per train sentence, "
+                        "teacher-labelled (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="the teacher's seed")
     args = parser.parse_args(argv)
     defaults = FULL if args.full else QUICK
@@ -103,8 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.run_specs = [_parse_run(text, args.k, seed) for text in args.runs for seed in args.seeds]
-    if not args.da_augment and any(_variant(spec).da for spec in args.run_specs):
-        parser.error("the DA variants need a pool of unlabelled text: give --da-augment 1 (or more)")
+    if not (args.da_augment or args.da_news) and any(_variant(spec).da for spec in args.run_specs):
+        parser.error("the DA variants need a pool of unlabelled text: give --da-news or --da-augment 1 (or more)")
     largest = max([spec.k for spec in args.run_specs], default=args.k)
     args.cache_k = args.cache_k or largest
     if args.cache_k < largest:
@@ -184,13 +187,17 @@ class Corpus:
         self.test = data.load_conll2003("test")
         if args.eval_sentences:
             self.dev_all, self.test = self.dev_all[:args.eval_sentences], self.test[:args.eval_sentences]
-        # The pool depends on --da-augment only (not on the runs asked for), so that every run of
-        # a workdir shares one teacher-label cache.
+        # The pool depends on --da-news and --da-augment only (not on the runs asked for), so that
+        # every run of a workdir shares one teacher-label cache.
         self.pool: list[tuple[str, ...]] = []
+        self.pool_description = {"news": 0, "augment": args.da_augment}
+        if args.da_news:
+            self.pool = data.load_news_sentences()
+            self.pool_description["news"] = len(self.pool)
         if args.da_augment:
             augmented = distill.augment_sentences(self.train, distill.PosUnigrams.from_sentences(self.train),
                                                   n_iter=args.da_augment, seed=0)
-            self.pool = [tuple(a.tokens) for a in augmented]
+            self.pool += [tuple(a.tokens) for a in augmented]
 
     @property
     def transfer(self) -> list[tuple[str, ...]]:
@@ -240,11 +247,13 @@ def label_transfer_set(args, corpus: Corpus, teacher_dir: str):
     directory = os.path.join(args.workdir, f"labels-k{args.cache_k}-n{len(transfer)}-{weights[:8]}")
     _log(f"label: teacher's {args.cache_k} best paths for {len(transfer)} sentences -> {directory}")
 
-    return distill.label_corpus(teacher.teacher_output, transfer, directory, k=args.cache_k, batch_size=64, with_emissions=True,
-                                label_names=list(data.CONLL2003_TAGS),
+    corpus_info = {"train_sentences": len(corpus.train), "da_pool": len(corpus.pool), "da_augment": args.da_augment}
+    if corpus.pool_description["news"]:  # recorded only when used, so caches without news keep their manifest
+        corpus_info["da_news"] = corpus.pool_description["news"]
+    return distill.label_corpus(teacher.teacher_output, transfer, directory, k=args.cache_k, batch_size=64,
+                                with_emissions=True, label_names=list(data.CONLL2003_TAGS),
                                 teacher_info={"encoder": args.teacher_encoder, "weights_sha256": weights},
-                                corpus_info={"train_sentences": len(corpus.train), "da_pool": len(corpus.pool),
-                                             "da_augment": args.da_augment})
+                                corpus_info=corpus_info)
 
 
 def build_student(args, corpus: Corpus, teacher_dir: str, embeddings: str) -> BiLSTMCRFTagger:
@@ -329,6 +338,7 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
                              {"run": spec.name, "variant": spec.variant,
                               "teacher_sha256": _sha256(os.path.join(teacher_dir, "model.safetensors")),
                               "K": spec.k if any(o.uses_kbest for o in objectives) else None,
+                              "da_pool": corpus.pool_description if variant.da else None,
                               "seed": spec.seed, "losses": [list(o.losses) for o in objectives] if len(objectives) > 1
                               else list(final.losses), "weighting": final.weighting},
                              time.perf_counter() - begin, trainer)

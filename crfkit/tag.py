@@ -3,7 +3,9 @@
     python -m crfkit.tag --model runs/quick/students/te_seq-k5-seed0/model < sentences.txt
     echo "EU rejects German call to boycott British lamb ." | python -m crfkit.tag --model DIR --format conll
 
-Input: one sentence per line, words separated by whitespace (empty lines are skipped). Output,
+Input: one sentence per line, words separated by whitespace (empty lines are skipped); with
+--tokenize, plain text instead, split into sentences and words the way CoNLL-2003 is
+(crfkit.data.tokenize_text: "didn't" -> "did n't", punctuation apart). Output,
 one line per sentence: the entities as "text<TAB>TYPE" pairs separated by " | " (--format
 entities, the default), or one "word<TAB>tag" line per word with a blank line between sentences
 (--format conll), or one JSON object per sentence (--format json).
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m crfkit.tag", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a folder written by a tagger's save_pretrained")
     parser.add_argument("--format", choices=("entities", "conll", "json"), default="entities")
+    parser.add_argument("--tokenize", action="store_true",
+                        help="plain text in: split it into sentences and CoNLL-style words first")
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
 
@@ -57,7 +61,12 @@ def main(argv=None) -> int:
         tagger = load_tagger(args.model)
     except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
-    sentences = [line.split() for line in sys.stdin if line.strip()]
+    if args.tokenize:
+        from .data import tokenize_text
+
+        sentences = [list(words) for words in tokenize_text(sys.stdin.read())]
+    else:
+        sentences = [line.split() for line in sys.stdin if line.strip()]
     for tokens, tags in zip(sentences, tagger.predict(sentences, batch_size=args.batch_size)):
         if args.format == "conll":
             print("\n".join(f"{w}\t{t}" for w, t in zip(tokens, tags)) + "\n")

@@ -40,7 +40,9 @@ TABLE2 = [("te_da_seq", "SEQ (hard + fuzzy + k-best CE)"), ("te_da_seq_token_pos
           ("te_da_seq_no_fuzzy", "- fuzzy"), ("te_da_seq_no_kbest_ce", "- k-best CE")]
 TABLE3 = [("te_seq", "te_seq_equal", "without DA"), ("te_da_seq", "te_da_seq_equal", "with DA")]
 RECORD_FIELDS = ("run", "variant", "K", "teacher_sha256", "seed", "dev_f1", "test_f1", "params", "trainable_params", "sentences_per_s",
-                 "wall_s", "epochs", "command", "git", "machine", "date", "losses", "weighting", "test_sentences")
+                 "wall_s", "epochs", "command", "git", "machine", "date", "losses", "weighting", "test_sentences",
+                 "da_pool")
+MAIN_POOL = "news"  # the DA pool of Table 1 (pipeline --full: --da-news, no Tang augmentation)
 
 
 def load_records(workdir: Path) -> list[dict]:
@@ -54,13 +56,31 @@ def load_records(workdir: Path) -> list[dict]:
     records = json.loads(previous.read_text())["records"] if previous.exists() else []
     records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for record in records:
-        latest[(record["variant"], record.get("K"), record["seed"])] = {k: record.get(k) for k in RECORD_FIELDS}
-    return sorted(latest.values(), key=lambda r: (r["variant"], r.get("K") or 0, r["seed"]))
+        kept = {k: record.get(k) for k in RECORD_FIELDS}
+        kept["pool"] = pool_name(record)
+        latest[(record["variant"], record.get("K"), record["seed"], kept["pool"])] = kept
+    return sorted(latest.values(), key=lambda r: (r["variant"], r.get("K") or 0, r["seed"], r["pool"] or ""))
 
 
-def summary(records: list[dict], variant: str, k: int | None = None, default_k: int = 5) -> dict | None:
-    """Mean, sample standard deviation, min / max of test F1 over seeds for one variant and K."""
-    chosen = [r for r in records if r["variant"] == variant
+def pool_name(record: dict) -> str | None:
+    """The DA pool of a run ("news", "augment 1", "news + augment 1"), None for runs without DA.
+    Records written before the pipeline recorded its pool used one Tang et al. augmentation of
+    each train sentence and nothing else."""
+    from crfkit.training import VARIANTS
+
+    variant = VARIANTS.get(record["variant"])
+    if variant is None or not variant.da:
+        return None
+    pool = record.get("da_pool") or {"news": 0, "augment": 1}
+    parts = (["news"] if pool.get("news") else []) + ([f"augment {pool['augment']}"] if pool.get("augment") else [])
+    return " + ".join(parts)
+
+
+def summary(records: list[dict], variant: str, k: int | None = None, default_k: int = 5,
+            pool: str = MAIN_POOL) -> dict | None:
+    """Mean, sample standard deviation, min / max of test F1 over seeds for one variant and K
+    (and, for the DA variants, one DA pool)."""
+    chosen = [r for r in records if r["variant"] == variant and r["pool"] in (None, pool)
               and (r.get("K") is None or r.get("K") == (k if k is not None else default_k))]
     if not chosen:
         return None
@@ -155,6 +175,17 @@ def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, di
     for auto, equal, label in TABLE3:
         a, e = summary(records, auto, None, default_k), summary(records, equal, None, default_k)
         lines.append(f"| {label} | {_f1(a)} | {_f1(e)} | {_paper(auto)} / {_paper(equal)} |")
+
+    other_pools = sorted({(r["variant"], r["pool"]) for r in records if r["pool"] not in (None, MAIN_POOL)})
+    if other_pools:
+        lines += ["", "## Other DA pools", "",
+                  f"Table 1's DA rows pool the train text with real news ({MAIN_POOL}); these runs pooled other "
+                  "text (augment N: N of Tang et al.'s augmentations of each train sentence).", "",
+                  "| variant | pool | test F1 | dev F1 | Table 1's pool: test F1 |", "|---|---|---|---|---|"]
+        for variant, pool in other_pools:
+            s = summary(records, variant, None, default_k, pool)
+            lines.append(f"| {variant} | {pool} | {_f1(s)} | {s['dev_mean']:.2f} | "
+                         f"{_f1(summary(records, variant, None, default_k))} |")
 
     lines += ["", "## Loss combinations (the paper's Table 2, with TE + DA)", "",
               "| losses | ours: test F1 | paper |", "|---|---|---|"]

@@ -86,6 +86,46 @@ def test_path_errors(monkeypatch):
         conll2003_path("train")
 
 
+# -- plain text: the tokenizer and the news pool -------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("EU rejects German call.", [("EU", "rejects", "German", "call", ".")]),
+    # clitics apart, as CoNLL-2003 writes them
+    ("Sydney's mayor didn't come.", [("Sydney", "'s", "mayor", "did", "n't", "come", ".")]),
+    # abbreviations keep their dots and end no sentence; numbers and hyphenated words stay whole
+    ("Dr. Smith of the U.S. left at 4:00pm with 1,200.5 pounds. South-west winds rose!",
+     [("Dr.", "Smith", "of", "the", "U.S.", "left", "at", "4:00pm", "with", "1,200.5", "pounds", "."),
+      ("South-west", "winds", "rose", "!")]),
+    # a closing quote stays with its sentence; a lower-case word after "?" continues it; lines end sentences
+    ('He said "no." Then? yes\n\nBonn', [("He", "said", '"', "no", ".", '"'), ("Then", "?", "yes"), ("Bonn",)]),
+    ("", []),
+])
+def test_tokenize_text(text, expected):
+    assert data.tokenize_text(text) == expected
+
+
+def test_tokenize_text_rejects_bytes():
+    with pytest.raises(TypeError, match="text must be a str"):
+        data.tokenize_text(b"EU")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gensim") is None,
+                    reason="the news text needs gensim: pip install --no-deps gensim==4.4.0")
+def test_news_sentences():
+    sentences = data.load_news_sentences()
+    assert len(sentences) == 2_687 and sum(map(len, sentences)) == 67_098
+    assert sentences[1] == ("A", "new", "blaze", "near", "Goulburn", ",", "south-west", "of", "Sydney", ",", "has",
+                            "forced", "the", "closure", "of", "the", "Hume", "Highway", ".")
+    assert data.load_news_sentences(max_sentences=3) == sentences[:3]
+
+
+def test_news_path_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps gensim==4\.4\.0"):
+        data.news_text_path()
+
+
 # -- small files written here ---------------------------------------------------------------
 
 

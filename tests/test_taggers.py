@@ -248,5 +248,9 @@ def test_tag_command(tmp_path, monkeypatch, capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["tags"] == ["B-ORG", "B-ORG"] and record["entities"][1] == {"text": "rejects", "type": "ORG",
                                                                              "start": 1, "end": 2}
+    monkeypatch.setattr("sys.stdin", io.StringIO("The EU didn't agree. Bonn\n"))
+    tag.main(["--model", str(tmp_path), "--format", "conll", "--tokenize"])
+    words = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()]
+    assert words == ["The", "EU", "did", "n't", "agree", ".", "", "Bonn", ""]
     with pytest.raises(SystemExit):
         tag.main(["--model", str(tmp_path / "missing")])

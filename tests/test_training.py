@@ -330,12 +330,29 @@ def test_pipeline_arguments():
     assert pipeline.parse_args(["--full", "--runs", "te_seq"]).cache_k == 15
     full = pipeline.parse_args(["--full"])
     assert full.workdir == "runs/full" and len(full.run_specs) == 3 * len(pipeline.FULL["runs"])
+    assert full.da_news and full.da_augment == 0   # the paper's DA: real unlabelled text
+    assert pipeline.parse_args(["--runs", "te_da", "--da-news"]).da_news
     with pytest.raises(SystemExit):
         pipeline.parse_args(["--runs", "nonsense"])
     with pytest.raises(SystemExit):
         pipeline.parse_args(["--runs", "te_seq@10", "--cache-k", "5"])
     with pytest.raises(SystemExit):  # DA without a pool
         pipeline.parse_args(["--runs", "te_da_seq"])
+    with pytest.raises(SystemExit):
+        pipeline.parse_args(["--full", "--runs", "te_da_seq", "--no-da-news"])
+
+
+@needs_data
+@pytest.mark.skipif(importlib.util.find_spec("gensim") is None, reason="needs gensim: pip install --no-deps gensim==4.4.0")
+def test_pipeline_da_pool_is_news_then_augmentations():
+    from crfkit import data, pipeline
+
+    args = pipeline.parse_args(["--runs", "te_da", "--da-news", "--da-augment", "1", "--train-sentences", "20"])
+    corpus = pipeline.Corpus(args)
+    news = data.load_news_sentences()
+    assert corpus.pool[:len(news)] == news and len(corpus.pool) > len(news)
+    assert corpus.pool_description == {"news": len(news), "augment": 1}
+    assert corpus.transfer[:20] == [tuple(s.tokens) for s in corpus.train] and corpus.transfer[20:] == corpus.pool
 
 
 @needs_data
@@ -356,6 +373,7 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     assert records[-3]["K"] == 3 and records[-2]["K"] == 2 and records[1]["K"] is None
     assert records[-2]["params"] < records[0]["params"]  # 2 of the teacher's 6 encoder layers
     assert records[-1]["losses"] == [["logit_mse"], ["hard"]] and records[-1]["K"] is None  # K unused there
+    assert records[-3]["da_pool"] == {"news": 0, "augment": 1} and records[1]["da_pool"] is None
     stages = tmp_path / "students" / "te_da_stagewise-k5-seed0"
     assert (stages / "stage1" / "model" / "config.json").exists() and (stages / "stage2" / "model").exists()
     if with_glove:  # 400k GloVe words, frozen 50-d rows
