@@ -28,7 +28,7 @@ Per cell, on the same seeded inputs (cases.make_inputs, moved to the GPU):
      writing the marginals / the emission gradients / the paths) at the device-to-device copy
      bandwidth measured at the start of the run (a 1 GiB copy_; read + write bytes / time).
 
-Writes <out>.md and <out>.json (default benchmarks/results/gpu_<device>), rewritten after every
+Writes <out>.md and <out>.json (default runs/bench/gpu_<device>), rewritten after every
 cell so that a run stopped by a time limit keeps the cells it finished: device, torch and
 CUDA versions, the command, the bandwidth, every cell, the speed-up over the fastest correct
 peer, and the issue's targets (log Z forward+backward at least 20x torch-struct at B = 256,
@@ -372,7 +372,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     shapes = FULL_SHAPES if args.full else QUICK_SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in cell.split("x")) for cell in args.shapes.split(",") if cell]
-    out = Path(args.out) if args.out else HERE / "results" / f"gpu_{device_slug(env['device'])}"
+    out = Path(args.out) if args.out else HERE.parent / "runs" / "bench" / f"gpu_{device_slug(env['device'])}"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, report = [], ""
     for B, L, T in shapes:

@@ -29,7 +29,7 @@ Peak memory (quick cells): each (library, op, cell) in a fresh subprocess: one w
 crfkit's kept buffers freed (crfkit.release_cached_memory), malloc_trim, the peak-RSS counter reset (/proc/self/clear_refs), one call; the increase of
 VmHWM over VmRSS before the call is reported.
 
-Writes <out>.md, <out>.json and <out>_speedup.png (default benchmarks/results/cpu, or cpu_full
+Writes <out>.md, <out>.json and <out>_speedup.png (default runs/bench/cpu, or cpu_full
 with --full). speed-up = fastest correct peer's ms / crfkit's ms.
 """
 from __future__ import annotations
@@ -661,8 +661,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ops", help="comma-separated ops to keep: " + ", ".join(OP_ORDER))
     parser.add_argument("--limit", type=int, help="keep the first N cells")
     parser.add_argument("--shapes", help="run these shapes instead of the grid's, e.g. 256x128x37,1x512x9 (B x L x T)")
-    parser.add_argument("--out", help="output path without extension (default benchmarks/results/cpu, "
-                        "or cpu_full with --full)")
+    parser.add_argument("--out", help="output path without extension (default runs/bench/cpu, "
+                        "or cpu_full with --full; --out benchmarks/results/NAME updates the committed results)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default %(default)s)")
     parser.add_argument("--min-run-time", type=float, default=0.5, help="blocked_autorange min_run_time (s)")
     parser.add_argument("--budget", type=float, default=BUDGET_S,
@@ -693,7 +693,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out) if args.out else HERE / "results" / ("cpu_full" if args.full else "cpu")
+    out = Path(args.out) if args.out else HERE.parent / "runs" / "bench" / ("cpu_full" if args.full else "cpu")
     loaded = peers.load_peers(args.peers.split(",") if args.peers else None)
     for name, peer, reason in loaded:
         print(f"{name}: {peer.version if peer else reason}", file=sys.stderr)

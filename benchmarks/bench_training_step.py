@@ -112,7 +112,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(HERE / "results" / "training_step"))
+    parser.add_argument("--out", default=str(HERE.parent / "runs" / "bench" / "training_step"),
+                        help="output path without extension (--out benchmarks/results/training_step updates the "
+                        "committed results)")
     args = parser.parse_args(argv)
 
     from crfkit import data

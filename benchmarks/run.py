@@ -320,7 +320,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="the shapes of the project's targets: " + ", ".join(map(str, cases.TARGET_SHAPES)))
     grid.add_argument("--shapes", help="comma-separated shapes BxLxT, e.g. 32x128x9,256x128x37 (K = 5, 15)")
     parser.add_argument("--out", help="output path without extension "
-                        "(default benchmarks/results/core_cpu, or core_cpu_quick with --quick)")
+                        "(default runs/bench/core_cpu, or core_cpu_quick with --quick: outside the tracked files; "
+                        "--out benchmarks/results/NAME updates the committed results)")
     parser.add_argument("--limit", type=int, help="keep the first N cells of the grid")
     parser.add_argument("--ops", help="comma-separated ops to keep: " + ", ".join(cases.OPS))
     parser.add_argument("--budget", type=float, default=cases.REFERENCE_BUDGET_S,
@@ -340,7 +341,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     default_out = {"full": "core_cpu", "quick": "core_cpu_quick"}.get(grid_name, f"core_cpu_{grid_name}")
-    out = Path(args.out) if args.out else HERE / "results" / default_out
+    out = Path(args.out) if args.out else HERE.parent / "runs" / "bench" / default_out
     grid_cases = cases.grid(full, args.limit, args.ops.split(",") if args.ops else None, shapes)
     env = environment(argv)
     env["min_run_time"] = args.min_run_time

@@ -6,8 +6,11 @@
     best.paths, best.scores, best.log_probs                                 # (B,5,L), (B,5), (B,5)
 
 See crfkit.functional for shapes and conventions, crfkit.backend_info() for which
-implementation runs.
+implementation runs. The layers above the CRF ops (crfkit.distill, crfkit.taggers,
+crfkit.training) are imported on first use, so `import crfkit` loads the ops only.
 """
+import importlib
+
 from . import constraints, reference
 from .backends import backend_info, cached_memory, release_cached_memory, set_backend, use_backend
 from .distribution import LinearChainCRF
@@ -22,9 +25,17 @@ from .functional import (
     viterbi,
 )
 from .nn import CRF
-from . import distill  # noqa: E402  (needs the names above)
+from ._version import __version__
 
-__version__ = "0.1.0"
+_LAZY_SUBMODULES = ("compat", "data", "distill", "taggers", "training")
+
+
+def __getattr__(name: str):
+    # crfkit.distill etc. on first attribute access (PEP 562), as `import crfkit.distill` would.
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CRF",

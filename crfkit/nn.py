@@ -70,10 +70,20 @@ class CRF(nn.Module):
         return self._parameters_for(None)
 
     def _lengths(self, emissions: Tensor, lengths: Optional[Tensor], mask: Optional[Tensor]) -> Optional[Tensor]:
+        """(B,) lengths: `lengths` as given (the ops check it), or those of `mask`, which must be
+        a left-aligned (B, L) tensor for emissions (B, L, T); None when neither is given."""
         if mask is not None:
             if lengths is not None:
                 raise ValueError("give lengths or mask, not both")
-            return F.lengths_from_mask(mask)
+            # A mask narrower than emissions would give lengths that are merely in range, and
+            # the positions beyond it would silently be dropped: its shape must be (B, L).
+            F._check_tensor("emissions", emissions, 3, "(batch, seq_len, num_tags)")
+            if not isinstance(mask, Tensor):
+                raise TypeError(f"mask must be a torch.Tensor (batch, seq_len), got {type(mask).__name__}")
+            if tuple(mask.shape) != tuple(emissions.shape[:2]):
+                raise ValueError(f"mask must have shape (batch, seq_len) = {tuple(emissions.shape[:2])} of emissions "
+                                 f"{tuple(emissions.shape)}, got {tuple(mask.shape)}")
+            return F.lengths_from_mask(mask)  # raises ValueError naming mask unless it is left-aligned
         return lengths
 
     def _args(self, emissions, lengths, mask):

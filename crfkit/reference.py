@@ -110,7 +110,9 @@ def expected_transition_counts(emissions, transitions, lengths=None, start=None,
     )
     with torch.enable_grad():
         per_sentence = transitions.expand(B, T, T)
-        if not create_graph:
+        # A leaf to differentiate against when nothing is recorded, or when only the emissions
+        # (or start / end) require grad and the transitions are frozen.
+        if not create_graph or not per_sentence.requires_grad:
             per_sentence = per_sentence.detach().clone().requires_grad_()
         log_z = log_partition(emissions, per_sentence, lengths, start, end)
         if L == 1:  # no transition is ever read

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import crfkit
 
@@ -94,3 +95,85 @@ def test_an_out_of_date_extension_is_refused():
     with pytest.raises(ImportError, match="out of date.*rebuild"):
         compiled.check_schemas(stale)
     compiled.check_schemas()  # the real build matches
+
+
+@pytest.fixture
+def restore_backend():
+    """Put back the backend and its reason after the test, whatever it switched to."""
+    saved = (crfkit.backends._current, crfkit.backends._reason)
+    yield saved
+    crfkit.backends._current, crfkit.backends._reason = saved
+
+
+def another_backend(than):
+    """An available backend other than `than` (the reference is always there)."""
+    return next(name for name in crfkit.backends.available() if name != than)
+
+
+def test_use_backend_called_plainly_switches_and_stays_switched(restore_backend):
+    # The README says to call crfkit.use_backend("reference"); it used to do nothing unless in a with.
+    before = crfkit.backend_info()["backend"]
+    other = another_backend(before)
+    crfkit.use_backend(other)
+    info = crfkit.backend_info()
+    assert info["backend"] == other and info["reason"] == "chosen with crfkit.set_backend / use_backend"
+    assert crfkit.backends.current() is crfkit.backends._available[other]
+    value = float(crfkit.log_partition(torch.zeros(1, 2, 2), torch.zeros(2, 2)))  # runs on it
+    assert math.isclose(value, LOG_Z_OF_ZEROS, rel_tol=1e-6)  # float32
+    assert crfkit.backend_info()["backend"] == other
+
+
+def test_use_backend_in_a_with_block_restores_backend_and_reason(restore_backend):
+    before = crfkit.backend_info()
+    other = another_backend(before["backend"])
+    with crfkit.use_backend(other) as entered:
+        assert entered is None
+        assert crfkit.backend_info()["backend"] == other
+    after = crfkit.backend_info()
+    assert (after["backend"], after["reason"]) == (before["backend"], before["reason"])
+
+
+def test_nested_use_backend_restores_each_level(restore_backend):
+    before = crfkit.backend_info()
+    outer = another_backend(before["backend"])
+    inner = another_backend(outer)
+    with crfkit.use_backend(outer):
+        with crfkit.use_backend(inner):
+            assert crfkit.backend_info()["backend"] == inner
+        assert crfkit.backend_info()["backend"] == outer
+        crfkit.use_backend(inner)  # a plain call inside a block lasts until the block ends
+        assert crfkit.backend_info()["backend"] == inner
+    after = crfkit.backend_info()
+    assert (after["backend"], after["reason"]) == (before["backend"], before["reason"])
+
+
+def test_use_backend_restores_when_the_block_raises(restore_backend):
+    before = crfkit.backend_info()
+    other = another_backend(before["backend"])
+    with pytest.raises(KeyError, match="raised in the block"):
+        with crfkit.use_backend(other):
+            assert crfkit.backend_info()["backend"] == other
+            raise KeyError("raised in the block")
+    after = crfkit.backend_info()
+    assert (after["backend"], after["reason"]) == (before["backend"], before["reason"])
+
+
+def test_use_backend_refuses_what_set_backend_refuses(restore_backend, monkeypatch):
+    before = crfkit.backend_info()
+    errors = []
+    for switch in (crfkit.set_backend, crfkit.use_backend):
+        with pytest.raises(ValueError, match="backend must be one of") as raised:
+            switch("fortran")
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+    # A known backend that cannot be loaded: RuntimeError with why, from both.
+    monkeypatch.setattr(crfkit.backends, "_load", lambda name: False)
+    monkeypatch.setitem(crfkit.backends._unavailable, "numba", "ImportError: numba is not installed")
+    errors = []
+    for switch in (crfkit.set_backend, crfkit.use_backend):
+        with pytest.raises(RuntimeError, match="backend 'numba' is not available: ImportError") as raised:
+            switch("numba")
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+    after = crfkit.backend_info()
+    assert (after["backend"], after["reason"]) == (before["backend"], before["reason"])

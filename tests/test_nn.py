@@ -1,6 +1,7 @@
 """crfkit.CRF, the nn.Module: likelihood signs and reductions, masks, constraints in training
 and decoding, and that it learns."""
 import math
+import re
 
 import pytest
 import torch
@@ -93,3 +94,60 @@ def test_bad_construction():
         crfkit.CRF(0)
     with pytest.raises(ValueError, match="constraints are for 3 tags"):
         crfkit.CRF(4, constraints=allowed_transitions(["O", "B-X", "I-X"]))
+
+
+# Every CRF method that accepts a mask, called on emissions (B, L, T) with `mask` (and tags (B, L)).
+MASK_METHODS = {
+    "nll": lambda crf, em, tags, mask: crf.nll(em, tags, mask=mask),
+    "nll_token_mean": lambda crf, em, tags, mask: crf.nll(em, tags, mask=mask, reduction="token_mean"),
+    "forward": lambda crf, em, tags, mask: crf(em, tags, mask=mask),
+    "log_likelihood": lambda crf, em, tags, mask: crf.log_likelihood(em, tags, mask=mask),
+    "log_partition": lambda crf, em, tags, mask: crf.log_partition(em, mask=mask),
+    "decode": lambda crf, em, tags, mask: crf.decode(em, mask=mask),
+    "kbest": lambda crf, em, tags, mask: crf.kbest(em, 2, mask=mask),
+    "marginals": lambda crf, em, tags, mask: crf.marginals(em, mask=mask),
+}
+
+
+@pytest.mark.parametrize("method", MASK_METHODS)
+@pytest.mark.parametrize("mask_shape", [(2, 3), (2, 7), (3, 5), (1, 5), (5,), (2, 5, 1)])
+def test_a_mask_of_the_wrong_shape_is_refused(method, mask_shape):
+    # A (2, 3) mask on (2, 5) emissions used to decode 3 of the 5 positions without a word.
+    crf = crfkit.CRF(4)
+    em = torch.randn(2, 5, 4)
+    tags = torch.randint(0, 4, (2, 5))
+    mask = torch.ones(mask_shape, dtype=torch.bool)
+    expected = rf"mask must have shape .*\(2, 5\).*\(2, 5, 4\).*got {re.escape(str(mask_shape))}"
+    with pytest.raises(ValueError, match=expected):
+        MASK_METHODS[method](crf, em, tags, mask)
+
+
+@pytest.mark.parametrize("method", MASK_METHODS)
+def test_a_mask_that_is_not_left_aligned_is_refused(method):
+    crf = crfkit.CRF(4)
+    em = torch.randn(2, 5, 4)
+    tags = torch.randint(0, 4, (2, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 1, 0, 0]], dtype=torch.bool)  # a hole in row 1
+    with pytest.raises(ValueError, match="mask must be left-aligned"):
+        MASK_METHODS[method](crf, em, tags, mask)
+
+
+@pytest.mark.parametrize("method", MASK_METHODS)
+def test_a_mask_of_the_right_shape_gives_what_its_lengths_give(method):
+    crf = crfkit.CRF(4).double()
+    em, _, ln, _, _ = random_crf(3, 5, 4)
+    tags = torch.randint(0, 4, (3, 5))
+    got = MASK_METHODS[method](crf, em, tags, torch.arange(5) < ln.unsqueeze(1))
+    by_lengths = {"nll": lambda: crf.nll(em, tags, ln), "forward": lambda: crf(em, tags, ln),
+                  "nll_token_mean": lambda: crf.nll(em, tags, ln, reduction="token_mean"),
+                  "log_likelihood": lambda: crf.log_likelihood(em, tags, ln),
+                  "log_partition": lambda: crf.log_partition(em, ln), "decode": lambda: crf.decode(em, ln),
+                  "kbest": lambda: crf.kbest(em, 2, ln), "marginals": lambda: crf.marginals(em, ln)}
+    want = by_lengths[method]()
+    for a, b in zip(*((x,) if isinstance(x, torch.Tensor) else x for x in (got, want))):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_mask_that_is_not_a_tensor_is_refused():
+    with pytest.raises(TypeError, match="mask must be a torch.Tensor"):
+        crfkit.CRF(4).decode(torch.randn(2, 5, 4), mask=[[True] * 5] * 2)

@@ -9,7 +9,8 @@ Backends, in order of preference:
 - "reference": plain PyTorch (crfkit/reference.py): slower, always available.
 
 The environment variable CRFKIT_BACKEND (compiled | numba | reference) forces one at import;
-crfkit.use_backend(name) switches within a block (the tests use it to run one suite on each).
+crfkit.use_backend(name) switches now, or within a `with` block (the tests use it to run one
+suite on each).
 
 The numba backend is imported on first need (when it is chosen, or asked about by available() /
 backend_info()): importing numba takes about 0.23 s and 55 MiB of memory, which users of the
@@ -17,11 +18,10 @@ compiled backend would otherwise pay at every `import crfkit`.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import types
-from typing import Dict, Iterator
+from typing import Dict
 
 from .. import reference
 
@@ -142,13 +142,28 @@ def set_backend(name: str) -> None:
     _current, _reason = name, "chosen with crfkit.set_backend / use_backend"
 
 
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Run the block with backend `name`, then restore the previous one."""
-    global _current, _reason
-    saved = (_current, _reason)
-    set_backend(name)
-    try:
-        yield
-    finally:
-        _current, _reason = saved
+class use_backend:
+    """Switch to backend `name` ('compiled', 'numba' or 'reference'), as a call or for a block.
+
+    Like torch.set_grad_enabled, it works both ways:
+
+        crfkit.use_backend("reference")        # switches now and stays switched (= set_backend)
+        with crfkit.use_backend("reference"):  # switches for the block only
+            ...                                # the previous backend and its reason are back
+                                               # after the block, also when it raises
+
+    The switch happens when it is called, so an unknown or unavailable name raises there,
+    with set_backend's errors; the state to restore is the one seen at that call.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._previous = (_current, _reason)  # read before set_backend, which may raise
+        set_backend(name)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info) -> bool:
+        global _current, _reason
+        _current, _reason = self._previous
+        return False  # never swallow the block's exception

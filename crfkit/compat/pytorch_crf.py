@@ -1,0 +1,179 @@
+"""pytorch-crf compatibility: `from crfkit.compat.pytorch_crf import CRF` replaces
+`from torchcrf import CRF` (pytorch-crf 0.7.2).
+
+Same constructor, parameter names (`start_transitions`, `end_transitions`, `transitions`, so a
+torchcrf state_dict loads with `load_state_dict`, and ours into torchcrf), initialisation,
+input layout (sequence first unless `batch_first=True`) and return values: `forward` gives the
+LOG-likelihood (not crfkit.CRF's negative one) and `decode` lists of tag lists. The
+computation runs through crfkit.functional (sequence_score, log_partition, viterbi), i.e. its
+compiled kernels instead of a Python loop over time steps.
+
+Differences from torchcrf, all on inputs where torchcrf's result is not meaningful or raises:
+- The mask must be left-aligned (each sentence a run of on positions, then off ones); a mask
+  with holes raises ValueError. torchcrf accepts one, but its normaliser carries the scores
+  across the hole while its numerator scores the transition out of the hole's tag, and it takes
+  the last tag at position mask.sum() - 1, which then is not the last real one: the result is
+  not a log-likelihood.
+- Tags at masked positions are ignored (torchcrf indexes its transitions with them, so padding
+  values such as -100 raise IndexError there).
+- Tie-breaking between equally scored paths in `decode` follows crfkit's rule
+  (crfkit.functional's docstring); torchcrf's depends on `Tensor.max`.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as F
+
+_REDUCTIONS = ("none", "sum", "mean", "token_mean")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class CRF(nn.Module):
+    """Linear-chain CRF with pytorch-crf's interface.
+
+    Args:
+        num_tags: T, the number of tags.
+        batch_first: whether inputs are (batch, seq_len, ...) instead of (seq_len, batch, ...).
+
+    Attributes:
+        start_transitions: (T,) score of each first tag.
+        end_transitions: (T,) score of each last tag.
+        transitions: (T, T) score of moving from tag i to tag j, indexed [from, to] (the
+            convention of both torchcrf and crfkit, so the parameter is passed as is).
+    All three are drawn from U(-0.1, 0.1) in this order, as torchcrf does: under the same seed
+    both modules start with the same values.
+    """
+
+    def __init__(self, num_tags: int, batch_first: bool = False) -> None:
+        if isinstance(num_tags, bool) or not isinstance(num_tags, int) or num_tags <= 0:
+            raise ValueError(f"num_tags must be a positive int, got {num_tags!r}")
+        super().__init__()
+        self.num_tags = num_tags
+        self.batch_first = batch_first
+        self.start_transitions = nn.Parameter(torch.empty(num_tags))
+        self.end_transitions = nn.Parameter(torch.empty(num_tags))
+        self.transitions = nn.Parameter(torch.empty(num_tags, num_tags))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw every parameter from U(-0.1, 0.1)."""
+        for parameter in (self.start_transitions, self.end_transitions, self.transitions):
+            nn.init.uniform_(parameter, -0.1, 0.1)
+
+    def extra_repr(self) -> str:
+        return f"num_tags={self.num_tags}, batch_first={self.batch_first}"
+
+    def forward(self, emissions: Tensor, tags: Tensor, mask: Optional[Tensor] = None,
+                reduction: str = "sum") -> Tensor:
+        """Log-likelihood log P(tags | emissions), to be MAXIMISED (negate it for a loss).
+
+        Args:
+            emissions: (L, B, T), or (B, L, T) with batch_first.
+            tags: (L, B) integer tags, or (B, L) with batch_first.
+            mask: optional (L, B), or (B, L) with batch_first: on (nonzero) for real tokens,
+                left-aligned, with the first time step on for every sentence. Default: all on.
+            reduction: 'none' -> (B,); 'sum' (default) -> () summed over sentences;
+                'mean' -> () averaged over sentences; 'token_mean' -> () sum divided by the
+                number of real tokens.
+
+        Raises:
+            ValueError naming the argument: emissions not 3-dimensional or with a last
+            dimension other than num_tags, tags or mask of a shape other than
+            emissions.shape[:2], a mask whose first time step is off or that is not
+            left-aligned, an unknown reduction.
+        """
+        self._validate(emissions, tags=tags, mask=mask)
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        emissions, tags, lengths = self._batch_first(emissions, tags, mask)
+        transitions, start, end, emissions = self._scores(emissions)
+        log_likelihood = (F.sequence_score(emissions, transitions, tags, lengths, start, end)
+                          - F.log_partition(emissions, transitions, lengths, start, end))
+        if reduction == "none":
+            return log_likelihood
+        if reduction == "sum":
+            return log_likelihood.sum()
+        if reduction == "mean":
+            return log_likelihood.mean()
+        num_tokens = emissions.shape[0] * emissions.shape[1] if lengths is None else lengths.sum()
+        return log_likelihood.sum() / num_tokens
+
+    def decode(self, emissions: Tensor, mask: Optional[Tensor] = None) -> List[List[int]]:
+        """Most likely tag sequence of each sentence (Viterbi).
+
+        Args:
+            emissions: (L, B, T), or (B, L, T) with batch_first.
+            mask: optional, as in forward.
+
+        Returns:
+            B lists of ints, list b as long as sentence b (its number of on mask positions).
+        """
+        self._validate(emissions, mask=mask)
+        emissions, _, lengths = self._batch_first(emissions, None, mask)
+        with torch.no_grad():  # the paths are integers: nothing to differentiate
+            transitions, start, end, emissions = self._scores(emissions)
+            paths, _ = F.viterbi(emissions, transitions, lengths, start, end)
+        rows = paths.tolist()
+        if lengths is None:
+            return rows
+        return [row[:length] for row, length in zip(rows, lengths.tolist())]
+
+    def _validate(self, emissions: Tensor, tags: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> None:
+        layout = "(batch, seq_len" if self.batch_first else "(seq_len, batch"
+        if not isinstance(emissions, Tensor):
+            raise TypeError(f"emissions must be a torch.Tensor {layout}, num_tags), got {type(emissions).__name__}")
+        if emissions.dim() != 3:
+            raise ValueError(f"emissions must have 3 dimensions {layout}, num_tags), got shape {tuple(emissions.shape)}")
+        if emissions.shape[2] != self.num_tags:
+            raise ValueError(f"emissions must have num_tags = {self.num_tags} in its last dimension, "
+                             f"got shape {tuple(emissions.shape)}")
+        if tags is not None:
+            if not isinstance(tags, Tensor):
+                raise TypeError(f"tags must be a torch.Tensor {layout}), got {type(tags).__name__}")
+            if tags.shape != emissions.shape[:2]:
+                raise ValueError(f"tags must have the shape of emissions' first two dimensions "
+                                 f"{tuple(emissions.shape[:2])}, got {tuple(tags.shape)}")
+        if mask is not None:
+            if not isinstance(mask, Tensor):
+                raise TypeError(f"mask must be a torch.Tensor {layout}), got {type(mask).__name__}")
+            if mask.shape != emissions.shape[:2]:
+                raise ValueError(f"mask must have the shape of emissions' first two dimensions "
+                                 f"{tuple(emissions.shape[:2])}, got {tuple(mask.shape)}")
+        seq_len = emissions.shape[1] if self.batch_first else emissions.shape[0]
+        if seq_len == 0:
+            # torchcrf scores the first time step of every sentence, so it needs one.
+            raise ValueError(f"emissions must have at least one time step, got shape {tuple(emissions.shape)}")
+        if mask is not None:
+            first_step = mask[:, 0] if self.batch_first else mask[0]
+            if not bool(first_step.bool().all()):
+                raise ValueError("mask must have the first time step on for every sentence")
+
+    def _batch_first(self, emissions: Tensor, tags: Optional[Tensor],
+                     mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """(emissions (B, L, T), tags (B, L) or None, lengths (B,) or None for all L): crfkit's
+        layout. Transposed views: crfkit copies them to contiguous memory itself."""
+        if not self.batch_first:
+            emissions = emissions.transpose(0, 1)
+            tags = None if tags is None else tags.transpose(0, 1)
+            mask = None if mask is None else mask.transpose(0, 1)
+        # Raises ValueError naming mask unless it is left-aligned.
+        lengths = None if mask is None else F.lengths_from_mask(mask)
+        return emissions, tags, lengths
+
+    def _scores(self, emissions: Tensor):
+        """(transitions, start, end, emissions) in one dtype, as crfkit's ops require.
+
+        torchcrf adds the parameters to the emissions, so its result has their promoted dtype
+        (float64 emissions with float32 parameters give float64); the same promotion here.
+        Half-precision emissions with float32 parameters promote to float32, which crfkit
+        computes in anyway; all-half inputs are left to crfkit (computed in float32).
+        """
+        dtype = torch.promote_types(emissions.dtype, self.transitions.dtype)
+        parameters = (self.transitions, self.start_transitions, self.end_transitions)
+        if dtype in _HALF:
+            return (*parameters, emissions)
+        return (*(p.to(dtype) for p in parameters), emissions.to(dtype))
