@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: off, on with --full)")
     parser.add_argument("--da-augment", type=int, help="DA pool: Tang et al. samples per train sentence, "
                         "teacher-labelled (default 0)")
+    parser.add_argument("--teacher-hidden-layer", type=int, default=3,
+                        help="the teacher layer that the hidden loss (te_da_stagewise) distils: 3 of MiniLM's 6, "
+                        "half way up as in the multi-stage paper (6-7 of 12)")
     parser.add_argument("--seed", type=int, default=0, help="the teacher's seed")
     args = parser.parse_args(argv)
     defaults = FULL if args.full else QUICK
@@ -238,20 +241,28 @@ def train_teacher(args, corpus: Corpus) -> str:
     return model_dir
 
 
-def label_transfer_set(args, corpus: Corpus, teacher_dir: str):
-    """Stage 2: the teacher-label cache over corpus.transfer."""
+def label_transfer_set(args, corpus: Corpus, teacher_dir: str, with_hidden: bool = False):
+    """Stage 2: the teacher-label cache over corpus.transfer. with_hidden: a second cache that
+    also holds the teacher's layer --teacher-hidden-layer per word, over corpus.transfer and then
+    the validation text (the hidden loss is selected on its validation loss)."""
+    import functools
+
     teacher = load_tagger(teacher_dir).eval()
-    transfer = corpus.transfer
+    sentences = corpus.transfer + ([tuple(s.tokens) for s in corpus.dev] if with_hidden else [])
     weights = _sha256(os.path.join(teacher_dir, "model.safetensors"))
     # named by K, corpus size and teacher, and described without paths, so a moved workdir reuses it
-    directory = os.path.join(args.workdir, f"labels-k{args.cache_k}-n{len(transfer)}-{weights[:8]}")
-    _log(f"label: teacher's {args.cache_k} best paths for {len(transfer)} sentences -> {directory}")
-
+    name = f"labels-k{args.cache_k}-n{len(sentences)}-{weights[:8]}"
+    directory = os.path.join(args.workdir, name + (f"-hidden{args.teacher_hidden_layer}" if with_hidden else ""))
+    _log(f"label: teacher's {args.cache_k} best paths for {len(sentences)} sentences -> {directory}")
     corpus_info = {"train_sentences": len(corpus.train), "da_pool": len(corpus.pool), "da_augment": args.da_augment}
     if corpus.pool_description["news"]:  # recorded only when used, so caches without news keep their manifest
         corpus_info["da_news"] = corpus.pool_description["news"]
-    return distill.label_corpus(teacher.teacher_output, transfer, directory, k=args.cache_k, batch_size=64,
-                                with_emissions=True, label_names=list(data.CONLL2003_TAGS),
+    teacher_output = teacher.teacher_output
+    if with_hidden:
+        corpus_info.update(dev_sentences=len(corpus.dev), hidden_layer=args.teacher_hidden_layer)
+        teacher_output = functools.partial(teacher.teacher_output, hidden_layer=args.teacher_hidden_layer)
+    return distill.label_corpus(teacher_output, sentences, directory, k=args.cache_k, batch_size=64,
+                                with_emissions=True, with_hidden=with_hidden, label_names=list(data.CONLL2003_TAGS),
                                 teacher_info={"encoder": args.teacher_encoder, "weights_sha256": weights},
                                 corpus_info=corpus_info)
 
@@ -292,7 +303,7 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
     import transformers
     from dataclasses import replace
 
-    from .training import fit_tagger, tagging_items
+    from .training import fit_tagger, fit_tagger_gradually, tagging_items
 
     out = os.path.join(args.workdir, "students", spec.name)
     done = os.path.join(out, "result.json")
@@ -304,6 +315,9 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
     items = tagging_items(corpus.train)
     if variant.da:
         items += tagging_items(corpus.pool, first_id=len(corpus.train), with_tags=False)
+    needs_hidden = any(o.needs_teacher_hidden for o in objectives)
+    # the hidden cache labelled the validation text after the transfer set (see label_transfer_set)
+    dev_items = tagging_items(corpus.dev, first_id=len(corpus.transfer) if needs_hidden else 0)
     transformers.set_seed(spec.seed)
     if variant.transformer_layers:
         # the teacher's recipe (layer-wise decay, a larger head rate) on the encoder's first layers
@@ -314,6 +328,14 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
     else:
         student = build_student(args, corpus, teacher_dir, variant.embeddings)
         settings = dict(learning_rate=args.student_lr, lr_scheduler_type="constant", max_grad_norm=5.0)
+    projection = None
+    if needs_hidden:  # GELU(W h + b) from the student's word features to the teacher's layer
+        width = student.word_features(student.featurize([["a"]])).shape[-1]
+        projection = distill.GeluProjectionLoss(width, cache[len(corpus.transfer)].hidden.shape[1])
+
+    def make_args(directory):
+        return _training_arguments(directory, args, num_train_epochs=args.student_epochs, seed=spec.seed, **settings)
+
     begin = time.perf_counter()
     trainer = None
     for stage, objective in enumerate(objectives, 1):
@@ -325,9 +347,15 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
         if os.path.isfile(os.path.join(saved, "config.json")):  # this stage finished earlier: never train it on
             student = load_tagger(saved).train()
             continue
-        training = _training_arguments(stage_out, args, num_train_epochs=args.student_epochs, seed=spec.seed,
-                                       **settings)
-        trainer = fit_tagger(student, items, tagging_items(corpus.dev), training, objective=objective, cache=cache)
+        if variant.gradual_unfreezing:
+            trainer = fit_tagger_gradually(student, items, dev_items, make_args, stage_out, objective=objective,
+                                           cache=cache, hidden_projection=projection) or trainer
+            if _is_main_process():
+                student.save_pretrained(saved)   # the stage's result: its last round's best
+            _barrier()
+            continue
+        trainer = fit_tagger(student, items, dev_items, make_args(stage_out), objective=objective, cache=cache,
+                             hidden_projection=projection)
         student = trainer.model.tagger
     record = None
     if _is_main_process():
@@ -340,7 +368,8 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
                               "K": spec.k if any(o.uses_kbest for o in objectives) else None,
                               "da_pool": corpus.pool_description if variant.da else None,
                               "seed": spec.seed, "losses": [list(o.losses) for o in objectives] if len(objectives) > 1
-                              else list(final.losses), "weighting": final.weighting},
+                              else list(final.losses), "weighting": final.weighting,
+                              **({"gradual_unfreezing": True} if variant.gradual_unfreezing else {})},
                              time.perf_counter() - begin, trainer)
     _barrier()
     return record
@@ -437,14 +466,22 @@ def main(argv=None) -> int:
         teacher_dir = train_teacher(args, corpus)
     elif not os.path.isfile(os.path.join(teacher_dir, "config.json")):
         raise SystemExit(f"no trained teacher in {teacher_dir}: run the 'teacher' stage first")
-    needs_cache = any(_variant(spec).objective.needs_teacher or _variant(spec).da for spec in args.run_specs)
-    cache = None
-    if needs_cache and ("label" in args.stages or "students" in args.stages):
-        cache = label_transfer_set(args, corpus, teacher_dir)
+    def needs(spec, what):
+        return any(getattr(o, what) for o in _variant(spec).objectives)
+
+    needs_cache = any(needs(spec, "needs_teacher") or _variant(spec).da for spec in args.run_specs)
+    needs_hidden = any(needs(spec, "needs_teacher_hidden") for spec in args.run_specs)
+    cache = hidden_cache = None
+    if "label" in args.stages or "students" in args.stages:
+        if needs_cache:
+            cache = label_transfer_set(args, corpus, teacher_dir)
+        if needs_hidden:
+            hidden_cache = label_transfer_set(args, corpus, teacher_dir, with_hidden=True)
     records = []
     if "students" in args.stages:
         for spec in args.run_specs:
-            records.append(train_student(args, corpus, teacher_dir, cache, spec))
+            chosen = hidden_cache if needs(spec, "needs_teacher_hidden") else cache
+            records.append(train_student(args, corpus, teacher_dir, chosen, spec))
     elif "report" in args.stages:
         records = [_load_record(args, spec) for spec in args.run_specs]
         records = [r for r in records if r is not None]

@@ -80,10 +80,14 @@ def teacher_function(teacher):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, teacher, slice_):
-    train, _ = slice_
+    """The train slice, then the dev slice (ids 40 ..), with emissions and the hidden layer 1."""
+    import functools
+
+    train, dev = slice_
     directory = tmp_path_factory.mktemp("labels")
-    return distill.label_corpus(teacher_function(teacher), [s.tokens for s in train], str(directory), k=5,
-                                with_emissions=True, label_names=LABELS, progress=False, shard_size=16)
+    return distill.label_corpus(functools.partial(teacher.teacher_output, hidden_layer=1),
+                                [s.tokens for s in train + dev], str(directory), k=5, with_emissions=True,
+                                with_hidden=True, label_names=LABELS, progress=False, shard_size=16)
 
 
 def student_for(train, width=16, dropout=0.5):
@@ -117,6 +121,31 @@ def test_cache_keeps_the_teachers_emissions_and_crf(cache, teacher, slice_):
     kb = crfkit.kbest_viterbi(batch.emissions, transitions, 5, batch.lengths, start, end)
     assert torch.equal(kb.paths, batch.kbest.paths)
     torch.testing.assert_close(kb.log_probs, batch.kbest.log_probs)
+
+
+@needs_data
+def test_cache_keeps_the_teachers_hidden_layer(cache, teacher, slice_):
+    train, _ = slice_
+    ids = [3, 17, 0, 39]
+    batch = cache.batch(ids)
+    features = teacher.featurize([train[i].tokens for i in ids])
+    with torch.no_grad():
+        emissions, hidden = teacher.emissions_and_hidden(features, 1)
+        pieces = teacher.encoder(input_ids=features["input_ids"], attention_mask=features["attention_mask"],
+                                 output_hidden_states=True).hidden_states[1]
+    torch.testing.assert_close(emissions, teacher.emissions(features), rtol=1e-5, atol=1e-5)
+    first_piece = distill.align_to_words(pieces, features["word_index"], num_words=features["lengths"])[0]
+    torch.testing.assert_close(hidden, first_piece)
+    assert batch.hidden.dtype == torch.float16 and batch.hidden.shape == (4, batch.lengths.max(), 384)
+    for b, n in enumerate(batch.lengths.tolist()):
+        torch.testing.assert_close(batch.hidden[b, :n].float(), hidden[b, :n], rtol=2e-3, atol=2e-3)
+        assert (batch.hidden[b, n:] == 0).all()
+    assert cache.manifest["with_hidden"] is True
+    with pytest.raises(ValueError, match="layer must be an int in 0 .. 1"):
+        teacher.emissions_and_hidden(features, 2)
+    with pytest.raises(ValueError, match="with_hidden=True needs the teacher's hidden states"):
+        distill.label_corpus(teacher.teacher_output, [s.tokens for s in train[:2]], str(cache.directory) + "-x", k=2,
+                             with_hidden=True, progress=False)
 
 
 @needs_data
@@ -188,16 +217,22 @@ def test_every_variant_takes_a_step(name, cache, slice_):
         items = items[:4] + tagging_items(train[4:8], first_id=4, with_tags=False)
     for config in variant.objectives:
         student = student_for(train)
-        objective = TaggingObjective(student, config, cache.teacher_crf() if config.needs_teacher_crf else None)
-        collate = TaggingCollator(student, cache=cache, k=config.k, teacher_emissions=config.needs_teacher_crf)
+        projection = distill.GeluProjectionLoss(16, 384) if config.needs_teacher_hidden else None
+        objective = TaggingObjective(student, config, cache.teacher_crf() if config.needs_teacher_crf else None,
+                                     hidden_projection=projection)
+        collate = TaggingCollator(student, cache=cache, k=config.k, teacher_emissions=config.needs_teacher_crf,
+                                  teacher_hidden=config.needs_teacher_hidden)
         batch = collate(items)
         objective.progress = (3, 10)
         out = objective(**batch)
         assert torch.isfinite(out["loss"])
         assert set(out) == {"loss", *(f"loss_{n}" for n in config.losses)}
         out["loss"].backward()
-        assert student.head.weight.grad is not None and torch.isfinite(student.head.weight.grad).all()
-        assert student.head.weight.grad.abs().sum() > 0
+        # the representation loss trains the layers below the linear layer (and its projection)
+        trained = student.lstm.weight_hh_l0 if config.losses == ("hidden",) else student.head.weight
+        assert trained.grad is not None and torch.isfinite(trained.grad).all() and trained.grad.abs().sum() > 0
+        if projection is not None:
+            assert projection.projection.weight.grad.abs().sum() > 0
         if objective.weighting is not None:
             assert objective.weighting.log_variances.grad is not None
 
@@ -230,6 +265,15 @@ def test_objective_values(cache, slice_):
     }
     for name, value in expected.items():
         torch.testing.assert_close(out[f"loss_{name}"], value.detach(), msg=name)
+    # the representation loss: GELU(W h + b) of the BiLSTM's outputs against the teacher's layer
+    projection = distill.GeluProjectionLoss(16, 384)
+    hidden_objective = TaggingObjective(student, ObjectiveConfig(("hidden",)), hidden_projection=projection)
+    hidden_batch = TaggingCollator(student, cache=cache, teacher_hidden=True)(tagging_items(train[:6]))
+    mask = torch.arange(emissions.shape[1]) < lengths[:, None]
+    torch.testing.assert_close(hidden_objective(**hidden_batch)["loss"],
+                               projection(student.word_features(batch), hidden_batch["teacher_hidden"], mask))
+    with pytest.raises(ValueError, match="hidden_projection"):
+        TaggingObjective(student, ObjectiveConfig(("hidden",)))
     total = sum(out[f"loss_{n}"] for n in config.losses)
     torch.testing.assert_close(out["loss"].detach(), total)
     # adaptive: theta * distillation + (1 - theta) * hard
@@ -269,6 +313,53 @@ def test_fit_tagger_learns_and_saves(tmp_path, slice_):
 
     with pytest.raises(ValueError, match="need a teacher-label cache"):
         fit_tagger(student, tagging_items(train), tagging_items(dev), args, objective=VARIANTS["te_seq"].objective)
+
+
+@needs_data
+def test_fit_tagger_gradually_unfreezes_from_the_top(tmp_path, cache, slice_):
+    """The hidden loss's stage: round 1 trains the projection alone, round 2 adds the BiLSTM,
+    round 3 the casing embedding; the linear layer (untouched by that loss) and a frozen word
+    table never change; selection is on the validation loss; a rerun loads, not retrains."""
+    from crfkit.taggers import load_tagger
+    from crfkit.training import ObjectiveConfig, TaggerTrainingArguments, fit_tagger_gradually, tagging_items
+
+    train, dev = slice_
+    student = student_for(train)
+    student.freeze_embeddings()
+    initial = {name: p.detach().clone() for name, p in student.named_parameters()}
+    projection = distill.GeluProjectionLoss(16, 384)
+
+    def make_args(directory):
+        return TaggerTrainingArguments(directory, num_train_epochs=2, per_device_train_batch_size=8, learning_rate=1e-2,
+                                       eval_strategy="epoch", save_strategy="epoch", report_to="none", use_cpu=True,
+                                       disable_tqdm=True, save_total_limit=1)
+
+    dev_items = tagging_items(dev, first_id=len(train))   # the cache holds the dev slice after the train slice
+    trainer = fit_tagger_gradually(student, tagging_items(train), dev_items, make_args, str(tmp_path),
+                                   objective=ObjectiveConfig(("hidden",)), cache=cache, hidden_projection=projection)
+    assert [g for g, _ in student.layer_groups()] == ["input", "lstm", "output"]
+    assert sorted(os.listdir(tmp_path)) == ["unfreeze1", "unfreeze2", "unfreeze3"]
+    history = trainer.state.log_history
+    assert any("eval_loss" in h for h in history) and not any("eval_f1" in h for h in history)
+
+    def changed(round_):
+        weights = load_tagger(str(tmp_path / f"unfreeze{round_}" / "model")).state_dict()
+        return {name for name in initial if not torch.equal(weights[name], initial[name])}
+
+    assert changed(1) == set()                                  # the projection alone
+    assert changed(2) == {n for n in initial if n.startswith("lstm.")}
+    assert changed(3) == {n for n in initial if n.startswith(("lstm.", "casing."))}
+    assert all((tmp_path / f"unfreeze{r}" / "hidden_projection.safetensors").exists() for r in (1, 2, 3))
+    assert not student.word_embedding.weight.requires_grad and student.lstm.weight_hh_l0.requires_grad
+    # a rerun finds every round done and loads the last one's best weights
+    fresh, fresh_projection = student_for(train), distill.GeluProjectionLoss(16, 384)
+    fresh.freeze_embeddings()
+    assert fit_tagger_gradually(fresh, tagging_items(train), dev_items, make_args, str(tmp_path),
+                                objective=ObjectiveConfig(("hidden",)), cache=cache,
+                                hidden_projection=fresh_projection) is None
+    for (name, a), b in zip(student.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(fresh_projection.projection.weight, projection.projection.weight)
 
 
 def _worker(output_dir, *extra):
@@ -372,10 +463,12 @@ def test_pipeline_tiny_end_to_end(tmp_path):
                                                "bp2_seq", "te_da_stagewise"]
     assert records[-3]["K"] == 3 and records[-2]["K"] == 2 and records[1]["K"] is None
     assert records[-2]["params"] < records[0]["params"]  # 2 of the teacher's 6 encoder layers
-    assert records[-1]["losses"] == [["logit_mse"], ["hard"]] and records[-1]["K"] is None  # K unused there
+    assert records[-1]["losses"] == [["hidden"], ["logit_mse"], ["hard"]] and records[-1]["K"] is None  # K unused
+    assert records[-1]["gradual_unfreezing"] is True
     assert records[-3]["da_pool"] == {"news": 0, "augment": 1} and records[1]["da_pool"] is None
     stages = tmp_path / "students" / "te_da_stagewise-k5-seed0"
-    assert (stages / "stage1" / "model" / "config.json").exists() and (stages / "stage2" / "model").exists()
+    for stage in ("stage1", "stage2", "stage3"):
+        assert (stages / stage / "model" / "config.json").exists() and (stages / stage / "unfreeze2").is_dir()
     if with_glove:  # 400k GloVe words, frozen 50-d rows
         assert records[2]["params"] - records[2]["trainable_params"] > 400_000 * 50
     for r in records:

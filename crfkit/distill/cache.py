@@ -43,6 +43,8 @@ On-disk format (format_version 1), one directory:
                                           teacher has no start / end scores), with_emissions only;
                                           together they give the teacher's whole distribution
                                           (token-level and exact CRF-to-CRF distillation)
+        hidden     float16 (num_tokens, H) only with with_hidden: a hidden layer of the teacher
+                                          per word (hidden-state distillation)
     and safetensors metadata: format, format_version, config_hash, shard_index, first_id,
     end_id, num_tokens, k, num_tags, rank.
     Scores and probabilities are stored in float32 whatever the teacher's dtype.
@@ -115,18 +117,21 @@ _SHARD_RE = re.compile(r"^shard-(\d+)\.safetensors$")
 _TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-z]+-[0-9a-f]+$")
 _MARGINAL_DTYPES = {torch.float16: "float16", torch.float32: "float32"}
 _FLOAT_DTYPE = torch.float32
+_HIDDEN_DTYPE = torch.float16  # hidden states are wide (hundreds per word): half the bytes of float32
 _FINGERPRINT_CHUNK = 4096
 
 
 class TeacherOutput(NamedTuple):
     """What a teacher returns for a batch of B sentences: emissions (B, L, T), transitions (T, T),
-    lengths (B,) (None: all L), start / end (T,) or None."""
+    lengths (B,) (None: all L), start / end (T,) or None, and hidden (B, L, H) or None: one of its
+    hidden layers per word (needed by label_corpus(..., with_hidden=True) only)."""
 
     emissions: Tensor
     transitions: Tensor
     lengths: Optional[Tensor]
     start: Optional[Tensor] = None
     end: Optional[Tensor] = None
+    hidden: Optional[Tensor] = None
 
 
 class CachedLabels(NamedTuple):
@@ -139,6 +144,7 @@ class CachedLabels(NamedTuple):
     log_z      () float32           the teacher's log Z(x)
     marginals  (n, T) or None       teacher marginals, float16 or float32 as stored
     emissions  (n, T) or None       teacher emissions (float32), with_emissions only
+    hidden     (n, H) or None       a teacher hidden layer (float16), with_hidden only
     """
 
     id: int
@@ -148,6 +154,7 @@ class CachedLabels(NamedTuple):
     log_z: Tensor
     marginals: Optional[Tensor]
     emissions: Optional[Tensor] = None
+    hidden: Optional[Tensor] = None
 
 
 class CachedBatch(NamedTuple):
@@ -160,6 +167,7 @@ class CachedBatch(NamedTuple):
     log_z      (B,)
     marginals  (B, L, T) (zero at padded positions) or None
     emissions  (B, L, T) teacher emissions (zero at padded positions) or None
+    hidden     (B, L, H) a teacher hidden layer (zero at padded positions) or None
     """
 
     ids: Tensor
@@ -168,6 +176,7 @@ class CachedBatch(NamedTuple):
     log_z: Tensor
     marginals: Optional[Tensor]
     emissions: Optional[Tensor] = None
+    hidden: Optional[Tensor] = None
 
 
 class CacheMismatchError(ValueError):
@@ -389,23 +398,28 @@ def _as_teacher_output(out: Any) -> TeacherOutput:
         return out
     if isinstance(out, Mapping):
         return TeacherOutput(**out)
-    if isinstance(out, (tuple, list)) and 3 <= len(out) <= 5:
+    if isinstance(out, (tuple, list)) and 3 <= len(out) <= 6:
         return TeacherOutput(*out)
     raise TypeError("teacher(batch) must return a TeacherOutput(emissions, transitions, lengths, start=None, "
-                    f"end=None) (or a tuple / mapping of those), got {type(out).__name__}")
+                    f"end=None, hidden=None) (or a tuple / mapping of those), got {type(out).__name__}")
 
 
-def _label_batch(teacher, items: list, k: int, with_marginals: bool, with_emissions: bool = False) -> dict:
+def _label_batch(teacher, items: list, k: int, with_marginals: bool, with_emissions: bool = False,
+                 with_hidden: bool = False) -> dict:
     """Teacher outputs for one batch -> the batch's ragged arrays (CPU)."""
     with torch.no_grad():
         out = _as_teacher_output(teacher(items))
-        emissions, transitions, lengths, start, end = out
+        emissions, transitions, lengths, start, end, hidden = out
         if not isinstance(emissions, Tensor) or emissions.dim() != 3:
             raise ValueError("the teacher's emissions must be a (batch, seq_len, num_tags) tensor, got "
                              f"{tuple(emissions.shape) if isinstance(emissions, Tensor) else type(emissions).__name__}")
         B, L, T = emissions.shape
         if B != len(items):
             raise ValueError(f"the teacher returned emissions for {B} sentences for a batch of {len(items)}")
+        if with_hidden and (not isinstance(hidden, Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (B, L)):
+            raise ValueError(f"with_hidden=True needs the teacher's hidden states, a ({B}, {L}, hidden_size) tensor "
+                             "(TeacherOutput.hidden), got "
+                             f"{tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__}")
         if lengths is None:
             lengths = torch.full((B,), L, dtype=torch.long, device=emissions.device)
         kb = kbest_viterbi(emissions, transitions, k, lengths, start, end)
@@ -431,6 +445,8 @@ def _label_batch(teacher, items: list, k: int, with_marginals: bool, with_emissi
         batch["crf"] = {"transitions": transitions.detach().to("cpu", _FLOAT_DTYPE),
                         "start": (torch.zeros(T) if start is None else start.detach()).to("cpu", _FLOAT_DTYPE),
                         "end": (torch.zeros(T) if end is None else end.detach()).to("cpu", _FLOAT_DTYPE)}
+    if with_hidden:
+        batch["hidden"] = torch.from_numpy(hidden.detach().to("cpu", _HIDDEN_DTYPE).numpy()[real])
     return batch
 
 
@@ -452,6 +468,8 @@ def _shard_bytes(batches: List[dict], first_id: int, end_id: int, metadata: dict
     if "emissions" in batches[0]:
         tensors["emissions"] = torch.cat([b["emissions"] for b in batches])
         tensors.update(batches[-1]["crf"])
+    if "hidden" in batches[0]:
+        tensors["hidden"] = torch.cat([b["hidden"] for b in batches])
     metadata = dict(metadata, num_tokens=str(int(offsets[-1])))
     return _safetensors_save({name: t.contiguous() for name, t in tensors.items()}, metadata=metadata)
 
@@ -475,6 +493,7 @@ def label_corpus(
     with_marginals: bool = False,
     marginals_dtype: torch.dtype = torch.float16,
     with_emissions: bool = False,
+    with_hidden: bool = False,
     progress: bool = True,
     corpus_fingerprint: Optional[str] = None,
     distributed: Optional[bool] = None,
@@ -498,6 +517,8 @@ def label_corpus(
     with_emissions  also store the teacher's emissions (num_tokens, T) and its transitions /
                     start / end (float32): the teacher's whole CRF, for token-level and exact
                     CRF-to-CRF losses (TeacherLabelCache.teacher_crf(), CachedBatch.emissions)
+    with_hidden     also store the teacher's hidden states per word (num_tokens, H) in float16
+                    (TeacherOutput.hidden; CachedBatch.hidden), for hidden-state distillation
     corpus_fingerprint  your own fingerprint of the corpus (default: corpus_fingerprint(sentences))
     distributed     None: split across ranks when torch.distributed is initialised or RANK /
                     WORLD_SIZE are set; False: never; True: require it
@@ -544,6 +565,8 @@ def label_corpus(
         }
         if with_emissions:  # recorded only when on, so caches written before the option keep their hash
             request["with_emissions"] = True
+        if with_hidden:
+            request["with_hidden"] = True
         plan = _on_rank0(ctx, lambda: _prepare_directory(directory, request, shard_size))
         if plan["missing"]:
             _label_shards(teacher, sentences, directory, plan, ctx, batch_size, progress)
@@ -578,6 +601,7 @@ def _prepare_directory(directory: str, request: dict, shard_size: Optional[int])
     else:
         asked = dict(request, shard_size=shard_size or manifest.get("shard_size"))
         asked.setdefault("with_emissions", None)  # absent when off (see label_corpus)
+        asked.setdefault("with_hidden", None)
         differences = [f"{key}: the cache has {manifest.get(key)!r}, this run asks for {value!r}"
                        for key, value in asked.items() if manifest.get(key) != value]
         if differences:
@@ -643,7 +667,7 @@ def _label_shards(teacher, sentences, directory, plan, ctx, batch_size, progress
             for lo in range(first, end, batch_size):
                 hi = min(end, lo + batch_size)
                 batch = _label_batch(teacher, [sentences[i] for i in range(lo, hi)], k, config["with_marginals"],
-                                     config.get("with_emissions", False))
+                                     config.get("with_emissions", False), config.get("with_hidden", False))
                 T = batch["num_tags"]
                 if num_tags is None:
                     if label_names is not None and len(label_names) != T:
@@ -718,6 +742,7 @@ class _Shard:
         # the marginals (the bulk of a shard) stay on disk, memory-mapped, sliced per sentence
         self.marginals = handle.get_slice("marginals") if "marginals" in handle.keys() else None
         self.emissions = handle.get_slice("emissions") if "emissions" in handle.keys() else None
+        self.hidden = handle.get_slice("hidden") if "hidden" in handle.keys() else None
         self.crf = ({name: handle.get_tensor(name) for name in ("transitions", "start", "end")}
                     if "transitions" in handle.keys() else None)
         self.first_id, self.k = first_id, k
@@ -728,7 +753,9 @@ class _Shard:
         paths = self.paths[self.k * begin:self.k * end].view(self.k, end - begin).to(torch.long)
         margs = self.marginals[begin:end] if self.marginals is not None else None
         emissions = self.emissions[begin:end] if self.emissions is not None else None
-        return CachedLabels(sentence_id, paths, self.log_probs[j], self.scores[j], self.log_z[j], margs, emissions)
+        hidden = self.hidden[begin:end] if self.hidden is not None else None
+        return CachedLabels(sentence_id, paths, self.log_probs[j], self.scores[j], self.log_z[j], margs, emissions,
+                            hidden)
 
 
 def _pad_per_token(values: Sequence[Optional[Tensor]], L: int, dtype: Optional[torch.dtype]) -> Optional[Tensor]:
@@ -847,10 +874,11 @@ class TeacherLabelCache:
         log_z = torch.stack([r.log_z for r in records])
         margs = _pad_per_token([r.marginals for r in records], L, dtype)
         emissions = _pad_per_token([r.emissions for r in records], L, dtype)
+        hidden = _pad_per_token([r.hidden for r in records], L, dtype)
         if dtype is not None:
             log_probs, scores, log_z = log_probs.to(dtype), scores.to(dtype), log_z.to(dtype)
         ids = torch.tensor([r.id for r in records], dtype=torch.long)
-        return CachedBatch(ids, KBest(paths, scores, log_probs), lengths, log_z, margs, emissions)
+        return CachedBatch(ids, KBest(paths, scores, log_probs), lengths, log_z, margs, emissions, hidden)
 
     def teacher_crf(self) -> tuple[Tensor, Tensor, Tensor]:
         """The teacher's (transitions (T, T), start (T,), end (T,)), float32, stored by a

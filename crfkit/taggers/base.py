@@ -4,7 +4,10 @@ decoding, and predict() on token lists.
 A tagger is an nn.Module with
     featurize(token_lists) -> dict of tensors   the model's inputs for B sentences, always with
                                                 "lengths" (B,) int64 (the words of each sentence)
+    word_features(batch) -> (B, L, D)           the last word-level features before the linear
+                                                layer (what hidden-state distillation reads)
     emissions(batch) -> (B, L, T)               word-level scores, L = max(lengths)
+    layer_groups() -> [(name, parameters)]      trainable layers, bottom to top (gradual unfreezing)
     forward(tags=None, **batch) -> dict         {"emissions", and "loss" (mean CRF NLL) if tags}
 and the CRF ops on top (decode, kbest, marginals). The Trainer feeds forward() the collated
 batches of crfkit.training; predict() is the user's entry point.
@@ -79,8 +82,26 @@ class CRFTagger(nn.Module):
     def featurize(self, token_lists: Sequence[Sequence[str]]) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def emissions(self, batch: Mapping[str, Tensor]) -> Tensor:
+    def word_features(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """(B, L, D): the word-level features the linear layer reads."""
         raise NotImplementedError
+
+    def emissions_from_features(self, features: Tensor) -> Tensor:
+        """(B, L, D) word_features -> (B, L, T) emissions (dropout, then the linear layer)."""
+        raise NotImplementedError
+
+    def layer_groups(self) -> list[tuple[str, list[nn.Parameter]]]:
+        """The trainable parameters in layers, bottom (input side) to top (the linear layer and
+        CRF), for gradual unfreezing; parameters frozen by design (a TE table) are left out."""
+        raise NotImplementedError
+
+    def emissions_and_hidden(self, batch: Mapping[str, Tensor], layer: int) -> tuple[Tensor, Tensor]:
+        """(emissions (B, L, T), hidden layer `layer` per word (B, L, H)) in one forward pass."""
+        raise NotImplementedError(f"{type(self).__name__} has no hidden layers to distil from")
+
+    def emissions(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """(B, L, T) word-level emissions."""
+        return self.emissions_from_features(self.word_features(batch))
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments (JSON values) that rebuild this tagger, labels excluded."""
@@ -126,16 +147,21 @@ class CRFTagger(nn.Module):
         return self.crf.marginals(self.emissions(batch), lengths=batch["lengths"])
 
     @torch.no_grad()
-    def teacher_output(self, token_lists: Sequence[Sequence[str]]):
+    def teacher_output(self, token_lists: Sequence[Sequence[str]], hidden_layer: Optional[int] = None):
         """The tagger as a teacher for crfkit.distill.label_corpus: B sentences ->
-        TeacherOutput(emissions (B, L, T), transitions, lengths, start, end), without gradient,
-        on the tagger's device, in the tagger's current mode (call .eval() first)."""
+        TeacherOutput(emissions (B, L, T), transitions, lengths, start, end, hidden), without
+        gradient, on the tagger's device, in the tagger's current mode (call .eval() first).
+        hidden_layer: also give that hidden layer per word (B, L, H) (for label_corpus(...,
+        with_hidden=True); functools.partial(tagger.teacher_output, hidden_layer=3))."""
         from ..distill.cache import TeacherOutput
 
         device = next(self.parameters()).device
         batch = {name: t.to(device) for name, t in self.featurize(_check_token_lists(token_lists)).items()}
         transitions, start, end = self.distribution_parameters()
-        return TeacherOutput(self.emissions(batch), transitions, batch["lengths"], start, end)
+        if hidden_layer is None:
+            return TeacherOutput(self.emissions(batch), transitions, batch["lengths"], start, end)
+        emissions, hidden = self.emissions_and_hidden(batch, hidden_layer)
+        return TeacherOutput(emissions, transitions, batch["lengths"], start, end, hidden)
 
     @torch.no_grad()
     def predict(self, token_lists: Sequence[Sequence[str]], batch_size: int = 32) -> list[list[str]]:

@@ -162,8 +162,8 @@ class BiLSTMCRFTagger(CRFTagger):
             batch["chars"] = chars
         return batch
 
-    def emissions(self, batch: Mapping[str, Tensor]) -> Tensor:
-        """(B, L, T) word-level emissions."""
+    def word_features(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """(B, L, hidden_size): the BiLSTM's outputs, both directions."""
         words, lengths = batch["words"], batch["lengths"]
         features = [self.word_embedding(words)]
         if self.casing is not None:
@@ -178,12 +178,26 @@ class BiLSTMCRFTagger(CRFTagger):
         x = self.embedding_dropout(torch.cat(features, dim=-1))
         B, L = x.shape[:2]
         if L == 0:  # a batch of empty sentences: nothing to run the LSTM over
-            return self.head(x.new_zeros(B, 0, self.hidden_size))
+            return x.new_zeros(B, 0, self.hidden_size)
         # pack_padded_sequence refuses length 0; such a sentence's outputs are never read.
         packed = pack_padded_sequence(x, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
         output, _ = self.lstm(packed)
         output, _ = pad_packed_sequence(output, batch_first=True, total_length=L)
-        return self.head(self.output_dropout(output))
+        return output
+
+    def emissions_from_features(self, features: Tensor) -> Tensor:
+        return self.head(self.output_dropout(features))
+
+    def layer_groups(self) -> list[tuple[str, list[nn.Parameter]]]:
+        """"input" (word table unless frozen, casing, character CNN), "lstm", "output" (linear
+        layer and CRF)."""
+        lstm = list(self.lstm.parameters())
+        output = [*self.head.parameters(), *self.crf.parameters()]
+        left_out = {id(p) for p in lstm + output}
+        if self.frozen_embeddings:
+            left_out.add(id(self.word_embedding.weight))
+        inputs = [p for p in self.parameters() if id(p) not in left_out]
+        return [(name, params) for name, params in (("input", inputs), ("lstm", lstm), ("output", output)) if params]
 
     # ------------------------------------------------------------------ saving
     def config(self) -> dict[str, Any]:

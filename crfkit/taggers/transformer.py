@@ -92,14 +92,49 @@ class TransformerCRFTagger(CRFTagger):
                  "casing": casing, "lengths": lengths}
         return batch
 
-    def emissions(self, batch: Mapping[str, Tensor]) -> Tensor:
-        """(B, L, T) word-level emissions."""
-        hidden = self.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        lengths = batch["lengths"]
-        words, _ = align_to_words(hidden, batch["word_index"], num_words=lengths, reduce=self.word_pooling)
-        if self.casing is not None:
-            words = torch.cat([words, self.casing(batch["casing"][:, :words.shape[1]])], dim=-1)
-        return self.head(self.dropout(words))
+    def _words(self, batch: Mapping[str, Tensor], pieces: Tensor) -> Tensor:
+        """(B, P, H) piece states -> (B, L, H) word states (word_pooling over each word's pieces)."""
+        words, _ = align_to_words(pieces, batch["word_index"], num_words=batch["lengths"], reduce=self.word_pooling)
+        return words
+
+    def _with_casing(self, batch: Mapping[str, Tensor], words: Tensor) -> Tensor:
+        if self.casing is None:
+            return words
+        return torch.cat([words, self.casing(batch["casing"][:, :words.shape[1]])], dim=-1)
+
+    def word_features(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """(B, L, H + casing_dim): the encoder's last layer per word, with the casing embedding."""
+        pieces = self.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        return self._with_casing(batch, self._words(batch, pieces))
+
+    def emissions_from_features(self, features: Tensor) -> Tensor:
+        return self.head(self.dropout(features))
+
+    def emissions_and_hidden(self, batch: Mapping[str, Tensor], layer: int) -> tuple[Tensor, Tensor]:
+        """(emissions (B, L, T), encoder layer `layer` per word (B, L, H)); layer 0 is the
+        embedding output, layer num_layers the last."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.num_layers:
+            raise ValueError(f"layer must be an int in 0 .. {self.num_layers}, got {layer!r}")
+        out = self.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           output_hidden_states=True)
+        emissions = self.emissions_from_features(self._with_casing(batch, self._words(batch, out.last_hidden_state)))
+        return emissions, self._words(batch, out.hidden_states[layer])
+
+    def layer_groups(self) -> list[tuple[str, list[nn.Parameter]]]:
+        """embeddings, encoder layers 0 .. N-1, then "output" (casing, linear layer, CRF)."""
+        groups: dict[str, list[nn.Parameter]] = {"embeddings": []}
+        groups.update({f"layer {i}": [] for i in range(self.num_layers)})
+        groups["output"] = []
+        for name, parameter in self.named_parameters():
+            match = _LAYER.search(name[len("encoder."):]) if name.startswith("encoder.") else None
+            if match:
+                groups[f"layer {int(match.group(1))}"].append(parameter)
+            elif name.startswith("encoder."):
+                # the embeddings, and any pooler (unused by the tagger) with them
+                groups["embeddings"].append(parameter)
+            else:
+                groups["output"].append(parameter)
+        return [(name, params) for name, params in groups.items() if params]
 
     # ------------------------------------------------------------------ optimisation
     def parameter_groups(self, learning_rate: float, head_learning_rate: Optional[float] = None,

@@ -40,11 +40,13 @@ class TaggingCollator:
     the tagger's featurize() tensors (lengths (B,) among them), tags (B, L) int64 (-100 past each
     length), has_gold (B,) bool. With a teacher-label cache, also teacher_paths (B, K, L) and
     teacher_log_probs (B, K) (the first k of the cache's K best, -1 / -inf for missing rows), and
-    teacher_emissions (B, L, T) when the cache stores emissions. A sentence without gold tags is
+    teacher_emissions (B, L, T) when asked for (a cache that stores emissions), and teacher_hidden
+    (B, L, H) float32 likewise (a cache labelled with_hidden). A sentence without gold tags is
     given the teacher's best path as its tags (the hard loss on unlabelled text).
     """
 
-    def __init__(self, tagger, cache=None, k: Optional[int] = None, teacher_emissions: bool = False):
+    def __init__(self, tagger, cache=None, k: Optional[int] = None, teacher_emissions: bool = False,
+                 teacher_hidden: bool = False):
         self.tagger = tagger
         self.cache = cache
         self.label_index = {label: i for i, label in enumerate(tagger.labels)}
@@ -56,8 +58,13 @@ class TaggingCollator:
                 raise ValueError(f"the cache's labels {cache.label_names} differ from the tagger's {tagger.labels}")
             if teacher_emissions and not cache.manifest.get("with_emissions"):
                 raise ValueError("teacher_emissions=True needs a cache labelled with with_emissions=True")
+            if teacher_hidden and not cache.manifest.get("with_hidden"):
+                raise ValueError("teacher_hidden=True needs a cache labelled with with_hidden=True")
+        elif teacher_emissions or teacher_hidden:
+            raise ValueError("teacher_emissions / teacher_hidden need a teacher-label cache (cache=...)")
         self.k = k
         self.teacher_emissions = teacher_emissions
+        self.teacher_hidden = teacher_hidden
 
     def _tag_indices(self, tags: Sequence[str], position: int) -> list[int]:
         try:
@@ -87,6 +94,8 @@ class TaggingCollator:
             batch["teacher_log_probs"] = cached.kbest.log_probs[:, :self.k]
             if self.teacher_emissions:
                 batch["teacher_emissions"] = cached.emissions
+            if self.teacher_hidden:
+                batch["teacher_hidden"] = cached.hidden.float()
             best = cached.kbest.paths[:, 0]
             tags = torch.where(has_gold[:, None], tags, torch.where(best >= 0, best, IGNORE_INDEX))
         elif not bool(has_gold.all()):

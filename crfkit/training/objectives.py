@@ -13,6 +13,9 @@ Loss names (each a mean over the batch's sentences):
     token_pos  the same between the CRF marginals (posteriors) of teacher and student
     exact_kl   the exact KL(P_teacher || P_student) over all tag sequences (crfkit's own)
     logit_mse  squared distance between teacher and student emissions (Tang et al.)
+    hidden     the multi-stage paper's representation loss: MSE between GELU(W h_s + b), the
+               student's word features projected to the teacher's width, and a hidden layer of
+               the teacher (the projection is trained with the student)
 Weighting: "uncertainty" (learned, Kendall et al.), "equal" (sum), or "adaptive": the adaptive
 schedule theta_t of the adaptive-weight BERT NER distillation paper, theta_t times the sum of the
 distillation losses plus (1 - theta_t) times the hard loss.
@@ -30,7 +33,7 @@ from ..distribution import LinearChainCRF
 
 __all__ = ["EMBEDDINGS", "LOSSES", "WEIGHTINGS", "ObjectiveConfig", "TaggingObjective", "Variant", "VARIANTS"]
 
-LOSSES = ("hard", "fuzzy", "kbest_ce", "token_em", "token_pos", "exact_kl", "logit_mse")
+LOSSES = ("hard", "fuzzy", "kbest_ce", "token_em", "token_pos", "exact_kl", "logit_mse", "hidden")
 WEIGHTINGS = ("uncertainty", "equal", "adaptive")
 _NEEDS_KBEST = {"fuzzy", "kbest_ce"}
 _NEEDS_TEACHER_CRF = {"token_em", "token_pos", "exact_kl", "logit_mse"}
@@ -79,6 +82,16 @@ class ObjectiveConfig:
     def needs_teacher_crf(self) -> bool:
         return bool(_NEEDS_TEACHER_CRF & set(self.losses))
 
+    @property
+    def needs_teacher_hidden(self) -> bool:
+        return "hidden" in self.losses
+
+    @property
+    def trains_emissions(self) -> bool:
+        """False for the representation loss alone, whose model is selected by validation loss
+        (the emissions, and so F1, mean nothing yet)."""
+        return self.losses != ("hidden",)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -94,14 +107,17 @@ class Variant:
     pooled in (da), and the objective. transformer_layers > 0 makes the student a
     TransformerCRFTagger of the pretrained encoder's first layers instead of a BiLSTM (the
     paper's appendix; embeddings is then "pretrained"). stages: objectives trained one after the
-    other, each to its best validation F1 (the stage-wise schedule of the multi-stage
-    distillation paper); when given, they replace objective."""
+    other, each to its best validation score (the stage-wise schedule of the multi-stage
+    distillation paper); when given, they replace objective. gradual_unfreezing: within each
+    stage, train the top layer alone, then the top two, and so on down to the input (that
+    paper's Algorithm 1), each round to its best validation score."""
 
     embeddings: str
     da: bool
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     transformer_layers: int = 0
     stages: tuple[ObjectiveConfig, ...] = ()
+    gradual_unfreezing: bool = False
 
     @property
     def objectives(self) -> tuple[ObjectiveConfig, ...]:
@@ -145,9 +161,10 @@ VARIANTS: dict[str, Variant] = {
     # the other papers' losses as options of the same trainer
     "te_da_logit_mse": Variant("teacher", da=True, objective=ObjectiveConfig(("hard", "logit_mse"), weighting="equal")),
     "te_da_seq_adaptive": Variant("teacher", da=True, objective=_seq(weighting="adaptive")),
-    # stage-wise (multi-stage distillation): the teacher's logits first, then the hard loss; the
-    # paper's first stage (hidden-state regression) needs teacher hidden states the cache lacks
-    "te_da_stagewise": Variant("teacher", da=True, stages=(ObjectiveConfig(("logit_mse",)), ObjectiveConfig())),
+    # stage-wise (multi-stage distillation): the teacher's hidden layer, then its logits, then the
+    # hard loss, each stage with gradual unfreezing
+    "te_da_stagewise": Variant("teacher", da=True, stages=(ObjectiveConfig(("hidden",)), ObjectiveConfig(("logit_mse",)),
+                                                           ObjectiveConfig()), gradual_unfreezing=True),
     # a small transformer student: the pretrained encoder's first 2 layers (of MiniLM's 6)
     "bp2": Variant("pretrained", da=False, transformer_layers=2),
     "bp2_seq": Variant("pretrained", da=False, objective=_seq(), transformer_layers=2),
@@ -161,18 +178,26 @@ class TaggingObjective(nn.Module):
     tagger: a crfkit.taggers tagger (the student, or the model being trained on gold).
     config: ObjectiveConfig. teacher_crf: the teacher's (transitions, start, end), needed by
     token_em / token_pos / exact_kl / logit_mse (TeacherLabelCache.teacher_crf()).
+    hidden_projection: a crfkit.distill.GeluProjectionLoss from the tagger's word_features width
+    to the teacher's hidden width, needed by the hidden loss; trained with the tagger (pass the
+    same module to every stage or round that shares it).
     forward(**batch) takes TaggingCollator's batch and returns {"loss", "loss_<name>" per loss}.
     progress (step, total_steps) is set by the trainer for weighting="adaptive".
     """
 
     def __init__(self, tagger: nn.Module, config: ObjectiveConfig = ObjectiveConfig(),
-                 teacher_crf: Optional[tuple[Tensor, Tensor, Tensor]] = None):
+                 teacher_crf: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+                 hidden_projection: Optional[nn.Module] = None):
         super().__init__()
         self.tagger = tagger
         self.objective_config = config
         if config.needs_teacher_crf and teacher_crf is None:
             raise ValueError(f"losses {config.losses} need the teacher's CRF: pass teacher_crf=cache.teacher_crf() "
                              "(label the cache with with_emissions=True)")
+        if config.needs_teacher_hidden and hidden_projection is None:
+            raise ValueError("the hidden loss needs hidden_projection=crfkit.distill.GeluProjectionLoss(student "
+                             "width, teacher width)")
+        self.hidden_projection = hidden_projection
         if teacher_crf is not None:
             self.register_buffer("teacher_transitions", teacher_crf[0].float(), persistent=False)
             self.register_buffer("teacher_start", teacher_crf[1].float(), persistent=False)
@@ -185,19 +210,32 @@ class TaggingObjective(nn.Module):
     def parameter_groups(self, learning_rate: float, **kwargs: Any) -> list[dict[str, Any]]:
         """The tagger's groups, plus the loss weights at the head's rate without weight decay."""
         groups = self.tagger.parameter_groups(learning_rate, **kwargs)
+        rate = kwargs.get("head_learning_rate") or learning_rate
         if self.weighting is not None:
-            rate = kwargs.get("head_learning_rate") or learning_rate
             groups.append({"params": list(self.weighting.parameters()), "lr": rate, "weight_decay": 0.0})
-        return groups
+        if self.hidden_projection is not None:
+            trainable = [p for p in self.hidden_projection.parameters() if p.requires_grad]
+            if trainable:
+                groups.append({"params": trainable, "lr": rate, "weight_decay": 0.0})
+        return [group for group in groups if group["params"]]   # all of a layer may be frozen (gradual unfreezing)
 
     def forward(self, tags: Tensor, lengths: Tensor, teacher_paths: Optional[Tensor] = None,
                 teacher_log_probs: Optional[Tensor] = None, teacher_emissions: Optional[Tensor] = None,
-                **features: Tensor) -> dict[str, Tensor]:
+                teacher_hidden: Optional[Tensor] = None, **features: Tensor) -> dict[str, Tensor]:
         features["lengths"] = lengths
-        emissions = self.tagger.emissions(features)
+        word_features = self.tagger.word_features(features)
+        emissions = self.tagger.emissions_from_features(word_features) if self.objective_config.trains_emissions \
+            else None
         transitions, start, end = self.tagger.distribution_parameters()
         terms = {}
         for name in self.objective_config.losses:
+            if name == "hidden":
+                if teacher_hidden is None:
+                    raise ValueError("loss 'hidden' needs the teacher's hidden states (a cache labelled with "
+                                     "with_hidden=True and a TaggingCollator with teacher_hidden=True)")
+                mask = torch.arange(word_features.shape[1], device=lengths.device) < lengths[:, None]
+                terms[name] = self.hidden_projection(word_features, teacher_hidden.to(word_features.dtype), mask)
+                continue
             if name == "hard":
                 terms[name] = self.tagger.crf.nll(emissions, tags[:, :emissions.shape[1]], lengths=lengths)
                 continue

@@ -9,15 +9,18 @@ logs. crfkit adds only what a CRF tagger needs on top:
   decay, a larger rate for the head and CRF), evaluates by Viterbi decoding and seqeval entity F1,
   and logs each loss term and the learned loss weights beside the total;
 - fit_tagger() wires these together: model selection and early stopping on the validation F1,
-  resume from the last checkpoint in output_dir, the best tagger saved to output_dir/model.
+  resume from the last checkpoint in output_dir, the best tagger saved to output_dir/model;
+- fit_tagger_gradually() runs fit_tagger once per layer, unfreezing from the top down (the
+  multi-stage distillation paper's gradual unfreezing).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch import nn
 
 from ..taggers.encoders import require
 from .data import IGNORE_INDEX, TaggingCollator
@@ -26,9 +29,10 @@ from .objectives import ObjectiveConfig, TaggingObjective
 
 transformers = require("transformers", "pip install transformers accelerate")
 
-__all__ = ["TaggerTrainer", "TaggerTrainingArguments", "fit_tagger", "init_distributed"]
+__all__ = ["TaggerTrainer", "TaggerTrainingArguments", "fit_tagger", "fit_tagger_gradually", "init_distributed"]
 
 MODEL_DIR = "model"
+PROJECTION_FILE = "hidden_projection.safetensors"
 
 
 @dataclass
@@ -54,7 +58,13 @@ class _ObjectiveProgress(transformers.TrainerCallback):
 
 
 class TaggerTrainer(transformers.Trainer):
-    """A Trainer for TaggingObjective models: see the module docstring."""
+    """A Trainer for TaggingObjective models: see the module docstring. select_on: "f1"
+    (validation by Viterbi decoding) or "loss" (validation by the objective's own loss, for the
+    representation loss alone)."""
+
+    def __init__(self, *args, select_on: str = "f1", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.select_on = select_on
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -69,6 +79,9 @@ class TaggerTrainer(transformers.Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Validation: (gold CRF NLL, Viterbi paths (B, L) padded with -100, gold tags)."""
         inputs = self._prepare_inputs(inputs)
+        if self.select_on == "loss":
+            with torch.no_grad():
+                return model(**inputs)["loss"].detach(), None, None
         tagger = self.accelerator.unwrap_model(model).tagger
         with torch.no_grad():
             emissions = tagger.emissions(inputs)
@@ -92,15 +105,18 @@ class TaggerTrainer(transformers.Trainer):
 
 def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], args: TaggerTrainingArguments,
                objective: ObjectiveConfig = ObjectiveConfig(), cache=None, resume: bool = True,
-               callbacks: Sequence = ()) -> TaggerTrainer:
+               callbacks: Sequence = (), hidden_projection: Optional[nn.Module] = None) -> TaggerTrainer:
     """Train tagger on train_items (crfkit.training.tagging_items), select and early-stop on the
     F1 of dev_items, and save the best tagger to args.output_dir/model (rank 0).
 
     objective: the loss (ObjectiveConfig); distillation losses read the teacher's labels from
     cache (a TeacherLabelCache over the corpus that the items' ids index). resume: continue from
     the last checkpoint in args.output_dir if there is one. callbacks: more TrainerCallbacks.
-    Returns the trainer, its model holding
-    the best weights (trainer.model.tagger).
+    hidden_projection: for the hidden loss (see TaggingObjective); saved beside the model as
+    hidden_projection.safetensors. With the hidden loss alone, selection and early stopping use
+    the validation loss instead of F1, so dev_items need cache ids (the teacher labels the
+    validation text too; its gold tags are not used).
+    Returns the trainer, its model holding the best weights (trainer.model.tagger).
     """
     if args.eval_strategy == "no" or args.save_strategy != args.eval_strategy:
         raise ValueError("fit_tagger selects the best model on validation: give eval_strategy and save_strategy "
@@ -109,18 +125,24 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
         raise ValueError(f"the losses {objective.losses} need a teacher-label cache (cache=...)")
     if cache is not None and objective.needs_teacher and objective.k > cache.k:
         raise ValueError(f"objective.k = {objective.k} but the cache holds only K = {cache.k} paths per sentence")
+    select_on = "f1" if objective.trains_emissions else "loss"
+    if select_on == "loss" and any(item["id"] is None for item in dev_items):
+        raise ValueError("the hidden loss alone is selected on validation loss: dev_items need cache ids")
     args.load_best_model_at_end = True
-    args.metric_for_best_model = "f1"
-    args.greater_is_better = True
+    args.metric_for_best_model = select_on
+    args.greater_is_better = select_on == "f1"
     args.remove_unused_columns = False
     args.label_names = ["tags"]
-    model = TaggingObjective(tagger, objective, cache.teacher_crf() if objective.needs_teacher_crf else None)
+    model = TaggingObjective(tagger, objective, cache.teacher_crf() if objective.needs_teacher_crf else None,
+                             hidden_projection=hidden_projection if objective.needs_teacher_hidden else None)
     collator = TaggingCollator(tagger, cache=cache if objective.needs_teacher or _any_unlabelled(train_items) else None,
                                k=objective.k if cache is not None else None,
-                               teacher_emissions=objective.needs_teacher_crf)
+                               teacher_emissions=objective.needs_teacher_crf,
+                               teacher_hidden=objective.needs_teacher_hidden)
+    eval_items = list(dev_items) if select_on == "loss" else [dict(item, id=None) for item in dev_items]
     trainer = TaggerTrainer(
         model=model, args=args, data_collator=collator, train_dataset=list(train_items),
-        eval_dataset=[dict(item, id=None) for item in dev_items], compute_metrics=make_compute_metrics(tagger.labels),
+        eval_dataset=eval_items, compute_metrics=make_compute_metrics(tagger.labels), select_on=select_on,
         callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=args.patience), _ObjectiveProgress(),
                    *callbacks],
     )
@@ -129,6 +151,58 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
     trainer.train(resume_from_checkpoint=checkpoint)
     if trainer.is_world_process_zero():
         trainer.model.tagger.save_pretrained(os.path.join(args.output_dir, MODEL_DIR))
+        if model.hidden_projection is not None:
+            from safetensors.torch import save_model
+
+            save_model(model.hidden_projection, os.path.join(args.output_dir, PROJECTION_FILE))
+    return trainer
+
+
+def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequence[dict],
+                         make_args: Callable[[str], TaggerTrainingArguments], output_dir: str,
+                         objective: ObjectiveConfig = ObjectiveConfig(), cache=None,
+                         hidden_projection: Optional[nn.Module] = None) -> Optional[TaggerTrainer]:
+    """Gradual unfreezing (the multi-stage distillation paper's Algorithm 1) over fit_tagger:
+    round r trains the top r layers of tagger.layer_groups() (the hidden projection counts as the
+    top layer of the hidden loss, whose stage leaves out the "output" layer it does not train),
+    each round to its best validation score, the next round starting from that best.
+
+    make_args(directory) -> the TaggerTrainingArguments of one round (output_dir = directory);
+    rounds go to output_dir/unfreeze1, unfreeze2, ...; a finished round is loaded, not retrained,
+    so a killed run resumes in the round it stopped in. Parameters frozen by design (a TE table)
+    stay frozen; every other requires_grad flag is restored at the end.
+    Returns the last round's trainer (None when every round had finished before).
+    """
+    from safetensors.torch import load_model
+
+    from ..taggers import load_tagger
+
+    groups = [(name, params) for name, params in tagger.layer_groups()
+              if not (objective.needs_teacher_hidden and not objective.trains_emissions and name == "output")]
+    if objective.needs_teacher_hidden:
+        if hidden_projection is None:
+            raise ValueError("the hidden loss needs hidden_projection")
+        groups.append(("hidden projection", list(hidden_projection.parameters())))
+    modules = [tagger] + ([hidden_projection] if hidden_projection is not None else [])
+    everything = [p for module in modules for p in module.parameters()]
+    flags = [p.requires_grad for p in everything]
+    trainer = None
+    try:
+        for r in range(1, len(groups) + 1):
+            out = os.path.join(output_dir, f"unfreeze{r}")
+            trainable = {id(p) for _, params in groups[-r:] for p in params}
+            for p in everything:
+                p.requires_grad_(id(p) in trainable)
+            if os.path.isfile(os.path.join(out, MODEL_DIR, "config.json")):   # finished earlier
+                tagger.load_state_dict(load_tagger(os.path.join(out, MODEL_DIR)).state_dict())
+                if objective.needs_teacher_hidden:
+                    load_model(hidden_projection, os.path.join(out, PROJECTION_FILE))
+                continue
+            trainer = fit_tagger(tagger, train_items, dev_items, make_args(out), objective=objective, cache=cache,
+                                 hidden_projection=hidden_projection)
+    finally:
+        for p, flag in zip(everything, flags):
+            p.requires_grad_(flag)
     return trainer
 
 
