@@ -31,6 +31,7 @@ pipeline: setup
 	$(PYTHON) -m crfkit.pipeline $(PIPELINE_ARGS)
 
 test: setup
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q
 
 bench: setup

@@ -26,7 +26,8 @@ B * L/2 * T^3 floats, times K^2 for k-best) run in a subprocess under an address
 (--mem-cap-gb), so that running out of memory is reported ("failed: out of memory") instead of
 taking the machine down; they use the same seeded inputs.
 Peak memory (quick cells): each (library, op, cell) in a fresh subprocess: one warm-up call,
-crfkit's kept buffers freed (crfkit.release_cached_memory), malloc_trim, the peak-RSS counter reset (/proc/self/clear_refs), one call; the increase of
+crfkit's kept buffers freed (crfkit.release_cached_memory), malloc_trim, the peak-RSS counter reset
+(/proc/self/clear_refs), one call; the increase of
 VmHWM over VmRSS before the call is reported.
 
 Writes <out>.md, <out>.json and <out>_speedup.png (default runs/bench/cpu, or cpu_full
@@ -110,8 +111,8 @@ def _float64_note(case: cases.Case, got: tuple, want: tuple, x: cases.Inputs) ->
     PyTorch reference run in float64 on the same inputs."""
     d = [t.double() for t in (x.emissions, x.transitions, x.start, x.end)]
     if case.op == "marginals":
-        truth, peer_v, crfkit_v, what = crfkit.reference.marginals(d[0], d[1], x.lengths, d[2], d[3]), got[0], want[0], \
-            "marginals"
+        truth, peer_v, crfkit_v, what = crfkit.reference.marginals(d[0], d[1], x.lengths, d[2], d[3]), got[0], \
+            want[0], "marginals"
     else:
         truth, peer_v, crfkit_v, what = crfkit.reference.log_partition(d[0], d[1], x.lengths, d[2], d[3]), got[0], \
             want[0], "log Z"
@@ -312,7 +313,8 @@ def wait_for_quiet(max_wait_s: float, window_s: float = 2.0) -> float:
         time.sleep(5.0)
 
 
-def time_rounds(timers: Dict[str, tuple], rounds: int, min_run_time: float) -> Tuple[Dict[str, List[float]], Optional[float]]:
+def time_rounds(timers: Dict[str, tuple], rounds: int,
+                min_run_time: float) -> Tuple[Dict[str, List[float]], Optional[float]]:
     """Interleaved rounds: {library: [round medians]}, and the other processes' CPU share meanwhile."""
     out: Dict[str, List[float]] = {name: [] for name in timers}
     load = core_run.OtherLoad().start()

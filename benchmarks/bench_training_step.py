@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import shlex
 import statistics
@@ -130,7 +129,8 @@ def main(argv=None) -> int:
         student = load_tagger(args.student)
     else:
         student = BiLSTMCRFTagger(labels, BiLSTMCRFTagger.build_vocabulary(train), embedding_dim=384)
-    report = {"command": shlex.join(["python", *sys.argv]), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    report = {"command": shlex.join(["python", *sys.argv]),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": machine_description(), "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                                       capture_output=True, text=True).stdout.strip(),
               "batch_size": args.batch_size, "models": {}}
@@ -145,7 +145,8 @@ def main(argv=None) -> int:
              f"git {report['git']}", "",
              f"Median ms per batch of {args.batch_size} CoNLL-2003 train sentences (forward + backward, no optimizer "
              f"step), over {args.repeats} interleaved rounds of {args.batches} batches.", "",
-             "| model | step, crfkit CRF | step, pytorch-crf | CRF alone, crfkit | CRF alone, pytorch-crf | CRF share of the step, crfkit | CRF share, pytorch-crf | step speed-up |",
+             "| model | step, crfkit CRF | step, pytorch-crf | CRF alone, crfkit | CRF alone, pytorch-crf "
+             "| CRF share of the step, crfkit | CRF share, pytorch-crf | step speed-up |",
              "|---|---|---|---|---|---|---|---|"]
     for name, m in report["models"].items():
         lines.append(f"| {name} | {m['step_crfkit']:.1f} | {m['step_peer']:.1f} | {m['crf_crfkit']:.2f} | "

@@ -54,7 +54,8 @@ def kernel_ms(fn, repeats: int = 5) -> dict:
 def short_name(kernel: str) -> str:
     """'void crfkit::cuda::(anonymous namespace)::k<float, (...Output)3, 16>(params)' -> 'k<float, (Output)3, 16>'."""
     name = re.sub(r"^void ", "", kernel).replace("crfkit::cuda::(anonymous namespace)::", "")
-    if kernel.startswith("void ") and name.endswith(")"):  # drop the parameter list: the parenthesis matching the last one
+    # drop the parameter list: the parenthesis matching the last one
+    if kernel.startswith("void ") and name.endswith(")"):
         depth = 0
         for at in range(len(name) - 1, -1, -1):
             depth += {")": 1, "(": -1}.get(name[at], 0)

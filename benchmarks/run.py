@@ -6,7 +6,8 @@ For every cell (op, B, L, T, K), in one process:
   1. correctness: the compiled result is compared with the reference (cases.check_case);
      a cell that disagrees is reported WRONG and not timed;
   2. timing: torch.utils.benchmark.Timer(...).blocked_autorange(min_run_time=0.5) of one call
-     of the public function under each backend (compiled, reference, and numba when installed), with torch's default number of threads
+     of the public function under each backend (compiled, reference, and numba when installed), with torch's default
+     number of threads
      (--threads N to change it); the median is reported in ms. Reference cells whose single call would exceed the budget
      (--budget, 10 s) are "skipped: too slow". Each backend is timed in --rounds (3)
      interleaved rounds and its smallest round median is reported, since on a small shared
@@ -269,7 +270,8 @@ def markdown(env: dict, rows: List[dict], heads: List[dict], grid_name: str) -> 
               "- measured: one call of the public crfkit function under `crfkit.use_backend(backend)`, "
               "float32, seeded inputs (emissions randn*3, transitions / start / end randn, ragged "
               "lengths in [L/2, L]); median of torch.utils.benchmark blocked_autorange "
-              f"(min_run_time {env['min_run_time']} s), the smallest of {env['rounds']} interleaved rounds. tokens/s = B*L / compiled time. "
+              f"(min_run_time {env['min_run_time']} s), the smallest of {env['rounds']} interleaved rounds. "
+              "tokens/s = B*L / compiled time. "
               "Correctness is checked against the reference before timing. "
               "others' CPU: share of the machine's CPU time used by other processes during the cell.",
               ""]
@@ -325,7 +327,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--limit", type=int, help="keep the first N cells of the grid")
     parser.add_argument("--ops", help="comma-separated ops to keep: " + ", ".join(cases.OPS))
     parser.add_argument("--budget", type=float, default=cases.REFERENCE_BUDGET_S,
-                        help="skip reference cells whose single call would exceed this many seconds (default %(default)s)")
+                        help="skip reference cells whose single call would exceed this many seconds "
+                             "(default %(default)s)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's default); "
                         "1 gives steadier numbers on a small machine that other processes share")
     parser.add_argument("--rounds", type=int, default=3,

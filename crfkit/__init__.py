@@ -25,7 +25,7 @@ from .functional import (
     viterbi,
 )
 from .nn import CRF
-from ._version import __version__
+from ._version import __version__ as __version__
 
 _LAZY_SUBMODULES = ("compat", "data", "distill", "taggers", "training")
 

@@ -178,9 +178,11 @@ def tokenize_text(text: str) -> list[tuple[str, ...]]:
             if word not in (".", "!", "?"):
                 continue
             end = i + 1
-            while end < len(words) and words[end] in _CLOSING and not (end + 1 < len(words) and words[end + 1][0].islower()):
+            while (end < len(words) and words[end] in _CLOSING
+                   and not (end + 1 < len(words) and words[end + 1][0].islower())):
                 end += 1
-            if end < len(words) and not (words[end][0].isupper() or words[end][0].isdigit() or words[end][0] in "\"'(["):
+            if end < len(words) and not (words[end][0].isupper() or words[end][0].isdigit()
+                                         or words[end][0] in "\"'(["):
                 continue
             if end > start:
                 sentences.append(tuple(words[start:end]))

@@ -62,7 +62,8 @@ class CRF(nn.Module):
                 return None if mask is None else mask
             return p if mask is None else p + mask
 
-        return masked(self.transitions, self.transition_mask), masked(self.start, self.start_mask), masked(self.end, self.end_mask)
+        return (masked(self.transitions, self.transition_mask), masked(self.start, self.start_mask),
+                masked(self.end, self.end_mask))
 
     def constrained_parameters(self):
         """(transitions (T, T), start (T,) or None, end (T,) or None) with the constraint masks
@@ -90,7 +91,8 @@ class CRF(nn.Module):
         transitions, start, end = self._parameters_for(emissions)
         return transitions, self._lengths(emissions, lengths, mask), start, end
 
-    def log_partition(self, emissions: Tensor, lengths: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Tensor:
+    def log_partition(self, emissions: Tensor, lengths: Optional[Tensor] = None,
+                      mask: Optional[Tensor] = None) -> Tensor:
         """log Z per sentence: (B,)."""
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
         return F.log_partition(emissions, transitions, lengths, start, end)

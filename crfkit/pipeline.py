@@ -437,7 +437,8 @@ def report(args, corpus: Corpus, teacher_dir: str, records: list[dict]) -> dict:
     lines = ["| model | test F1 | dev F1 | parameters (trainable) | sentences/s | vs teacher |",
              "|---|---|---|---|---|---|"]
     for row in rows:
-        params = f"{row['params'] / 1e6:.1f}M" + (f" ({row['trainable_params'] / 1e6:.2f}M)" if "trainable_params" in row else "")
+        params = f"{row['params'] / 1e6:.1f}M" + (f" ({row['trainable_params'] / 1e6:.2f}M)"
+                                                  if "trainable_params" in row else "")
         lines.append(f"| {row['model']} | {row['test_f1']:.2f} | {row['dev_f1']:.2f} | {params} | "
                      f"{row['sentences_per_s']:.0f} | {row['speedup']:.1f}x |")
     text = "\n".join(lines)

@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(HERE / "results" / "conll_teacher_labels"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    report = {"command": shlex.join(["python", *sys.argv]), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    report = {"command": shlex.join(["python", *sys.argv]),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
                          f"torch {torch.__version__} ({torch.get_num_threads()} threads)",
               "backend": crfkit.backend_info()["backend"], "args": vars(args)}
@@ -239,7 +240,8 @@ def write_report(report: dict, out: Path) -> None:
              "The k-best CE keeps the K sequences and lumps the rest into one outcome, so it can only see",
              "part of the exact CE; the k-best KL subtracts the teacher's entropy over the same K + 1",
              "outcomes and is comparable with the exact KL (a coarse-graining never increases a KL).", "",
-             "| student | K | exact CE | k-best CE | mean abs gap | relative gap | exact KL | k-best KL | teacher top-K mass |",
+             "| student | K | exact CE | k-best CE | mean abs gap | relative gap | exact KL | k-best KL "
+             "| teacher top-K mass |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, rows in report["kbest_gap"].items():
         for r in rows:

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import statistics
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,9 +38,9 @@ TABLE1 = [("teacher", "teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF)"),
 TABLE2 = [("te_da_seq", "SEQ (hard + fuzzy + k-best CE)"), ("te_da_seq_token_pos", "+ TOKEN-POS"),
           ("te_da_seq_no_fuzzy", "- fuzzy"), ("te_da_seq_no_kbest_ce", "- k-best CE")]
 TABLE3 = [("te_seq", "te_seq_equal", "without DA"), ("te_da_seq", "te_da_seq_equal", "with DA")]
-RECORD_FIELDS = ("run", "variant", "K", "teacher_sha256", "seed", "dev_f1", "test_f1", "params", "trainable_params", "sentences_per_s",
-                 "wall_s", "epochs", "command", "git", "machine", "date", "losses", "weighting", "test_sentences",
-                 "da_pool")
+RECORD_FIELDS = ("run", "variant", "K", "teacher_sha256", "seed", "dev_f1", "test_f1", "params", "trainable_params",
+                 "sentences_per_s", "wall_s", "epochs", "command", "git", "machine", "date", "losses", "weighting",
+                 "test_sentences", "da_pool")
 MAIN_POOL = "news"  # the DA pool of Table 1 (pipeline --full: --da-news, no Tang augmentation)
 
 
@@ -123,7 +122,8 @@ def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, di
     lines += ["Machines: " + "; ".join(machines), ""]
 
     lines += ["## Table 1: CoNLL-2003 test F1", "",
-              f"K = {default_k} for the SEQ variants. Speed: sentences per second tagging 512 test sentences, batch 32, "
+              f"K = {default_k} for the SEQ variants. Speed: sentences per second tagging 512 test sentences, "
+              "batch 32, "
               "measured when each run finished, while other runs shared the machine (the side-by-side measurement "
               "below is the one to compare).", "",
               "| model | ours: test F1 | paper | dev F1 | parameters (trainable) | sentences/s | wall time |",
@@ -211,7 +211,8 @@ def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, di
         lines += ["", "## The CRF's share of a training step", "",
                   f"From `benchmarks/results/training_step.md` (`{bench['command']}`, {bench['machine']}, "
                   f"{bench['date']}): median ms per batch of {bench['batch_size']}, forward + backward.", "",
-                  "| model | step with crfkit's CRF | step with pytorch-crf | CRF share, crfkit | CRF share, pytorch-crf |",
+                  "| model | step with crfkit's CRF | step with pytorch-crf | CRF share, crfkit "
+                  "| CRF share, pytorch-crf |",
                   "|---|---|---|---|---|"]
         for name, m in bench["models"].items():
             lines.append(f"| {name} | {m['step_crfkit']:.1f} | {m['step_peer']:.1f} | {100 * m['share_crfkit']:.1f}% | "
@@ -231,7 +232,8 @@ def targets(table1: dict) -> list[str]:
 
     rows = []
     teacher = mean("teacher")
-    rows.append(f"- teacher at least 88 F1: {'not run yet' if teacher is None else f'{teacher:.2f}, ' + ('met' if teacher >= 88 else 'NOT met')}")
+    rows.append("- teacher at least 88 F1: "
+                f"{'not run yet' if teacher is None else f'{teacher:.2f}, ' + ('met' if teacher >= 88 else 'NOT met')}")
     students = {v: mean(v) for v in table1 if v not in ("teacher", "vanilla", "glove") and mean(v) is not None}
     glove = mean("glove")
     vanilla = mean("vanilla")

@@ -91,7 +91,8 @@ def test_use_backend_restores_the_previous_one():
 def test_an_out_of_date_extension_is_refused():
     from crfkit.backends import compiled
 
-    stale = dict(compiled.EXPECTED_SCHEMAS, viterbi="crfkit::viterbi(Tensor emissions) -> (Tensor paths, Tensor scores)")
+    stale = dict(compiled.EXPECTED_SCHEMAS,
+                 viterbi="crfkit::viterbi(Tensor emissions) -> (Tensor paths, Tensor scores)")
     with pytest.raises(ImportError, match="out of date.*rebuild"):
         compiled.check_schemas(stale)
     compiled.check_schemas()  # the real build matches

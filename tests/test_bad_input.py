@@ -30,7 +30,8 @@ CASES = [
     ("2-d emissions", lambda em, tr, kw: (em[0], tr, kw), ValueError, "emissions must have 3 dimensions"),
     ("integer emissions", lambda em, tr, kw: (em.long(), tr, kw), TypeError, "emissions must be a floating-point"),
     ("list emissions", lambda em, tr, kw: (em.tolist(), tr, kw), TypeError, "emissions must be a torch.Tensor"),
-    ("no tags", lambda em, tr, kw: (em[:, :, :0], tr[:0, :0], {**kw, "start": None, "end": None}), ValueError, "at least one tag"),
+    ("no tags", lambda em, tr, kw: (em[:, :, :0], tr[:0, :0], {**kw, "start": None, "end": None}), ValueError,
+     "at least one tag"),
     ("transitions missing", lambda em, tr, kw: (em, None, kw), TypeError, "transitions is required"),
     ("transitions shape", lambda em, tr, kw: (em, tr[:2], kw), ValueError, "transitions must have shape"),
     ("transitions rank", lambda em, tr, kw: (em, tr[0], kw), ValueError, "transitions must have 2 dimensions"),
@@ -38,17 +39,31 @@ CASES = [
     ("transitions device", lambda em, tr, kw: (em, tr.to("meta"), kw), ValueError, "transitions is on meta"),
     ("start shape", lambda em, tr, kw: (em, tr, {**kw, "start": kw["start"][:2]}), ValueError, "start must have shape"),
     ("end dtype", lambda em, tr, kw: (em, tr, {**kw, "end": kw["end"].long()}), TypeError, "end has dtype"),
-    ("lengths float", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"].float()}), TypeError, "lengths must be an integer"),
-    ("lengths bool", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"] > 0}), TypeError, "lengths must be an integer"),
-    ("lengths shape", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"][:1]}), ValueError, "lengths must have shape"),
-    ("lengths rank", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"][:, None]}), ValueError, "lengths must have 1 dimensions"),
-    ("lengths negative", lambda em, tr, kw: (em, tr, {**kw, "lengths": torch.tensor([4, -1])}), ValueError, r"lengths must lie in \[0, seq_len = 4\]"),
-    ("lengths too long", lambda em, tr, kw: (em, tr, {**kw, "lengths": torch.tensor([5, 1])}), ValueError, r"lengths must lie in \[0, seq_len = 4\]"),
-    ("lengths device", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"].to("meta")}), ValueError, "lengths is on meta"),
-    ("NaN emission", lambda em, tr, kw: (em.index_put((torch.tensor(1), torch.tensor(0), torch.tensor(2)), torch.tensor(math.nan)), tr, kw), ValueError, "emissions.*NaN or \\+inf"),
-    ("+inf emission", lambda em, tr, kw: (em.index_put((torch.tensor(0), torch.tensor(0), torch.tensor(0)), torch.tensor(math.inf)), tr, kw), ValueError, "emissions.*NaN or \\+inf"),
-    ("NaN transition", lambda em, tr, kw: (em, tr.index_put((torch.tensor(0), torch.tensor(1)), torch.tensor(math.nan)), kw), ValueError, "transitions contains NaN or \\+inf"),
-    ("+inf start", lambda em, tr, kw: (em, tr, {**kw, "start": torch.tensor([0.0, math.inf, 0.0])}), ValueError, "start contains NaN or \\+inf"),
+    ("lengths float", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"].float()}), TypeError,
+     "lengths must be an integer"),
+    ("lengths bool", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"] > 0}), TypeError,
+     "lengths must be an integer"),
+    ("lengths shape", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"][:1]}), ValueError,
+     "lengths must have shape"),
+    ("lengths rank", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"][:, None]}), ValueError,
+     "lengths must have 1 dimensions"),
+    ("lengths negative", lambda em, tr, kw: (em, tr, {**kw, "lengths": torch.tensor([4, -1])}), ValueError,
+     r"lengths must lie in \[0, seq_len = 4\]"),
+    ("lengths too long", lambda em, tr, kw: (em, tr, {**kw, "lengths": torch.tensor([5, 1])}), ValueError,
+     r"lengths must lie in \[0, seq_len = 4\]"),
+    ("lengths device", lambda em, tr, kw: (em, tr, {**kw, "lengths": kw["lengths"].to("meta")}), ValueError,
+     "lengths is on meta"),
+    ("NaN emission", lambda em, tr, kw: (em.index_put((torch.tensor(1), torch.tensor(0), torch.tensor(2)),
+                                                      torch.tensor(math.nan)), tr, kw),
+     ValueError, "emissions.*NaN or \\+inf"),
+    ("+inf emission", lambda em, tr, kw: (em.index_put((torch.tensor(0), torch.tensor(0), torch.tensor(0)),
+                                                       torch.tensor(math.inf)), tr, kw),
+     ValueError, "emissions.*NaN or \\+inf"),
+    ("NaN transition", lambda em, tr, kw: (em, tr.index_put((torch.tensor(0), torch.tensor(1)),
+                                                            torch.tensor(math.nan)), kw),
+     ValueError, "transitions contains NaN or \\+inf"),
+    ("+inf start", lambda em, tr, kw: (em, tr, {**kw, "start": torch.tensor([0.0, math.inf, 0.0])}), ValueError,
+     "start contains NaN or \\+inf"),
 ]
 
 
@@ -61,7 +76,8 @@ def test_bad_argument_raises_a_clear_error(backend, op, case):
         OPS[op](em, tr, **kw)
 
 
-@pytest.mark.parametrize("k,exception", [(0, ValueError), (-2, ValueError), (2.5, TypeError), (True, TypeError), ("3", TypeError)])
+@pytest.mark.parametrize("k,exception", [(0, ValueError), (-2, ValueError), (2.5, TypeError), (True, TypeError),
+                                         ("3", TypeError)])
 def test_bad_k(backend, k, exception):
     em, tr, kw = good()
     with pytest.raises(exception, match="k must be"):
@@ -146,7 +162,8 @@ def _internal_op_calls():
                               ValueError, r"lengths\[0\] = 9 is outside"),
         "with_marginals: NaN": (lambda: ops.log_partition_with_marginals(em * float("nan"), tr, s, e, ln),
                                 ValueError, r"emissions\[0\] contains NaN"),
-        "with_marginals: dtype": (lambda: ops.log_partition_with_marginals(em.half(), tr.half(), s.half(), e.half(), ln),
+        "with_marginals: dtype": (lambda: ops.log_partition_with_marginals(em.half(), tr.half(), s.half(),
+                                                                           e.half(), ln),
                                   TypeError, r"float32 or float64 emissions"),
         "from_marginals: marginals dims": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals[0], counts, ln),

@@ -167,7 +167,8 @@ def test_pytorch_crf_ignores_tags_at_padding():
     crf = CRF(3, batch_first=True)
     emissions, tags, mask = random_batch(3, 4, 3, torch.float32, 5)
     padded = tags.masked_fill(~mask, -100)
-    torch.testing.assert_close(crf(emissions, padded, mask, reduction="none"), crf(emissions, tags, mask, reduction="none"))
+    torch.testing.assert_close(crf(emissions, padded, mask, reduction="none"),
+                               crf(emissions, tags, mask, reduction="none"))
 
 
 def _bad_pytorch_crf_calls():
@@ -329,7 +330,8 @@ def test_allennlp_log_likelihood_gradients_are_finite_and_match_autograd_of_brut
     inputs.requires_grad_()
     crf(inputs, tags, mask).backward()
     # The brute-force log-likelihood, differentiated by autograd.
-    params = [p.detach().clone().requires_grad_() for p in (crf.transitions, crf.start_transitions, crf.end_transitions)]
+    params = [p.detach().clone().requires_grad_()
+              for p in (crf.transitions, crf.start_transitions, crf.end_transitions)]
     x = inputs.detach().clone().requires_grad_()
     total = 0
     for b in range(2):
@@ -441,7 +443,8 @@ def test_allennlp_state_dict_round_trip():
         trained = random_allennlp_crf(3, include_start_end, pairs, 5)
         assert list(trained.state_dict()) == keys
         # As in AllenNLP, the mask is a parameter that is never trained.
-        assert [n for n, p in trained.named_parameters() if p.requires_grad] == [k for k in keys if k != "_constraint_mask"]
+        assert ([n for n, p in trained.named_parameters() if p.requires_grad]
+                == [k for k in keys if k != "_constraint_mask"])
         expected_mask = torch.zeros(5, 5, dtype=torch.float64)
         for i, j in pairs:
             expected_mask[i, j] = 1.0

@@ -269,8 +269,8 @@ def test_bioes_spot_checks():
     assert _t(c, "E-PER", "B-LOC") and _t(c, "S-LOC", "S-PER") and _t(c, "E-PER", "O")
     assert not _t(c, "O", "I-PER") and not _t(c, "O", "E-PER")
     # last-tag rule: O, E-*, S-* only
-    assert [l for l in c.labels if _e(c, l)] == ["O", "E-PER", "S-PER", "E-LOC", "S-LOC"]
-    assert [l for l in c.labels if _s(c, l)] == ["O", "B-PER", "S-PER", "B-LOC", "S-LOC"]
+    assert [label for label in c.labels if _e(c, label)] == ["O", "E-PER", "S-PER", "E-LOC", "S-LOC"]
+    assert [label for label in c.labels if _s(c, label)] == ["O", "B-PER", "S-PER", "B-LOC", "S-LOC"]
 
 
 def test_bmes_spot_checks():
@@ -279,7 +279,7 @@ def test_bmes_spot_checks():
     assert not _t(c, "B", "M-NR") and not _t(c, "B-NR", "E")
     assert _t(c, "E", "S-NR") and _t(c, "S", "B") and _t(c, "S-NR", "O")
     assert not _t(c, "S", "M") and not _t(c, "O", "E")
-    assert [l for l in c.labels if _e(c, l)] == ["E", "S", "O", "E-NR", "S-NR"]
+    assert [label for label in c.labels if _e(c, label)] == ["E", "S", "O", "E-NR", "S-NR"]
     # no O needed
     c = allowed_transitions(["B", "M", "E", "S"], "BMES")
     assert c.is_allowed([0, 1, 1, 2, 3])
@@ -381,10 +381,10 @@ def _universe(scheme):
 def scheme_and_labels(draw):
     scheme = draw(st.sampled_from(SCHEMES))
     universe = _universe(scheme)
-    typed = [l for l in universe if "-" in l]
+    typed = [label for label in universe if "-" in label]
     first = draw(st.sampled_from(typed))
     rest = draw(st.lists(st.sampled_from(universe), unique=True, max_size=len(universe)))
-    labels = [first] + [l for l in rest if l != first]
+    labels = [first] + [label for label in rest if label != first]
     labels = draw(st.permutations(labels))
     seqs = draw(
         st.lists(
@@ -408,7 +408,7 @@ def test_random_label_subsets_consistent(data):
     #    is the matching sub-matrix of the full label set.
     full_labels = _universe(scheme)
     full = allowed_transitions(full_labels, scheme)
-    idx = torch.tensor([full_labels.index(l) for l in labels])
+    idx = torch.tensor([full_labels.index(label) for label in labels])
     assert torch.equal(c.transitions, full.transitions[idx][:, idx])
     assert torch.equal(c.start, full.start[idx])
     assert torch.equal(c.end, full.end[idx])

@@ -420,9 +420,12 @@ RAW = {
 }
 BAD_VALUES = [
     # (description, mutate(em, tr, ln, s, e), message pattern)
-    ("NaN emission", lambda em, tr, ln, s, e: (_put(em, (1, 0, 2), math.nan), tr, ln, s, e), r"emissions\[1\].*NaN or \+inf"),
-    ("+inf emission", lambda em, tr, ln, s, e: (_put(em, (0, 3, 0), math.inf), tr, ln, s, e), r"emissions\[0\].*NaN or \+inf"),
-    ("NaN transition", lambda em, tr, ln, s, e: (em, _put(tr, (0, 1), math.nan), ln, s, e), r"transitions contains NaN or \+inf"),
+    ("NaN emission", lambda em, tr, ln, s, e: (_put(em, (1, 0, 2), math.nan), tr, ln, s, e),
+     r"emissions\[1\].*NaN or \+inf"),
+    ("+inf emission", lambda em, tr, ln, s, e: (_put(em, (0, 3, 0), math.inf), tr, ln, s, e),
+     r"emissions\[0\].*NaN or \+inf"),
+    ("NaN transition", lambda em, tr, ln, s, e: (em, _put(tr, (0, 1), math.nan), ln, s, e),
+     r"transitions contains NaN or \+inf"),
     ("+inf start", lambda em, tr, ln, s, e: (em, tr, ln, _put(s, 1, math.inf), e), r"start contains NaN or \+inf"),
     ("NaN end", lambda em, tr, ln, s, e: (em, tr, ln, s, _put(e, 2, math.nan)), r"end contains NaN or \+inf"),
 ]

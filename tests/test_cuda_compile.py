@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("crfkit_cuda_compile_check", ROOT / "tools" / "cuda_compile_check" / "check.py")
+_spec = importlib.util.spec_from_file_location("crfkit_cuda_compile_check",
+                                               ROOT / "tools" / "cuda_compile_check" / "check.py")
 cuda_compile_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cuda_compile_check)
 

@@ -136,7 +136,8 @@ def _write(tmp_path, text, name="data.txt"):
 
 
 def test_reader_on_a_small_file_docstart_blank_lines_and_no_final_blank(tmp_path):
-    path = _write(tmp_path, "-DOCSTART- -X- -X- O\n\nA DT B-NP O\nB NNP I-NP B-PER\n\n\n\n-DOCSTART- -X- -X- O\n\nC NN B-NP O")
+    path = _write(tmp_path, "-DOCSTART- -X- -X- O\n\nA DT B-NP O\nB NNP I-NP B-PER\n\n\n\n"
+                            "-DOCSTART- -X- -X- O\n\nC NN B-NP O")
     assert read_conll(path) == [
         Sentence(("A", "B"), ("DT", "NNP"), ("B-NP", "I-NP"), ("O", "B-PER")),
         Sentence(("C",), ("NN",), ("B-NP",), ("O",)),

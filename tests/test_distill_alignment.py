@@ -37,7 +37,8 @@ def loop_align(piece_values, word_index, num_words, reduce):
             columns = list(zip(*pieces))  # one tuple per feature
             out[b][word] = {"first": list(pieces[0]), "mean": [sum(c) / len(c) for c in columns],
                             "max": [max(c) for c in columns]}[reduce]
-    return torch.tensor(out, dtype=piece_values.dtype).reshape(batch, num_words, features), torch.tensor(mask).reshape(batch, num_words)
+    return (torch.tensor(out, dtype=piece_values.dtype).reshape(batch, num_words, features),
+            torch.tensor(mask).reshape(batch, num_words))
 
 
 # Layouts a tokenizer can produce: specials, multi-piece words, padding, a word with no piece

@@ -42,7 +42,8 @@ def direct(teacher, corpus, k, with_marginals=True):
     out = teacher(corpus)
     kb = crfkit.kbest_viterbi(out.emissions, out.transitions, k, out.lengths, out.start, out.end)
     log_z = crfkit.log_partition(out.emissions, out.transitions, out.lengths, out.start, out.end)
-    margs = crfkit.marginals(out.emissions, out.transitions, out.lengths, out.start, out.end) if with_marginals else None
+    margs = (crfkit.marginals(out.emissions, out.transitions, out.lengths, out.start, out.end) if with_marginals
+             else None)
     return kb, log_z, margs, out.lengths
 
 
@@ -113,7 +114,8 @@ def test_round_trip_equals_direct_ops(tmp_path, marginals_dtype):
             missing_rows += int(torch.isinf(r.log_probs).sum())
     # the edge cases are really in the corpus: empty, length 1 (fewer than K sequences), all forbidden
     assert cache[0].paths.shape == (k, 0) and cache[0].log_probs[0] == 0 and torch.isinf(cache[0].log_probs[1:]).all()
-    assert cache[1].paths.shape == (k, 1) and (cache[1].paths[2:] == -1).all() and torch.isinf(cache[1].log_probs[2:]).all()
+    assert (cache[1].paths.shape == (k, 1) and (cache[1].paths[2:] == -1).all()
+            and torch.isinf(cache[1].log_probs[2:]).all())
     assert cache[3].log_z == float("-inf") and (cache[3].paths == -1).all()
     assert missing_rows > 0
     assert cache[-1].id == 44

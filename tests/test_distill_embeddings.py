@@ -164,7 +164,8 @@ def _discarded_energy(weight, dim):
 
 @pytest.mark.parametrize("shape, dim", [((300, 40), 8), ((50, 60), 50), ((30, 7), 1)])
 def test_svd_reduce_is_the_best_rank_e_approximation(shape, dim):
-    weight = torch.randn(*shape, dtype=torch.float64) @ torch.diag(torch.linspace(3, 0.1, shape[1], dtype=torch.float64))
+    weight = (torch.randn(*shape, dtype=torch.float64)
+              @ torch.diag(torch.linspace(3, 0.1, shape[1], dtype=torch.float64)))
     reduced, basis = svd_reduce(weight, dim, return_basis=True)
     assert reduced.shape == (shape[0], dim) and basis.shape == (dim, shape[1])
     torch.testing.assert_close(basis @ basis.T, torch.eye(dim, dtype=torch.float64))

@@ -244,10 +244,13 @@ def test_layer_transfer_loss_sums_mapped_layers():
     hidden = HiddenStateMSE(DS, DT).double()
     layer_map = uniform_layer_map(M, N)
     got = layer_transfer_loss(student_hidden, teacher_hidden, layer_map, hidden, student_scores, teacher_scores, mask)
-    expected = (hidden(student_hidden[1], teacher_hidden[2], mask) + attention_mse(student_scores[0], teacher_scores[1], mask)
-                + hidden(student_hidden[2], teacher_hidden[4], mask) + attention_mse(student_scores[1], teacher_scores[3], mask))
+    expected = (hidden(student_hidden[1], teacher_hidden[2], mask)
+                + attention_mse(student_scores[0], teacher_scores[1], mask)
+                + hidden(student_hidden[2], teacher_hidden[4], mask)
+                + attention_mse(student_scores[1], teacher_scores[3], mask))
     torch.testing.assert_close(got, expected)
-    with_embeddings = layer_transfer_loss(student_hidden, teacher_hidden, uniform_layer_map(M, N, include_embeddings=True),
+    with_embeddings = layer_transfer_loss(student_hidden, teacher_hidden,
+                                          uniform_layer_map(M, N, include_embeddings=True),
                                           hidden, student_scores, teacher_scores, mask)
     torch.testing.assert_close(with_embeddings, expected + hidden(student_hidden[0], teacher_hidden[0], mask))
     with pytest.raises(ValueError, match="layer_map has 3 entries"):

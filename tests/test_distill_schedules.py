@@ -83,7 +83,8 @@ def test_adaptive_kd_loss():
     (lambda: adaptive_kd_loss(torch.tensor(1.0), torch.tensor(1.0), None, 1.5), ValueError, "theta must lie in"),
     (lambda: adaptive_kd_loss(1.0, torch.tensor(1.0), None, 0.5), TypeError, "soft must be a scalar"),
     (lambda: adaptive_kd_loss(torch.tensor(1.0), torch.tensor(1.0), [1.0], 0.5), TypeError, "transfer\\[0\\]"),
-    (lambda: adaptive_kd_loss(torch.tensor(1.0), torch.tensor(1.0), None, torch.ones(2)), ValueError, "theta must be a scalar"),
+    (lambda: adaptive_kd_loss(torch.tensor(1.0), torch.tensor(1.0), None, torch.ones(2)), ValueError,
+     "theta must be a scalar"),
 ])
 def test_bad_arguments(call, exception, pattern):
     with pytest.raises(exception, match=pattern):

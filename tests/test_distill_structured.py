@@ -98,7 +98,8 @@ def test_losses_match_enumeration(backend, n, T, constrained):
 
 def test_kbest_cross_entropy_reaches_the_exact_cross_entropy(backend):
     teacher, student, lengths = two_crfs(4, 4, 3, seed=5)
-    t_crf, s_crf = crfkit.LinearChainCRF(*teacher[:2], lengths, *teacher[2:]), crfkit.LinearChainCRF(*student[:2], lengths, *student[2:])
+    t_crf, s_crf = (crfkit.LinearChainCRF(*teacher[:2], lengths, *teacher[2:]),
+                    crfkit.LinearChainCRF(*student[:2], lengths, *student[2:]))
     exact = distill.crf_cross_entropy(t_crf, s_crf, "none")
     gaps = []
     for K in (1, 5, 20, 81, 90):
@@ -180,7 +181,8 @@ def test_length_zero_one_and_all_forbidden_sentences(backend):
     assert teacher.entropy()[1].item() == pytest.approx(-(p * p.log()).sum().item(), abs=TOL)
 
 
-@pytest.mark.parametrize("loss_name", ["ce", "fuzzy", "topk", "topwk", "exact_ce", "kl", "nll", "token_em", "token_pos"])
+@pytest.mark.parametrize("loss_name", ["ce", "fuzzy", "topk", "topwk", "exact_ce", "kl", "nll", "token_em",
+                                       "token_pos"])
 def test_gradcheck_in_the_student(loss_name):
     teacher, student, lengths = two_crfs(3, 3, 3, seed=11, constrained=True)
     kb = crfkit.kbest_viterbi(teacher[0], teacher[1], 4, lengths, *teacher[2:])
@@ -316,6 +318,7 @@ def test_reductions_and_empty_batch():
     student = torch.randn(4, 3, 3, dtype=torch.float64)
     per = distill.kbest_cross_entropy(student, transitions, kb, lengths, reduction="none")
     assert distill.kbest_cross_entropy(student, transitions, kb, lengths).item() == pytest.approx(per.mean().item())
-    assert distill.kbest_cross_entropy(student, transitions, kb, lengths, reduction="sum").item() == pytest.approx(per.sum().item())
+    assert (distill.kbest_cross_entropy(student, transitions, kb, lengths, reduction="sum").item()
+            == pytest.approx(per.sum().item()))
     empty = crfkit.kbest_viterbi(emissions[:0], transitions, 3, lengths[:0])
     assert distill.kbest_cross_entropy(student[:0], transitions, empty, lengths[:0]).item() == 0

@@ -78,7 +78,8 @@ def brute_force_measures(p_inputs, q_inputs):
         q_score = dict((seq, s) for s, seq in q_seqs)  # p and q forbid the same transition
         entropy.append(-sum(math.exp(s - log_zp) * (s - log_zp) for s, _ in p_seqs))
         cross_entropy.append(-sum(math.exp(s - log_zp) * (q_score[seq] - log_zq) for s, seq in p_seqs))
-    entropy, cross_entropy = torch.tensor(entropy, dtype=torch.float64), torch.tensor(cross_entropy, dtype=torch.float64)
+    entropy, cross_entropy = (torch.tensor(entropy, dtype=torch.float64),
+                              torch.tensor(cross_entropy, dtype=torch.float64))
     return {"entropy": entropy, "cross_entropy": cross_entropy, "kl_divergence": cross_entropy - entropy}
 
 

@@ -40,7 +40,8 @@ def test_scores_of_magnitude_1e4(backend, dtype):
     tol = 2e-3 if dtype == torch.float32 else 1e-9
     torch.testing.assert_close(mu.double(), truth[1], atol=tol, rtol=0)
     valid = torch.arange(40) < ln.unsqueeze(1)
-    torch.testing.assert_close(mu.sum(-1)[valid].double(), torch.ones(int(valid.sum()), dtype=torch.float64), atol=tol, rtol=0)
+    torch.testing.assert_close(mu.sum(-1)[valid].double(), torch.ones(int(valid.sum()), dtype=torch.float64),
+                               atol=tol, rtol=0)
 
 
 def test_fast_path_and_exact_fallback_agree(backend):
@@ -96,9 +97,11 @@ def test_half_precision_inputs_use_float32(backend, half):
     assert grad.dtype == half and torch.isfinite(grad).all()
     upcast = em.to(half).float()
     torch.testing.assert_close(log_z, crfkit.log_partition(upcast, tr, ln, s, e))
-    torch.testing.assert_close(crfkit.marginals(em.to(half), tr.to(half), ln), crfkit.marginals(upcast, tr.to(half).float(), ln))
+    torch.testing.assert_close(crfkit.marginals(em.to(half), tr.to(half), ln),
+                               crfkit.marginals(upcast, tr.to(half).float(), ln))
     best = crfkit.kbest_viterbi(em.to(half), tr, 3, ln, s, e)
-    assert best.scores.dtype == torch.float32 and torch.equal(best.paths, crfkit.kbest_viterbi(upcast, tr, 3, ln, s, e).paths)
+    assert best.scores.dtype == torch.float32 and torch.equal(best.paths,
+                                                              crfkit.kbest_viterbi(upcast, tr, 3, ln, s, e).paths)
 
 
 def test_half_precision_large_scores_do_not_overflow(backend):

@@ -32,7 +32,8 @@ def all_outputs(emissions, transitions, lengths, start, end, k=4):
     grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
     return dict(log_z=log_z, marginals=mu, viterbi_paths=paths, viterbi_scores=scores,
                 kbest_paths=best.paths, kbest_scores=best.scores, kbest_log_probs=best.log_probs,
-                sequence_score=seq, **{f"grad_{n}": g for n, g in zip(("emissions", "transitions", "start", "end"), grads)})
+                sequence_score=seq,
+                **{f"grad_{n}": g for n, g in zip(("emissions", "transitions", "start", "end"), grads)})
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -54,7 +55,8 @@ def test_float32_close_to_float64_truth(backend, B, L, T):
     em, tr, ln, s, e = random_crf(B, L, T, scale=3.0)
     with crfkit.use_backend("reference"):
         truth = crfkit.log_partition(em, tr, ln, s, e), crfkit.marginals(em, tr, ln, s, e)
-    got = crfkit.log_partition(em.float(), tr.float(), ln, s.float(), e.float()), crfkit.marginals(em.float(), tr.float(), ln, s.float(), e.float())
+    got = (crfkit.log_partition(em.float(), tr.float(), ln, s.float(), e.float()),
+           crfkit.marginals(em.float(), tr.float(), ln, s.float(), e.float()))
     torch.testing.assert_close(got[0].double(), truth[0], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got[1].double(), truth[1], rtol=1e-4, atol=1e-5)
 
@@ -66,7 +68,8 @@ def test_gradcheck_float64(backend):
     tags = torch.randint(0, 3, (3, 5))
     assert torch.autograd.gradcheck(lambda a, b, c, d: crfkit.sequence_score(a, b, tags, ln, c, d), params)
     # k-best log-probs: piecewise smooth; the random inputs are far from any tie.
-    assert torch.autograd.gradcheck(lambda a, b, c, d: crfkit.kbest_viterbi(a, b, 4, ln, c, d).log_probs.clamp(min=-1e3), params)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c, d: crfkit.kbest_viterbi(a, b, 4, ln, c, d).log_probs.clamp(min=-1e3), params)
     # marginals are differentiable too (second derivatives of log Z).
     assert torch.autograd.gradcheck(lambda a, b: crfkit.marginals(a, b, ln, s.detach(), e.detach()), params[:2])
 
@@ -250,7 +253,8 @@ def test_log_partition_lanes_match_the_reference(monkeypatch, dtype, T, scale, k
         want = outputs()
     assert got[0][3] == -math.inf and (got[1][3] == 0).all()
     assert (got[0][[1, 10, 20]] == 0).all()
-    for name, g, w in zip(["log_z", "marginals", "grad_emissions", "grad_transitions", "grad_start", "grad_end"], got, want):
+    for name, g, w in zip(["log_z", "marginals", "grad_emissions", "grad_transitions", "grad_start", "grad_end"],
+                          got, want):
         torch.testing.assert_close(g, w, **TOL[dtype], msg=name)
 
 
@@ -380,7 +384,8 @@ def test_lane_groups_match_the_reference(backend, T):
     with crfkit.use_backend("reference"):
         want = outputs()
     assert torch.isinf(want[0][6])
-    for name, a, b in zip(("log_z", "marginals", "counts", "d_emissions", "d_transitions", "d_start", "d_end"), got, want):
+    for name, a, b in zip(("log_z", "marginals", "counts", "d_emissions", "d_transitions", "d_start", "d_end"),
+                          got, want):
         torch.testing.assert_close(a, b, **TOL[torch.float64], msg=name)
 
 
@@ -407,7 +412,8 @@ def test_properties(B, L, T, k, seed, forbid):
         valid = torch.arange(L) < ln.unsqueeze(1)
         possible = torch.isfinite(log_z)
         row_sums = mu.sum(-1)
-        torch.testing.assert_close(row_sums[valid & possible.unsqueeze(1)], torch.ones_like(row_sums[valid & possible.unsqueeze(1)]))
+        torch.testing.assert_close(row_sums[valid & possible.unsqueeze(1)],
+                                   torch.ones_like(row_sums[valid & possible.unsqueeze(1)]))
         assert (row_sums[~valid | ~possible.unsqueeze(1)] == 0).all()
         assert (best.log_probs <= 1e-12).all()
         assert (torch.logsumexp(best.log_probs, 1)[possible] <= 1e-12).all()
@@ -485,8 +491,9 @@ def test_viterbi_lane_groups_equal_the_reference_exactly(backend, monkeypatch, d
 
 def _lane_case(dtype, T, L=12, seed=None):
     """Inputs for the lane decoders (Viterbi and k-best): 37 sentences, 3 of length 0, make full
-    lane groups and a partial one, whose lanes end at different positions; integer scores make many exact ties (the tie rule decides which paths
-    are listed and in which order); one transition is forbidden and sentence 3 has no allowed
+    lane groups and a partial one, whose lanes end at different positions; integer scores make many exact ties
+    (the tie rule decides which paths are listed and in which order); one transition is forbidden and sentence 3
+    has no allowed
     path at all (every row missing)."""
     gen = torch.Generator().manual_seed(200 + T if seed is None else seed)
     B = 37

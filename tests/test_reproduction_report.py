@@ -24,9 +24,10 @@ NEWS = {"news": 2687, "augment": 0}
 
 
 def record(variant, seed, test_f1, k=None, dev_f1=90.0, da_pool=None):
-    return {"da_pool": da_pool, "run": f"{variant}-k{k or 5}-seed{seed}", "variant": variant, "K": k, "seed": seed, "dev_f1": dev_f1,
-            "test_f1": test_f1, "params": 1_000_000, "trainable_params": 500_000, "sentences_per_s": 1000.0,
-            "wall_s": 60.0, "machine": "test machine", "command": "python -m crfkit.pipeline", "git": "abc"}
+    return {"da_pool": da_pool, "run": f"{variant}-k{k or 5}-seed{seed}", "variant": variant, "K": k, "seed": seed,
+            "dev_f1": dev_f1, "test_f1": test_f1, "params": 1_000_000, "trainable_params": 500_000,
+            "sentences_per_s": 1000.0, "wall_s": 60.0, "machine": "test machine",
+            "command": "python -m crfkit.pipeline", "git": "abc"}
 
 
 def test_tables_means_spreads_and_targets(report, tmp_path):

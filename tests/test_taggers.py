@@ -181,7 +181,8 @@ def test_word_vectors_and_vocabulary():
     tagger = BiLSTMCRFTagger(LABELS, words, embedding_dim=2, hidden_size=4)
     written = tagger.load_word_vectors(["cat", "zebra", "Bird"], torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
     assert written == 2
-    assert tagger.word_embedding.weight[3].tolist() == [1.0, 2.0] and tagger.word_embedding.weight[5].tolist() == [5.0, 6.0]
+    assert (tagger.word_embedding.weight[3].tolist() == [1.0, 2.0]
+            and tagger.word_embedding.weight[5].tolist() == [5.0, 6.0])
     batch = tagger.featurize([["Cat", "zebra"], []])
     assert batch["words"].tolist() == [[3, 1], [0, 0]] and batch["lengths"].tolist() == [2, 0]
     assert tagger.predict([["Cat", "zebra"], []]) and tagger.predict([[]]) == [[]]

@@ -261,7 +261,8 @@ def test_objective_values(cache, slice_):
         "fuzzy": distill.fuzzy_loss(emissions, transitions, kb, lengths, start, end),
         "kbest_ce": distill.kbest_cross_entropy(emissions, transitions, kb, lengths, start, end),
         "token_em": distill.token_kd(emissions, batch["teacher_emissions"], lengths, temperature=2.0),
-        "exact_kl": distill.crf_kl_divergence(teacher, crfkit.LinearChainCRF(emissions, transitions, lengths, start, end)),
+        "exact_kl": distill.crf_kl_divergence(teacher,
+                                              crfkit.LinearChainCRF(emissions, transitions, lengths, start, end)),
     }
     for name, value in expected.items():
         torch.testing.assert_close(out[f"loss_{name}"], value.detach(), msg=name)
@@ -292,9 +293,9 @@ def test_fit_tagger_learns_and_saves(tmp_path, slice_):
 
     train, dev = slice_
     student = student_for(train, width=32, dropout=0.0)
-    args = TaggerTrainingArguments(str(tmp_path), num_train_epochs=12, per_device_train_batch_size=8, learning_rate=2e-2,
-                                   eval_strategy="epoch", save_strategy="epoch", logging_steps=5, report_to="none",
-                                   use_cpu=True, disable_tqdm=True, save_total_limit=1)
+    args = TaggerTrainingArguments(str(tmp_path), num_train_epochs=12, per_device_train_batch_size=8,
+                                   learning_rate=2e-2, eval_strategy="epoch", save_strategy="epoch", logging_steps=5,
+                                   report_to="none", use_cpu=True, disable_tqdm=True, save_total_limit=1)
     trainer = fit_tagger(student, tagging_items(train), tagging_items(train[:16]), args)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < 0.5 * losses[0]
@@ -434,7 +435,8 @@ def test_pipeline_arguments():
 
 
 @needs_data
-@pytest.mark.skipif(importlib.util.find_spec("gensim") is None, reason="needs gensim: pip install --no-deps gensim==4.4.0")
+@pytest.mark.skipif(importlib.util.find_spec("gensim") is None,
+                    reason="needs gensim: pip install --no-deps gensim==4.4.0")
 def test_pipeline_da_pool_is_news_then_augmentations():
     from crfkit import data, pipeline
 

@@ -47,8 +47,9 @@ def main() -> int:
     teacher = TransformerCRFTagger(labels, num_layers=1).eval()
 
     variant = VARIANTS[args.variant]
-    cache = distill.label_corpus(teacher.teacher_output, [s.tokens for s in train], os.path.join(args.output_dir, "labels"),
-                                 k=5, with_emissions=True, label_names=labels, progress=False)
+    cache = distill.label_corpus(teacher.teacher_output, [s.tokens for s in train],
+                                 os.path.join(args.output_dir, "labels"), k=5, with_emissions=True, label_names=labels,
+                                 progress=False)
     transformers.set_seed(0)
     student = BiLSTMCRFTagger(labels, BiLSTMCRFTagger.build_vocabulary(train), embedding_dim=32, hidden_size=32)
     items = tagging_items(train)

@@ -21,17 +21,32 @@ ops = torch.ops.crfkit
 # from older sources (an editable install not rebuilt after a schema change) would otherwise
 # return, say, (paths, scores) where (scores, paths) is expected: refuse to load it instead.
 EXPECTED_SCHEMAS = {
-    "log_partition": "crfkit::log_partition(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
-    "marginals": "crfkit::marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
-    "log_partition_backward": "crfkit::log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)",
-    "log_partition_with_marginals": "crfkit::log_partition_with_marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor log_z, Tensor marginals, Tensor transition_counts)",
-    "log_partition_backward_from_marginals": "crfkit::log_partition_backward_from_marginals(Tensor grad_log_z, Tensor marginals, Tensor transition_counts, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)",
-    "expected_transition_counts": "crfkit::expected_transition_counts(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> Tensor",
-    "viterbi": "crfkit::viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) -> (Tensor scores, Tensor paths)",
-    "kbest_viterbi": "crfkit::kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths)",
-    "kbest_viterbi_with_log_probs": "crfkit::kbest_viterbi_with_log_probs(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths, Tensor log_probs)",
-    "sequence_score": "crfkit::sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths, Tensor tags) -> Tensor",
-    "sequence_score_backward": "crfkit::sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, Tensor tags) -> (Tensor, Tensor, Tensor, Tensor)",
+    "log_partition": ("crfkit::log_partition(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+                      "Tensor lengths) -> Tensor"),
+    "marginals": ("crfkit::marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+                  "Tensor lengths) -> Tensor"),
+    "log_partition_backward": ("crfkit::log_partition_backward(Tensor grad_log_z, Tensor emissions, "
+                               "Tensor transitions, Tensor start, Tensor end, Tensor lengths) "
+                               "-> (Tensor, Tensor, Tensor, Tensor)"),
+    "log_partition_with_marginals": ("crfkit::log_partition_with_marginals(Tensor emissions, Tensor transitions, "
+                                     "Tensor start, Tensor end, Tensor lengths) "
+                                     "-> (Tensor log_z, Tensor marginals, Tensor transition_counts)"),
+    "log_partition_backward_from_marginals": ("crfkit::log_partition_backward_from_marginals(Tensor grad_log_z, "
+                                              "Tensor marginals, Tensor transition_counts, Tensor lengths) "
+                                              "-> (Tensor, Tensor, Tensor, Tensor)"),
+    "expected_transition_counts": ("crfkit::expected_transition_counts(Tensor emissions, Tensor transitions, "
+                                   "Tensor start, Tensor end, Tensor lengths) -> Tensor"),
+    "viterbi": ("crfkit::viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+                "Tensor lengths) -> (Tensor scores, Tensor paths)"),
+    "kbest_viterbi": ("crfkit::kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+                      "Tensor lengths, int k) -> (Tensor scores, Tensor paths)"),
+    "kbest_viterbi_with_log_probs": ("crfkit::kbest_viterbi_with_log_probs(Tensor emissions, Tensor transitions, "
+                                     "Tensor start, Tensor end, Tensor lengths, int k) "
+                                     "-> (Tensor scores, Tensor paths, Tensor log_probs)"),
+    "sequence_score": ("crfkit::sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
+                       "Tensor lengths, Tensor tags) -> Tensor"),
+    "sequence_score_backward": ("crfkit::sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, "
+                                "Tensor tags) -> (Tensor, Tensor, Tensor, Tensor)"),
 }
 
 

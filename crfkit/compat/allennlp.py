@@ -166,7 +166,8 @@ class ConditionalRandomField(nn.Module):
             return torch.ones(size, size)
         mask = torch.zeros(size, size)
         for pair in constraints:
-            if len(pair) != 2 or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size for i in pair):
+            if len(pair) != 2 or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size
+                                         for i in pair):
                 raise ValueError(f"constraints must be (from, to) pairs of ints in [0, num_tags + 2 = {size}), "
                                  f"got {pair!r}")
             mask[pair[0], pair[1]] = 1.0

@@ -127,7 +127,8 @@ class CRF(nn.Module):
         if not isinstance(emissions, Tensor):
             raise TypeError(f"emissions must be a torch.Tensor {layout}, num_tags), got {type(emissions).__name__}")
         if emissions.dim() != 3:
-            raise ValueError(f"emissions must have 3 dimensions {layout}, num_tags), got shape {tuple(emissions.shape)}")
+            raise ValueError(f"emissions must have 3 dimensions {layout}, num_tags), "
+                             f"got shape {tuple(emissions.shape)}")
         if emissions.shape[2] != self.num_tags:
             raise ValueError(f"emissions must have num_tags = {self.num_tags} in its last dimension, "
                              f"got shape {tuple(emissions.shape)}")

@@ -108,7 +108,8 @@ def _resolve_num_words(num_words, word_index: torch.Tensor) -> int:
         return num_words
     if isinstance(num_words, torch.Tensor):
         if num_words.dtype.is_floating_point or num_words.dtype == torch.bool or num_words.dim() != 1:
-            raise TypeError(f"num_words as a tensor must be (B,) integer, got {num_words.dtype} {tuple(num_words.shape)}")
+            raise TypeError(f"num_words as a tensor must be (B,) integer, "
+                            f"got {num_words.dtype} {tuple(num_words.shape)}")
         if num_words.shape[0] != word_index.shape[0]:
             raise ValueError(f"num_words has {num_words.shape[0]} entries for a batch of {word_index.shape[0]}")
         lengths = num_words.to(device=word_index.device, dtype=torch.int64)
@@ -234,7 +235,8 @@ def align_labels_to_pieces(
     """
     if isinstance(word_labels, torch.Tensor):
         if word_labels.dim() != 2 or word_labels.dtype.is_floating_point or word_labels.dtype == torch.bool:
-            raise TypeError(f"word_labels as a tensor must be (B, W) integer, got {word_labels.dtype} {tuple(word_labels.shape)}")
+            raise TypeError(f"word_labels as a tensor must be (B, W) integer, "
+                            f"got {word_labels.dtype} {tuple(word_labels.shape)}")
         labels = word_labels.to(torch.int64)
         lengths = torch.full((labels.shape[0],), labels.shape[1], dtype=torch.int64)
     elif isinstance(word_labels, Sequence) and not isinstance(word_labels, (str, bytes)):
@@ -245,7 +247,8 @@ def align_labels_to_pieces(
             if len(values):
                 labels[row, : len(values)] = torch.as_tensor(values, dtype=torch.int64)
     else:
-        raise TypeError(f"word_labels must be a (B, W) tensor or a sequence of sequences, got {type(word_labels).__name__}")
+        raise TypeError(f"word_labels must be a (B, W) tensor or a sequence of sequences, "
+                        f"got {type(word_labels).__name__}")
     if not isinstance(word_index, torch.Tensor):
         raise TypeError(f"word_index must be a torch.Tensor, got {type(word_index).__name__}")
     if word_index.dim() != 2 or word_index.shape[0] != labels.shape[0]:

@@ -1,4 +1,5 @@
-"""Transfer-set augmentation for tagging (Tang et al. 2019, "Distilling Task-Specific Knowledge from BERT into Simple Neural Networks"; docs/METHODS.md).
+"""Transfer-set augmentation for tagging (Tang et al. 2019, "Distilling Task-Specific Knowledge from BERT into
+Simple Neural Networks"; docs/METHODS.md).
 
     from crfkit.data import load_conll2003
     from crfkit.distill.augment import augment_sentences
@@ -61,7 +62,8 @@ def _tokens_and_pos(sentence, where: str) -> tuple[tuple[str, ...], tuple[str, .
     elif isinstance(sentence, Sequence) and len(sentence) == 2:
         tokens, pos = sentence
     else:
-        raise TypeError(f"{where}: expected a Sentence (with .tokens and .pos) or a (tokens, pos) pair, got {type(sentence).__name__}")
+        raise TypeError(f"{where}: expected a Sentence (with .tokens and .pos) or a (tokens, pos) pair, "
+                        f"got {type(sentence).__name__}")
     if pos is None:
         raise ValueError(f"{where}: the sentence has no POS tags (pos is None); augmentation needs them")
     tokens, pos = tuple(tokens), tuple(pos)

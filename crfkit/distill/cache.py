@@ -783,7 +783,8 @@ class TeacherLabelCache:
         self.directory = os.fspath(directory)
         manifest = _read_manifest(self.directory)
         if manifest is None:
-            raise FileNotFoundError(f"{os.path.join(self.directory, MANIFEST)} does not exist: not a teacher-label cache")
+            raise FileNotFoundError(f"{os.path.join(self.directory, MANIFEST)} does not exist: "
+                                    "not a teacher-label cache")
         if not manifest["complete"] and not allow_incomplete:
             raise ValueError(f"the teacher-label cache in {self.directory} is incomplete (labelling was interrupted); "
                              "run label_corpus again to finish it, or pass allow_incomplete=True")

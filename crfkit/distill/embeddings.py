@@ -78,7 +78,8 @@ def _index_mapping(vocabulary, name: str) -> dict[str, int]:
         return dict(vocabulary)
     if isinstance(vocabulary, Sequence) and not isinstance(vocabulary, (str, bytes)):
         return {item: index for index, item in enumerate(vocabulary)}
-    raise TypeError(f"{name} must be a Vocabulary, a str -> int mapping or a sequence of str, got {type(vocabulary).__name__}")
+    raise TypeError(f"{name} must be a Vocabulary, a str -> int mapping or a sequence of str, "
+                    f"got {type(vocabulary).__name__}")
 
 
 def _teacher_lookup(teacher_vocab, teacher_tokenize, unk_token):
@@ -89,7 +90,8 @@ def _teacher_lookup(teacher_vocab, teacher_tokenize, unk_token):
         return (tokenizer.get_vocab(), teacher_tokenize or tokenizer.tokenize,
                 unk_token if unk_token is not None else getattr(tokenizer, "unk_token", None))
     if teacher_tokenize is not None and not callable(teacher_tokenize):
-        raise TypeError(f"teacher_tokenize must be callable (str -> list of pieces), got {type(teacher_tokenize).__name__}")
+        raise TypeError(f"teacher_tokenize must be callable (str -> list of pieces), "
+                        f"got {type(teacher_tokenize).__name__}")
     return _index_mapping(teacher_vocab, "teacher_vocab"), teacher_tokenize, unk_token
 
 
@@ -138,7 +140,8 @@ def teacher_word_vectors(
                 pieces = pieces[:1]
         indices = [piece_rows[piece] for piece in pieces]
         if any(not 0 <= index < vocabulary_size for index in indices):
-            raise ValueError(f"teacher_vocab maps a piece of {word!r} to a row outside teacher_weight ({vocabulary_size} rows)")
+            raise ValueError(f"teacher_vocab maps a piece of {word!r} to a row outside teacher_weight "
+                             f"({vocabulary_size} rows)")
         num_pieces[position] = len(indices)
         word_positions.extend([position] * len(indices))
         rows.extend(indices)

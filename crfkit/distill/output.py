@@ -200,7 +200,8 @@ def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor, temperatu
     _check_reduction(reduction)
     temperature = _check_positive_number("temperature", temperature)
     if not isinstance(scale_by_temperature_squared, bool):
-        raise TypeError(f"scale_by_temperature_squared must be a bool, got {type(scale_by_temperature_squared).__name__}")
+        raise TypeError(f"scale_by_temperature_squared must be a bool, "
+                        f"got {type(scale_by_temperature_squared).__name__}")
     student, teacher, mask = _prepare_pair(student_logits, teacher_logits, mask)
     teacher_probs = torch.softmax(teacher / temperature, dim=-1)
     student_log_probs = torch.log_softmax(student / temperature, dim=-1)

@@ -232,7 +232,8 @@ def attention_mse(student_scores: Tensor, teacher_scores: Tensor, mask: Optional
         raise ValueError(f"student_scores and teacher_scores must have the same shape (same number of heads), "
                          f"got {tuple(student_scores.shape)} and {tuple(teacher_scores.shape)}")
     if student_scores.device != teacher_scores.device:
-        raise ValueError(f"teacher_scores is on {teacher_scores.device} but student_scores is on {student_scores.device}")
+        raise ValueError(f"teacher_scores is on {teacher_scores.device} "
+                         f"but student_scores is on {student_scores.device}")
     B, H, num_queries, num_keys = student_scores.shape
 
     pair_mask = None
@@ -334,7 +335,8 @@ def layer_transfer_loss(student_hidden_states: Sequence[Tensor], teacher_hidden_
     if (student_attention_scores is None) != (teacher_attention_scores is None):
         raise ValueError("pass both student_attention_scores and teacher_attention_scores, or neither")
     if student_attention_scores is not None and len(student_attention_scores) != num_student:
-        raise ValueError(f"student_attention_scores must hold {num_student} layers, got {len(student_attention_scores)}")
+        raise ValueError(f"student_attention_scores must hold {num_student} layers, "
+                         f"got {len(student_attention_scores)}")
     if callable(hidden_loss):
         hidden_losses = [hidden_loss] * len(layer_map)
     else:
@@ -351,7 +353,8 @@ def layer_transfer_loss(student_hidden_states: Sequence[Tensor], teacher_hidden_
                                      mask)
         if student_attention_scores is not None and student_layer >= 1:
             if teacher_layer < 1:
-                raise ValueError(f"student layer {student_layer} maps to the teacher's embeddings, which have no attention")
+                raise ValueError(f"student layer {student_layer} maps to the teacher's embeddings, "
+                                 "which have no attention")
             loss = loss + attention_mse(student_attention_scores[student_layer - 1],
                                         teacher_attention_scores[teacher_layer - 1], mask)
         total = loss if total is None else total + loss

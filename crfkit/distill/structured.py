@@ -105,7 +105,8 @@ def _candidate_log_probs(student_emissions, student_transitions, kb, lengths, st
     """The ingredients of the k-best losses, per sentence.
 
     Returns (log_p_teacher (B, K), log_p_student (B, K), present (B, K) bool, exhausted (B,) bool,
-    has_teacher (B,) bool, (K, the teacher log-probs' dtype)). Rows that hold no sequence (missing) have log_p -inf in both.
+    has_teacher (B,) bool, (K, the teacher log-probs' dtype)). Rows that hold no sequence (missing) have log_p -inf
+    in both.
     """
     if not isinstance(student_emissions, Tensor):
         raise TypeError(f"student_emissions must be a torch.Tensor (batch, seq_len, num_tags), got "
@@ -115,7 +116,8 @@ def _candidate_log_probs(student_emissions, student_transitions, kb, lengths, st
                          f"shape {tuple(student_emissions.shape)}")
     B, L, T = student_emissions.shape
     paths, log_p_teacher = _unpack_kbest(kb, B, L, student_emissions.device)
-    emissions, transitions, lengths, start, end = F._prepare(student_emissions, student_transitions, lengths, start, end)
+    emissions, transitions, lengths, start, end = F._prepare(student_emissions, student_transitions, lengths,
+                                                             start, end)
 
     present = log_p_teacher > NEG_INF  # (B, K): the row holds a sequence
     real = torch.arange(L, device=paths.device) < lengths.view(B, 1, 1)  # (B, 1, L)
@@ -133,7 +135,8 @@ def _candidate_log_probs(student_emissions, student_transitions, kb, lengths, st
     # The arguments are checked above (and the paths against them): call the backend directly
     # rather than the public ops, which would check everything again.
     backend = backends.current()
-    student_scores = backend.sequence_score(emissions, transitions, safe_paths.contiguous(), lengths, start, end)  # (B, K)
+    student_scores = backend.sequence_score(emissions, transitions, safe_paths.contiguous(), lengths,
+                                            start, end)  # (B, K)
     student_log_z = backend.log_partition(emissions, transitions, lengths, start, end)  # (B,): ONE per sentence
     log_p_student = torch.where(present, student_scores - student_log_z.unsqueeze(1),
                                 torch.full_like(student_scores, NEG_INF))

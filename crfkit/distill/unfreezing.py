@@ -102,7 +102,8 @@ def _layer_parameters(model: nn.Module, item, index: int) -> List[nn.Parameter]:
         try:
             return [model.get_parameter(item)]
         except AttributeError:
-            raise ValueError(f"layers[{index}] = {item!r} names neither a submodule nor a parameter of the model") from None
+            raise ValueError(f"layers[{index}] = {item!r} names neither a submodule "
+                             "nor a parameter of the model") from None
     if isinstance(item, nn.Parameter):
         return [item]
     return list(item.parameters())  # an nn.Module, checked by _layer_name

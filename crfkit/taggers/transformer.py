@@ -62,7 +62,8 @@ class TransformerCRFTagger(CRFTagger):
             raise ValueError(f"encoder {encoder!r} has no fast tokenizer; word alignment needs one")
         config = transformers.AutoConfig.from_pretrained(path)
         if num_layers is not None:
-            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= config.num_hidden_layers:
+            if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                    or not 1 <= num_layers <= config.num_hidden_layers):
                 raise ValueError(f"num_layers must be in 1 .. {config.num_hidden_layers}, got {num_layers!r}")
             config.num_hidden_layers = num_layers
         if _saved_encoder is None:

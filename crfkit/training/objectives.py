@@ -163,7 +163,8 @@ VARIANTS: dict[str, Variant] = {
     "te_da_seq_adaptive": Variant("teacher", da=True, objective=_seq(weighting="adaptive")),
     # stage-wise (multi-stage distillation): the teacher's hidden layer, then its logits, then the
     # hard loss, each stage with gradual unfreezing
-    "te_da_stagewise": Variant("teacher", da=True, stages=(ObjectiveConfig(("hidden",)), ObjectiveConfig(("logit_mse",)),
+    "te_da_stagewise": Variant("teacher", da=True, stages=(ObjectiveConfig(("hidden",)),
+                                                           ObjectiveConfig(("logit_mse",)),
                                                            ObjectiveConfig()), gradual_unfreezing=True),
     # a small transformer student: the pretrained encoder's first 2 layers (of MiniLM's 6)
     "bp2": Variant("pretrained", da=False, transformer_layers=2),
@@ -255,9 +256,11 @@ class TaggingObjective(nn.Module):
                                                temperature=self.objective_config.temperature)
             elif name == "token_pos":
                 terms[name] = distill.token_kd(emissions, teacher, lengths, source="marginals",
-                                               student_transitions=transitions, teacher_transitions=self.teacher_transitions,
+                                               student_transitions=transitions,
+                                               teacher_transitions=self.teacher_transitions,
                                                student_start=start, student_end=end, teacher_start=self.teacher_start,
-                                               teacher_end=self.teacher_end, temperature=self.objective_config.temperature)
+                                               teacher_end=self.teacher_end,
+                                               temperature=self.objective_config.temperature)
             elif name == "exact_kl":
                 teacher_dist = LinearChainCRF(teacher, self.teacher_transitions, lengths, self.teacher_start,
                                               self.teacher_end)

@@ -53,7 +53,8 @@ def _register_python_side() -> None:
         em.new_empty((em.shape[0], k)), em.new_empty((em.shape[0], k, em.shape[1]), dtype=torch.long),
         em.new_empty((em.shape[0], k))))
     fake("sequence_score", lambda em, tr, s, e, ln, tags: em.new_empty(tags.shape[:2]))
-    fake("sequence_score_backward", lambda g, em, ln, tags: (torch.empty_like(em), em.new_empty((em.shape[2], em.shape[2])),
+    fake("sequence_score_backward", lambda g, em, ln, tags: (torch.empty_like(em),
+                                                             em.new_empty((em.shape[2], em.shape[2])),
                                                              em.new_empty(em.shape[2]), em.new_empty(em.shape[2])))
     emu = torch.ops.crfkit_emu
 
@@ -132,7 +133,8 @@ def emulated_kernels():
     # (the others take compiled.py's fallbacks, as they would on a GPU).
     for name, key in saved_kernels:
         if key == "CPU":
-            compiled._KERNELS[(name, key)] = torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit_emu::{name}", "CPU")
+            compiled._KERNELS[(name, key)] = torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit_emu::{name}",
+                                                                                             "CPU")
     try:
         yield torch.ops.crfkit_emu
     finally:
