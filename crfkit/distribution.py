@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import functional as F
+from . import functional as crf_ops
+from ._arguments import prepare
 
 
 class LinearChainCRF:
@@ -44,11 +45,12 @@ class LinearChainCRF:
     def __init__(self, emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
                  start: Optional[Tensor] = None, end: Optional[Tensor] = None):
         # Validate now so that mistakes surface where the object is made; the ops check again.
-        emissions_c, transitions_c, lengths_c, start_c, end_c = F._prepare(emissions, transitions, lengths, start, end)
+        # The prepared arguments (as a backend takes them: compute dtype, start / end filled in)
+        # serve expected_score, which reads another distribution's scores directly.
+        self._prepared_args = prepare(emissions, transitions, lengths, start, end)
         self.emissions, self.transitions = emissions, transitions
         self.start, self.end = start, end
-        self.lengths = lengths_c  # (B,) int64, always filled in
-        self._compute_args = (emissions_c, transitions_c, lengths_c, start_c, end_c)
+        self.lengths = self._prepared_args[2]  # (B,) int64, always filled in
         self._log_partition: Optional[Tensor] = None
         self._marginals: Optional[Tensor] = None
 
@@ -72,7 +74,7 @@ class LinearChainCRF:
     def log_partition(self) -> Tensor:
         """log Z per sentence: (B,)."""
         if self._log_partition is None:
-            self._log_partition = F.log_partition(*self._args())
+            self._log_partition = crf_ops.log_partition(*self._args())
         return self._log_partition
 
     partition = log_partition  # torch-struct's name (it is the log partition there too)
@@ -81,16 +83,16 @@ class LinearChainCRF:
     def marginals(self) -> Tensor:
         """P(y_i = t | x): (B, L, T), zero at padded positions."""
         if self._marginals is None:
-            self._marginals = F.marginals(*self._args())
+            self._marginals = crf_ops.marginals(*self._args())
         return self._marginals
 
     def expected_transition_counts(self) -> Tensor:
         """E[number of s -> t transitions]: (B, T, T) (pairwise marginals summed over positions)."""
-        return F.expected_transition_counts(*self._args())
+        return crf_ops.expected_transition_counts(*self._args())
 
     def log_prob(self, tags: Tensor) -> Tensor:
         """log P(tags | x): tags (B, L) -> (B,), or (B, N, L) -> (B, N)."""
-        scores = F.sequence_score(self.emissions, self.transitions, tags, self.lengths, self.start, self.end)
+        scores = crf_ops.sequence_score(self.emissions, self.transitions, tags, self.lengths, self.start, self.end)
         log_z = self.log_partition
         return scores - (log_z if tags.dim() == 2 else log_z.unsqueeze(1))
 
@@ -98,18 +100,18 @@ class LinearChainCRF:
     def argmax(self) -> Tensor:
         """The most probable tag sequence: (B, L) int64, -1 at padded positions. (torch-struct
         returns a one-hot structure here; tags are what sequence labelling needs.)"""
-        return F.viterbi(*self._args())[0]
+        return crf_ops.viterbi(*self._args())[0]
 
     @property
     def max(self) -> Tensor:
         """The score of the most probable sequence: (B,)."""
-        return F.viterbi(*self._args())[1]
+        return crf_ops.viterbi(*self._args())[1]
 
-    def kbest(self, k: int) -> F.KBest:
+    def kbest(self, k: int) -> crf_ops.KBest:
         """The k most probable distinct sequences: KBest(paths (B, k, L), scores (B, k),
         log_probs (B, k)); see crfkit.kbest_viterbi."""
         emissions, transitions, lengths, start, end = self._args()
-        return F.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+        return crf_ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)
 
     # ---- information measures --------------------------------------------------------------
     def expected_score(self, other: "LinearChainCRF") -> Tensor:
@@ -118,11 +120,11 @@ class LinearChainCRF:
         and end, so its gradient with respect to them is this distribution's marginals."""
         self._check_compatible(other)
         if self._marginals is None:  # both from one forward-backward where the backend can
-            self._marginals, counts = F._marginals_and_transition_counts(*self._args())
+            self._marginals, counts = crf_ops.marginals_and_transition_counts(*self._args())
         else:
             counts = self.expected_transition_counts()
         mu = self._marginals  # (B, L, T); counts (B, T, T)
-        o_emissions, o_transitions, _, o_start, o_end = other._compute_args
+        other_emissions, other_transitions, _, other_start, other_end = other._prepared_args
         B, L, T = mu.shape
 
         def weighted(weights, scores):
@@ -130,11 +132,12 @@ class LinearChainCRF:
             # must not matter, in the value or in any gradient: select it away before multiplying.
             return weights * torch.where(weights > 0, scores, torch.zeros_like(scores))
 
-        total = weighted(mu, o_emissions).sum((1, 2)) + weighted(counts, o_transitions.unsqueeze(0)).sum((1, 2))
+        total = (weighted(mu, other_emissions).sum((1, 2))
+                 + weighted(counts, other_transitions.unsqueeze(0)).sum((1, 2)))
         if L > 0:
             last = (self.lengths - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, T)
             mu_last = mu.gather(1, last).squeeze(1)  # (B, T); zero for length-0 sentences
-            total = total + weighted(mu[:, 0], o_start).sum(1) + weighted(mu_last, o_end).sum(1)
+            total = total + weighted(mu[:, 0], other_start).sum(1) + weighted(mu_last, other_end).sum(1)
         return total
 
     def entropy(self) -> Tensor:

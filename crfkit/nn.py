@@ -13,10 +13,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import functional as F
+from . import functional as crf_ops
+from ._arguments import check_tensor
+from ._validation import CRF_REDUCTIONS, check_int, check_reduction
 from .constraints import Constraints
 
-_REDUCTIONS = ("mean", "sum", "none", "token_mean")
 
 
 class CRF(nn.Module):
@@ -32,9 +33,7 @@ class CRF(nn.Module):
 
     def __init__(self, num_tags: int, constraints: Optional[Constraints] = None, include_start_end: bool = True):
         super().__init__()
-        if isinstance(num_tags, bool) or not isinstance(num_tags, int) or num_tags < 1:
-            raise ValueError(f"num_tags must be a positive int, got {num_tags!r}")
-        self.num_tags = num_tags
+        self.num_tags = check_int("num_tags", num_tags, minimum=1, type_error=ValueError)
         self.transitions = nn.Parameter(torch.empty(num_tags, num_tags))
         self.start = nn.Parameter(torch.empty(num_tags)) if include_start_end else None
         self.end = nn.Parameter(torch.empty(num_tags)) if include_start_end else None
@@ -78,13 +77,13 @@ class CRF(nn.Module):
                 raise ValueError("give lengths or mask, not both")
             # A mask narrower than emissions would give lengths that are merely in range, and
             # the positions beyond it would silently be dropped: its shape must be (B, L).
-            F._check_tensor("emissions", emissions, 3, "(batch, seq_len, num_tags)")
+            check_tensor("emissions", emissions, 3, "(batch, seq_len, num_tags)")
             if not isinstance(mask, Tensor):
                 raise TypeError(f"mask must be a torch.Tensor (batch, seq_len), got {type(mask).__name__}")
             if tuple(mask.shape) != tuple(emissions.shape[:2]):
                 raise ValueError(f"mask must have shape (batch, seq_len) = {tuple(emissions.shape[:2])} of emissions "
                                  f"{tuple(emissions.shape)}, got {tuple(mask.shape)}")
-            return F.lengths_from_mask(mask)  # raises ValueError naming mask unless it is left-aligned
+            return crf_ops.lengths_from_mask(mask)  # raises ValueError naming mask unless it is left-aligned
         return lengths
 
     def _args(self, emissions, lengths, mask):
@@ -95,13 +94,13 @@ class CRF(nn.Module):
                       mask: Optional[Tensor] = None) -> Tensor:
         """log Z per sentence: (B,)."""
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        return F.log_partition(emissions, transitions, lengths, start, end)
+        return crf_ops.log_partition(emissions, transitions, lengths, start, end)
 
     def log_likelihood(self, emissions: Tensor, tags: Tensor, lengths=None, mask=None) -> Tensor:
         """log P(tags | x) per sentence: (B,), <= 0."""
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        score = F.sequence_score(emissions, transitions, tags, lengths, start, end)
-        return score - F.log_partition(emissions, transitions, lengths, start, end)
+        score = crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
+        return score - crf_ops.log_partition(emissions, transitions, lengths, start, end)
 
     def nll(self, emissions: Tensor, tags: Tensor, lengths=None, mask=None, reduction: str = "mean") -> Tensor:
         """Negative log-likelihood of gold tags (B, L), >= 0.
@@ -109,8 +108,7 @@ class CRF(nn.Module):
         reduction: 'mean' over sentences (default), 'sum', 'none' (per sentence, (B,)),
         or 'token_mean' (sum divided by the number of real tokens).
         """
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        check_reduction(reduction, CRF_REDUCTIONS)
         nll = -self.log_likelihood(emissions, tags, lengths, mask)
         if reduction == "none":
             return nll
@@ -127,14 +125,14 @@ class CRF(nn.Module):
     def decode(self, emissions: Tensor, lengths=None, mask=None):
         """Viterbi: (paths (B, L) int64 with -1 at padding, scores (B,))."""
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        return F.viterbi(emissions, transitions, lengths, start, end)
+        return crf_ops.viterbi(emissions, transitions, lengths, start, end)
 
-    def kbest(self, emissions: Tensor, k: int, lengths=None, mask=None) -> F.KBest:
+    def kbest(self, emissions: Tensor, k: int, lengths=None, mask=None) -> crf_ops.KBest:
         """k best distinct paths with scores and true log-probabilities (see crfkit.kbest_viterbi)."""
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        return F.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+        return crf_ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)
 
     def marginals(self, emissions: Tensor, lengths=None, mask=None) -> Tensor:
         """P(y_i = t | x): (B, L, T)."""
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        return F.marginals(emissions, transitions, lengths, start, end)
+        return crf_ops.marginals(emissions, transitions, lengths, start, end)

@@ -2,8 +2,9 @@
 
 It is the parity oracle for the compiled kernels (and is itself checked against brute-force
 enumeration in tests/test_reference.py) and the fallback when the extension is missing.
-Gradients come from autograd. Argument checking is crfkit.functional's job; these functions
-assume well-formed inputs but accept the same optional arguments as the public API.
+Gradients come from autograd. Argument checking is crfkit._arguments' job (crfkit.functional
+calls it before a backend); these functions assume well-formed inputs but accept the same
+optional arguments as the public API.
 
 Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,); lengths (B,).
 Scores are accumulated as ((score + transitions) + emissions) left to right, exactly like the
@@ -17,6 +18,10 @@ import torch
 from torch import Tensor
 
 NEG_INF = float("-inf")
+
+# As a backend (crfkit.backends.CRFBackend): these functions check no lengths or tags, so the
+# front end checks their values on every device.
+VALUES_CHECKED_ON_DEVICE = ()
 
 
 def _defaults(emissions: Tensor, lengths: Optional[Tensor], start: Optional[Tensor], end: Optional[Tensor]):
@@ -119,6 +124,13 @@ def expected_transition_counts(emissions, transitions, lengths=None, start=None,
             return torch.zeros_like(per_sentence) + 0 * log_z.sum()
         (counts,) = torch.autograd.grad(log_z.sum(), per_sentence, create_graph=create_graph)
     return counts
+
+
+def marginals_and_transition_counts(emissions, transitions, lengths=None, start=None, end=None):
+    """(marginals, expected_transition_counts): two autograd passes here, one after the other
+    (the compiled backend gets both from one forward-backward)."""
+    return (marginals(emissions, transitions, lengths, start, end),
+            expected_transition_counts(emissions, transitions, lengths, start, end))
 
 
 def viterbi(emissions, transitions, lengths=None, start=None, end=None):

@@ -4,9 +4,9 @@
 //
 // Why C++ and not torch.library.register_autograd in Python: with the Python formulas every
 // differentiable call passed through Python's autograd wrapper twice (forward and backward:
-// argument defaults, a Python autograd.Function, our Python backward), about 30-40 us per
-// forward+backward, more than the kernels themselves at (32, 128, 9). Here a call costs the
-// C++ autograd node only.
+// argument defaults, a Python autograd.Function, our Python backward), which cost more than the
+// kernels themselves on small batches (benchmarks/results/NOTES.md has the timing). Here a call
+// costs the C++ autograd node only.
 //
 // The marginals keep their Python formula (crfkit/backends/compiled.py): their derivative is a
 // Hessian-vector product of log Z, taken through the reference implementation.
@@ -76,8 +76,8 @@ const auto& sequence_score_op() {
 
 // Whether a call records a backward: grad mode on and some score tensor requiring grad. When it
 // does not, autograd_kernel calls the op under the autograd key directly: the
-// autograd::Function machinery (a node, its saved inputs, output wrapping) cost about 1.4 us per
-// call, a tenth of a small no-grad call such as Viterbi at (1, 20, 9).
+// autograd::Function machinery (a node, its saved inputs, output wrapping) is a measurable share
+// of a small no-grad call (benchmarks/results/NOTES.md).
 bool records_backward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                       const at::Tensor& end) {
   return at::GradMode::is_enabled() && (emissions.requires_grad() || transitions.requires_grad() ||
@@ -113,13 +113,11 @@ auto autograd_kernel(const Op& op, const at::Tensor& emissions, const at::Tensor
 // Where the device has a log_partition_with_marginals kernel (CPU and CUDA), a differentiable log Z
 // computes its gradients for an upstream gradient of 1 in the forward, while the forward rows
 // are in cache, and the backward only scales them: the backward is linear in the upstream
-// gradient. (This replaced a forward that saved its rows, 16 B L T bytes, for a backward that
-// read them back: forward + backward took 13-20% longer that way, e.g. 6.4 against 5.4-5.5 ms
-// at (256, 128, 37) and 0.22 against 0.20 ms at (32, 128, 9), 2 threads.) The cost: a
-// differentiable log Z that is never differentiated does the backward's work too; evaluate
-// under torch.no_grad(). On CUDA it also saves a second kernel launch and status read: the
-// backward used to re-run the forward-backward kernel (log_partition_backward, still the path
-// of a device without log_partition_with_marginals).
+// gradient. (A forward that saves its rows, 16 B L T bytes, for a backward that reads them back
+// measured slower: benchmarks/results/NOTES.md.) The cost: a differentiable log Z that is never
+// differentiated does the backward's work too; evaluate under torch.no_grad(). On CUDA it also
+// saves a second kernel launch and status read: log_partition_backward re-runs the
+// forward-backward kernel (it stays the path of a device without log_partition_with_marginals).
 bool computes_marginals_in_forward(const at::Tensor& emissions) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("crfkit::log_partition_with_marginals", "");
   return op.hasKernelForDispatchKey(c10::computeDispatchKey(std::nullopt, emissions.layout(), emissions.device()));

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import crfkit
-from crfkit import functional as F
+from crfkit import _arguments
 from conftest import random_crf
 
 OPS = {
@@ -277,18 +277,18 @@ def _valid_argument_forms():
 
 @pytest.mark.parametrize("name, args, fast", _valid_argument_forms(), ids=lambda v: v if isinstance(v, str) else "")
 def test_fast_argument_path_agrees_with_the_checked_one(name, args, fast):
-    # _prepare skips its conversions when the arguments need none (_already_prepared); what it
+    # prepare skips its conversions when the arguments need none (already_prepared); what it
     # returns then must be what the full checked path returns, and it must actually be taken
     # for the usual call (or the per-call saving it exists for is gone).
-    ready = F._already_prepared(*args)
+    ready = _arguments.already_prepared(*args)
     if fast is None:  # invalid: no fast answer, and the checked path raises
         assert ready is None
         with pytest.raises(TypeError, match="transitions has dtype torch.float32"):
-            F._prepare_checked(*args)
+            _arguments.prepare_checked(*args)
         return
     assert (ready is not None) == fast
-    checked = F._prepare_checked(*args)
-    for got, want in zip(F._prepare(*args), checked):
+    checked = _arguments.prepare_checked(*args)
+    for got, want in zip(_arguments.prepare(*args), checked):
         assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
         assert torch.equal(got, want)
 
@@ -296,9 +296,9 @@ def test_fast_argument_path_agrees_with_the_checked_one(name, args, fast):
 @pytest.mark.parametrize("lengths", [[5, 0, 6], [5, -1, 2]])
 def test_fast_argument_path_leaves_bad_lengths_to_the_checked_one(lengths):
     em, tr = torch.randn(3, 5, 4), torch.randn(4, 4)
-    assert F._already_prepared(em, tr, torch.tensor(lengths), None, None) is None
+    assert _arguments.already_prepared(em, tr, torch.tensor(lengths), None, None) is None
     with pytest.raises(ValueError, match=r"lengths must lie in \[0, seq_len = 5\]"):
-        F._prepare(em, tr, torch.tensor(lengths), None, None)
+        _arguments.prepare(em, tr, torch.tensor(lengths), None, None)
 
 
 @pytest.mark.parametrize("op", ["log_partition", "viterbi", "kbest_viterbi"])
@@ -338,7 +338,7 @@ def values_checked_by_the_cpu_kernels(monkeypatch):
         raise AssertionError("the front end read lengths back although the kernels check them")
 
     monkeypatch.setattr(compiled, "VALUES_CHECKED_ON_DEVICE", ("cpu",))
-    monkeypatch.setattr(F, "_length_range", no_host_read)
+    monkeypatch.setattr(_arguments, "length_range", no_host_read)
     with crfkit.use_backend("compiled"):
         yield
 
@@ -383,4 +383,4 @@ def test_only_cuda_kernels_take_over_the_value_checks():
     from crfkit.backends import compiled
 
     assert compiled.VALUES_CHECKED_ON_DEVICE == (("cuda",) if crfkit.backend_info()["cuda_kernels"] else ())
-    assert not F._values_checked_on_device(torch.zeros(1, dtype=torch.long))
+    assert not _arguments.values_checked_on_device(torch.zeros(1, dtype=torch.long))

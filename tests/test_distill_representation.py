@@ -223,8 +223,8 @@ def test_uniform_layer_map_values():
 @pytest.mark.parametrize("args,exception,pattern", [
     ((5, 12), ValueError, "not a multiple"),
     ((13, 12), ValueError, "exceeds num_teacher_layers"),
-    ((0, 12), ValueError, "num_student_layers must be at least 1"),
-    ((2, 0), ValueError, "num_teacher_layers must be at least 1"),
+    ((0, 12), ValueError, "num_student_layers must be a positive int, got 0"),
+    ((2, 0), ValueError, "num_teacher_layers must be a positive int, got 0"),
     ((2.0, 12), TypeError, "num_student_layers must be an int"),
     ((True, 12), TypeError, "num_student_layers must be an int"),
 ])
@@ -276,7 +276,7 @@ def test_representation_bad_arguments():
         module(student, teacher, mask, "mean_over_batch")
     with pytest.raises(TypeError, match="student_width must be an int"):
         HiddenStateMSE(5.0, 7)
-    with pytest.raises(ValueError, match="teacher_width must be at least 1"):
+    with pytest.raises(ValueError, match="teacher_width must be a positive int, got 0"):
         GeluProjectionLoss(5, 0)
     with pytest.raises(ValueError, match="distance must be one of"):
         GeluProjectionLoss(5, 7, distance="kl")

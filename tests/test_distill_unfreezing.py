@@ -247,7 +247,7 @@ def test_bad_layers(layers, exception, pattern):
 
 def test_bad_arguments():
     model = tiny_model()
-    with pytest.raises(ValueError, match="rounds_per_layer must be at least 1"):
+    with pytest.raises(ValueError, match="rounds_per_layer must be a positive int, got 0"):
         gradual_unfreezing(model, LAYERS, sgd_epoch, validation_score, rounds_per_layer=0)
     with pytest.raises(TypeError, match="train_fn must be callable"):
         gradual_unfreezing(model, LAYERS, None, validation_score)

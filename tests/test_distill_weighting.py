@@ -75,7 +75,7 @@ def test_uncertainty_stays_float32_with_half_losses_autocast_and_model_half():
 
 
 def test_uncertainty_bad_arguments():
-    with pytest.raises(ValueError, match="num_losses must be at least 1"):
+    with pytest.raises(ValueError, match="num_losses must be a positive int, got 0"):
         UncertaintyWeighting(0)
     with pytest.raises(TypeError, match="num_losses must be an int"):
         UncertaintyWeighting(2.0)

@@ -15,15 +15,88 @@ suite on each).
 The numba backend is imported on first need (when it is chosen, or asked about by available() /
 backend_info()): importing numba takes about 0.23 s and 55 MiB of memory, which users of the
 compiled backend would otherwise pay at every `import crfkit`.
+
+Every backend is a module that provides the contract CRFBackend below; crfkit.functional checks
+the arguments (crfkit._arguments) and calls those functions of current(). Nothing here, or in
+a backend, imports the front end (crfkit.functional, crfkit.nn, crfkit.distribution).
 """
 from __future__ import annotations
 
 import importlib
 import os
 import types
-from typing import Dict
+from typing import Dict, Protocol, Tuple, runtime_checkable
+
+from torch import Tensor
 
 from .. import reference
+
+
+@runtime_checkable
+class CRFBackend(Protocol):
+    """What every backend module provides (crfkit.reference, crfkit.backends.compiled,
+    crfkit.backends.numba_backend): the functions below, as module-level names, and
+    VALUES_CHECKED_ON_DEVICE. A backend without its own implementation of one assigns its
+    fallback in its own module, with a comment saying why (e.g. the numba backend's
+    expected_transition_counts = reference.expected_transition_counts).
+
+    The arguments arrive prepared by crfkit._arguments.prepare: emissions (B, L, T) contiguous
+    float32 / float64; transitions (T, T), start (T,), end (T,) contiguous in the emissions'
+    dtype and on their device (start / end zeros when the caller gave none); lengths (B,)
+    contiguous int64, in [0, L] unless the device type is in VALUES_CHECKED_ON_DEVICE. Note
+    the order: lengths comes before start and end, as in crfkit.functional; k and tags come
+    before lengths. Every result that holds scores is differentiable in emissions, transitions,
+    start and end.
+    """
+
+    VALUES_CHECKED_ON_DEVICE: Tuple[str, ...]
+    """The device types ("cuda", ...) on which this backend's kernels check the values of
+    lengths and tags themselves (raising, with the argument named, once they have run); the
+    front end then does not read them back to the host. () where the front end checks them."""
+
+    def log_partition(self, emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor,
+                      end: Tensor) -> Tensor:
+        """log_partition(emissions, transitions, lengths, start, end) -> log Z (B,)."""
+        ...
+
+    def marginals(self, emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor,
+                  end: Tensor) -> Tensor:
+        """marginals(emissions, transitions, lengths, start, end) -> P(y_i = t | x) (B, L, T),
+        0 at padded positions."""
+        ...
+
+    def expected_transition_counts(self, emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor,
+                                   end: Tensor) -> Tensor:
+        """expected_transition_counts(emissions, transitions, lengths, start, end) -> (B, T, T),
+        the pairwise marginals summed over positions."""
+        ...
+
+    def marginals_and_transition_counts(self, emissions: Tensor, transitions: Tensor, lengths: Tensor,
+                                        start: Tensor, end: Tensor) -> Tuple[Tensor, Tensor]:
+        """marginals_and_transition_counts(emissions, transitions, lengths, start, end) ->
+        (marginals (B, L, T), expected transition counts (B, T, T)): what the two functions
+        above return, from one forward-backward where the backend can."""
+        ...
+
+    def viterbi(self, emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor,
+                end: Tensor) -> Tuple[Tensor, Tensor]:
+        """viterbi(emissions, transitions, lengths, start, end) -> (paths (B, L) int64, -1 at
+        padded positions; scores (B,))."""
+        ...
+
+    def kbest_viterbi(self, emissions: Tensor, transitions: Tensor, k: int, lengths: Tensor, start: Tensor,
+                      end: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """kbest_viterbi(emissions, transitions, k, lengths, start, end) -> (paths (B, k, L)
+        int64, scores (B, k), log_probs (B, k)); missing rows have path -1 and -inf scores."""
+        ...
+
+    def sequence_score(self, emissions: Tensor, transitions: Tensor, tags: Tensor, lengths: Tensor,
+                       start: Tensor, end: Tensor) -> Tensor:
+        """sequence_score(emissions, transitions, tags, lengths, start, end) -> (B, N) for
+        tags (B, N, L) int64 contiguous (always 3-dimensional here; values at real positions
+        in [0, T) unless the device type is in VALUES_CHECKED_ON_DEVICE)."""
+        ...
+
 
 _available: Dict[str, types.ModuleType] = {"reference": reference}
 _unavailable: Dict[str, str] = {}

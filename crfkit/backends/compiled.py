@@ -149,7 +149,10 @@ def _marginals_backward(ctx, grad_marginals):
 torch.library.register_autograd("crfkit::marginals", _marginals_backward, setup_context=_save_crf_inputs)
 
 
-# ---- the backend interface (same order of arguments as crfkit.reference) ----------------------
+# ---- the backend interface: crfkit.backends.CRFBackend ------------------------------------------
+# (same order of arguments as crfkit.reference). Every op of the contract has its own kernels
+# here; where one has no kernel for a device or for a differentiable call, the function says
+# which fallback it takes.
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
@@ -163,7 +166,7 @@ _KERNELS = {(name, key): torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit
 
 # The device types whose kernels check the values of lengths and tags themselves (on the device,
 # raising once they have run, with the argument and index named: csrc/cuda/common.cu): CUDA,
-# where the kernels are built. The front end (crfkit.functional) leaves those checks to them
+# where the kernels are built. The front end (crfkit._arguments) leaves those checks to them
 # there, as its own would read the values back to the host, a reduction and copies that wait
 # for the device, on every call. Not the CPU: its kernels check them too, but the front end's
 # check costs about 1 us there and its message gives the whole range. (The emulator's tests put
@@ -186,7 +189,9 @@ def expected_transition_counts(emissions, transitions, lengths, start, end) -> T
     # The kernel has no derivative of its own: differentiable calls take the reference.
     if _needs_grad(emissions, transitions, start, end) or not _has_kernel("expected_transition_counts", emissions):
         if lengths.device.type in VALUES_CHECKED_ON_DEVICE:  # no kernel checks them in this call
-            from ..functional import check_length_values
+            # Imported here, not at the top: crfkit._arguments asks crfkit.backends which backend
+            # is current, and this module is imported while crfkit.backends is being set up.
+            from .._arguments import check_length_values
 
             check_length_values(lengths, emissions.shape[1])
         return reference.expected_transition_counts(emissions, transitions, lengths, start, end)

@@ -1,11 +1,12 @@
 """The numba backend: crfkit's CPU kernels written in Python and compiled by numba
 (crfkit/backends/numba_kernels.py), for when the C++ extension is not built.
 
-The same five functions as the other backends (see the end of crfkit/backends/compiled.py),
-with the same results: log Z, marginals and their gradients to rounding, Viterbi / k-best
-paths and scores bit for bit, with the same tie rule. Inputs arrive validated by
-crfkit.functional (contiguous CPU tensors, float32 or float64, start / end given, lengths
-int64). Each op is a torch.autograd.Function around a numba kernel:
+The contract of every backend (crfkit.backends.CRFBackend), with the same results as the
+others: log Z, marginals and their gradients to rounding, Viterbi / k-best paths and scores bit
+for bit, with the same tie rule. Five ops have numba kernels; the expected transition counts
+are the reference's (see the end of this module). Inputs arrive validated by
+crfkit._arguments.prepare (contiguous CPU tensors, float32 or float64, start / end given,
+lengths int64). Each op is a torch.autograd.Function around a numba kernel:
 
 - log Z: the forward kernel keeps its normalised alpha rows when a gradient will be needed, and
   the backward kernel runs the backward pass over them (marginals, pairwise marginals, first /
@@ -305,7 +306,17 @@ class _SequenceScore(_PathScores):
         return (*_scatter_path_scores(grad_scores, lengths, tags, ctx.shape, ctx.dtype), None, None)
 
 
-# ---- the backend interface (same order of arguments as crfkit.reference) ----------------------
+# ---- the backend interface: crfkit.backends.CRFBackend ------------------------------------------
+# (same order of arguments as crfkit.reference)
+
+# The kernels run on the CPU only, where the front end checks the values of lengths and tags
+# before a call (the kernels check them again, and NaN / +inf, while they scan).
+VALUES_CHECKED_ON_DEVICE = ()
+
+# No numba kernel for the per-sentence transition counts: autograd through the reference's log Z.
+expected_transition_counts = reference.expected_transition_counts
+
+
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:
     return _LogPartition.apply(emissions, transitions, start, end, lengths)
 
@@ -327,3 +338,9 @@ def kbest_viterbi(emissions, transitions, k, lengths, start, end):
 
 def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
     return _SequenceScore.apply(emissions, transitions, start, end, lengths, tags.contiguous())
+
+
+def marginals_and_transition_counts(emissions, transitions, lengths, start, end):
+    # No kernel gives both at once here: the marginals' kernel, then the reference's counts.
+    return (marginals(emissions, transitions, lengths, start, end),
+            expected_transition_counts(emissions, transitions, lengths, start, end))

@@ -35,7 +35,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .. import functional as F
+from .. import functional as crf_ops
+from .._arguments import HALF_DTYPES
+from .._validation import check_int
 
 # A decoded sentence: its tags and their score.
 ViterbiDecoding = Tuple[List[int], float]
@@ -43,7 +45,6 @@ ViterbiDecoding = Tuple[List[int], float]
 # AllenNLP marks a forbidden transition with this score rather than -inf (kept for identical
 # scores, and so that a sentence whose every path is forbidden still gets one).
 _FORBIDDEN_SCORE = -10000.0
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class _Scheme(NamedTuple):
@@ -144,9 +145,7 @@ class ConditionalRandomField(nn.Module):
     def __init__(self, num_tags: int, constraints: Optional[Sequence[Tuple[int, int]]] = None,
                  include_start_end_transitions: bool = True) -> None:
         super().__init__()
-        if isinstance(num_tags, bool) or not isinstance(num_tags, int) or num_tags <= 0:
-            raise ValueError(f"num_tags must be a positive int, got {num_tags!r}")
-        self.num_tags = num_tags
+        self.num_tags = check_int("num_tags", num_tags, minimum=1, type_error=ValueError)
         # Registered in AllenNLP's order, so that state_dict lists the keys as it does.
         self.transitions = nn.Parameter(torch.empty(num_tags, num_tags))
         self._constraint_mask = nn.Parameter(self._mask_of(num_tags, constraints), requires_grad=False)
@@ -194,11 +193,11 @@ class ConditionalRandomField(nn.Module):
             mask: optional (B, L), True (nonzero) at real tokens, left-aligned. Default: all True.
         """
         self._validate("inputs", inputs, tags, mask)
-        lengths = None if mask is None else F.lengths_from_mask(mask)
+        lengths = None if mask is None else crf_ops.lengths_from_mask(mask)
         inputs, transitions, start, end = self._in_one_dtype(inputs, self.transitions, self.start_transitions,
                                                              self.end_transitions)
-        log_likelihood = (F.sequence_score(inputs, transitions, tags, lengths, start, end)
-                          - F.log_partition(inputs, transitions, lengths, start, end))
+        log_likelihood = (crf_ops.sequence_score(inputs, transitions, tags, lengths, start, end)
+                          - crf_ops.log_partition(inputs, transitions, lengths, start, end))
         return log_likelihood.sum()
 
     def viterbi_tags(self, logits: Tensor, mask: Optional[Tensor] = None,
@@ -217,17 +216,16 @@ class ConditionalRandomField(nn.Module):
             transitions, start / end scores, and -10000 per forbidden transition, first or
             last tag.
         """
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        check_int("top_k", top_k, minimum=1, optional=True, type_error=ValueError)
         self._validate("logits", logits, None, mask)
-        lengths = None if mask is None else F.lengths_from_mask(mask)
+        lengths = None if mask is None else crf_ops.lengths_from_mask(mask)
         with torch.no_grad():  # decoding: nothing to differentiate
             logits, transitions, start, end = self._in_one_dtype(logits, *self._decoding_scores())
             if top_k is None:
-                paths, scores = F.viterbi(logits, transitions, lengths, start, end)
+                paths, scores = crf_ops.viterbi(logits, transitions, lengths, start, end)
                 paths, scores = paths.unsqueeze(1), scores.unsqueeze(1)
             else:
-                paths, scores, _ = F.kbest_viterbi(logits, transitions, top_k, lengths, start, end)
+                paths, scores, _ = crf_ops.kbest_viterbi(logits, transitions, top_k, lengths, start, end)
         sentence_lengths = [logits.shape[1]] * logits.shape[0] if lengths is None else lengths.tolist()
         decodings = [
             [(path[:length], score) for path, score in zip(sentence_paths, sentence_scores)
@@ -262,7 +260,7 @@ class ConditionalRandomField(nn.Module):
         as AllenNLP's arithmetic on them does (float64 inputs with float32 parameters give
         float64). Half-precision pairs are left to crfkit (computed in float32)."""
         dtype = torch.promote_types(emissions.dtype, transitions.dtype)
-        if dtype in _HALF:
+        if dtype in HALF_DTYPES:
             return emissions, transitions, start, end
         return tuple(None if x is None else x.to(dtype) for x in (emissions, transitions, start, end))
 

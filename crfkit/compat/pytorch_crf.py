@@ -26,10 +26,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .. import functional as F
+from .. import functional as crf_ops
+from .._arguments import HALF_DTYPES
+from .._validation import CRF_REDUCTIONS, check_int, check_reduction
 
-_REDUCTIONS = ("none", "sum", "mean", "token_mean")
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class CRF(nn.Module):
@@ -49,8 +49,7 @@ class CRF(nn.Module):
     """
 
     def __init__(self, num_tags: int, batch_first: bool = False) -> None:
-        if isinstance(num_tags, bool) or not isinstance(num_tags, int) or num_tags <= 0:
-            raise ValueError(f"num_tags must be a positive int, got {num_tags!r}")
+        check_int("num_tags", num_tags, minimum=1, type_error=ValueError)
         super().__init__()
         self.num_tags = num_tags
         self.batch_first = batch_first
@@ -87,12 +86,11 @@ class CRF(nn.Module):
             left-aligned, an unknown reduction.
         """
         self._validate(emissions, tags=tags, mask=mask)
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        check_reduction(reduction, CRF_REDUCTIONS)
         emissions, tags, lengths = self._batch_first(emissions, tags, mask)
         transitions, start, end, emissions = self._scores(emissions)
-        log_likelihood = (F.sequence_score(emissions, transitions, tags, lengths, start, end)
-                          - F.log_partition(emissions, transitions, lengths, start, end))
+        log_likelihood = (crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
+                          - crf_ops.log_partition(emissions, transitions, lengths, start, end))
         if reduction == "none":
             return log_likelihood
         if reduction == "sum":
@@ -116,7 +114,7 @@ class CRF(nn.Module):
         emissions, _, lengths = self._batch_first(emissions, None, mask)
         with torch.no_grad():  # the paths are integers: nothing to differentiate
             transitions, start, end, emissions = self._scores(emissions)
-            paths, _ = F.viterbi(emissions, transitions, lengths, start, end)
+            paths, _ = crf_ops.viterbi(emissions, transitions, lengths, start, end)
         rows = paths.tolist()
         if lengths is None:
             return rows
@@ -162,7 +160,7 @@ class CRF(nn.Module):
             tags = None if tags is None else tags.transpose(0, 1)
             mask = None if mask is None else mask.transpose(0, 1)
         # Raises ValueError naming mask unless it is left-aligned.
-        lengths = None if mask is None else F.lengths_from_mask(mask)
+        lengths = None if mask is None else crf_ops.lengths_from_mask(mask)
         return emissions, tags, lengths
 
     def _scores(self, emissions: Tensor):
@@ -175,6 +173,6 @@ class CRF(nn.Module):
         """
         dtype = torch.promote_types(emissions.dtype, self.transitions.dtype)
         parameters = (self.transitions, self.start_transitions, self.end_transitions)
-        if dtype in _HALF:
+        if dtype in HALF_DTYPES:
             return (*parameters, emissions)
         return (*(p.to(dtype) for p in parameters), emissions.to(dtype))

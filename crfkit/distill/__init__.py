@@ -1,13 +1,27 @@
 """crfkit.distill: the losses, weightings and schedules of knowledge distillation for sequence
 labelling (docs/METHODS.md states the maths of each), plus the teacher-label cache.
 
+The papers, by the short names the modules use (full references in docs/METHODS.md):
+    the multi-grained paper    Zhou et al., *Multi-Grained Knowledge Distillation for Named Entity
+                               Recognition* (NAACL 2021)
+    the adaptive-weight paper  Ye and Hernandez, *Knowledge Distillation Scheme for Named Entity
+                               Recognition Model Based on BERT* (MLBDBI 2023)
+    the multi-stage paper      Mukherjee and Awadallah, *Multi-Stage Distillation Framework for
+                               Massive Multi-lingual NER* (2020)
+    the DistillBiDAF report    *DistillBiDAF*, a Stanford CS224N project report on distilling
+                               BERT into BiDAF
+    Tang et al.                *Distilling Task-Specific Knowledge from BERT into Simple Neural
+                               Networks* (2019)
+
 Modules:
-    structured      structure-level losses on CRFs (seed 000 and its comparison points)
-    output          output-level losses on logits (seeds 001, 003, 004)
-    representation  hidden-state and attention losses, layer mapping (seeds 001, 002)
+    structured      structure-level losses on CRFs (the multi-grained paper and its comparison points)
+    output          output-level losses on logits (the adaptive-weight paper, the DistillBiDAF
+                    report, Tang et al.)
+    representation  hidden-state and attention losses, layer mapping (the adaptive-weight and
+                    multi-stage papers)
     weighting       uncertainty weighting (Kendall et al.) and fixed weights
-    schedules       seed 001's adaptive theta_t, linear teacher annealing
-    unfreezing      seed 002's stage-wise training with gradual unfreezing
+    schedules       the adaptive-weight paper's adaptive theta_t, linear teacher annealing
+    unfreezing      the multi-stage paper's stage-wise training with gradual unfreezing
     alignment       sub-word to word alignment of logits and hidden states
     augment         Tang et al.'s transfer-set augmentation for tagging
     embeddings      teacher embedding transfer and SVD reduction

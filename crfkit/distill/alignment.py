@@ -12,7 +12,8 @@ From that:
     piece_labels = align_labels_to_pieces(word_tags, word_index)      # (B, P), -100 off first pieces
 
 Reductions over the pieces of a word: "first" (BERT's convention for tagging: the first piece
-stands for the word), "mean", "max" (element-wise; seed 003 found max best for span logits).
+stands for the word), "mean", "max" (element-wise; the DistillBiDAF report, a Stanford CS224N
+project report on distilling BERT into BiDAF, found max best for span logits).
 All three are vectorised scatter / gather operations and differentiable: with "first" only the
 first piece of each word receives gradient, with "mean" each of a word's k pieces receives 1/k of
 it, with "max" the piece holding the maximum (per feature) receives it (ties share it equally,
@@ -31,6 +32,8 @@ from collections.abc import Sequence
 from typing import Optional, Union
 
 import torch
+
+from .._validation import check_choice, check_int
 
 __all__ = [
     "REDUCTIONS",
@@ -66,9 +69,9 @@ def word_index_from_word_ids(word_ids_batch, num_pieces: Optional[int] = None) -
     longest = max((len(ids) for ids in word_ids_batch), default=0)
     if num_pieces is None:
         num_pieces = longest
-    elif not isinstance(num_pieces, int) or num_pieces < 0:
-        raise ValueError(f"num_pieces must be a non-negative int, got {num_pieces!r}")
-    elif longest > num_pieces:
+    else:
+        check_int("num_pieces", num_pieces, minimum=0, type_error=ValueError)
+    if longest > num_pieces:
         raise ValueError(f"num_pieces={num_pieces} is shorter than the longest word-id list ({longest})")
     # Building the (B, P) table is the one Python loop; it runs once per batch, at tokenization.
     word_index = torch.full((len(word_ids_batch), num_pieces), -1, dtype=torch.int64)
@@ -146,8 +149,7 @@ def align_to_words(
         raise TypeError(f"piece_values must be floating point, got {piece_values.dtype}")
     if piece_values.dim() not in (2, 3):
         raise ValueError(f"piece_values must be (B, P, D) or (B, P), got shape {tuple(piece_values.shape)}")
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    check_choice("reduce", reduce, REDUCTIONS)
     squeeze = piece_values.dim() == 2
     values = piece_values.unsqueeze(-1) if squeeze else piece_values
     batch, pieces, features = values.shape

@@ -43,6 +43,8 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple, Optional
 
+from .._validation import check_choice, check_int, check_number
+
 __all__ = [
     "AugmentedSentence",
     "PosUnigrams",
@@ -86,8 +88,7 @@ class PosUnigrams:
         for pos, word_counts in counts.items():
             words, cumulative, total = [], [], 0
             for word, count in word_counts.items():
-                if not isinstance(count, int) or count <= 0:
-                    raise ValueError(f"counts[{pos!r}][{word!r}] must be a positive int, got {count!r}")
+                check_int(f"counts[{pos!r}][{word!r}]", count, minimum=1, type_error=ValueError)
                 total += count
                 words.append(word)
                 cumulative.append(total)
@@ -156,8 +157,7 @@ class PosUnigrams:
 
 
 def _check_probability(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+    check_number(name, value, minimum=0, maximum=1, type_error=ValueError)
 
 
 def perturb_words(
@@ -274,10 +274,8 @@ def augment_sentences(
     """
     _check_arguments(n_iter, p_mask, p_pos, p_ng, max_ngram, mask_token)
     sentences = list(sentences)  # read twice below (counts, then samples): a generator would run dry
-    if deduplicate not in ("corpus", "sentence"):
-        raise ValueError(f"deduplicate must be 'corpus' or 'sentence', got {deduplicate!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    check_choice("deduplicate", deduplicate, ("corpus", "sentence"))
+    check_int("seed", seed, minimum=0, type_error=ValueError)
     if unigrams is None:
         unigrams = PosUnigrams.from_sentences(sentences)
     elif not isinstance(unigrams, PosUnigrams):
@@ -306,14 +304,12 @@ def sentence_rng(seed: int, index: int) -> random.Random:
 
 
 def _check_arguments(n_iter, p_mask, p_pos, p_ng, max_ngram, mask_token) -> None:
-    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 0:
-        raise ValueError(f"n_iter must be a non-negative int, got {n_iter!r}")
+    check_int("n_iter", n_iter, minimum=0, type_error=ValueError)
     _check_probability("p_mask", p_mask)
     _check_probability("p_pos", p_pos)
     _check_probability("p_ng", p_ng)
     if p_mask + p_pos > 1.0 + 1e-12:
         raise ValueError(f"p_mask + p_pos must be at most 1, got {p_mask} + {p_pos}")
-    if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
-        raise ValueError(f"max_ngram must be a positive int, got {max_ngram!r}")
+    check_int("max_ngram", max_ngram, minimum=1, type_error=ValueError)
     if not isinstance(mask_token, str) or not mask_token:
         raise TypeError(f"mask_token must be a non-empty str, got {mask_token!r}")

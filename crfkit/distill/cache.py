@@ -96,6 +96,7 @@ from safetensors import safe_open
 from safetensors.torch import save as _safetensors_save
 from torch import Tensor
 
+from .._validation import check_int
 from ..functional import KBest, kbest_viterbi, log_partition, marginals
 
 __all__ = [
@@ -525,12 +526,9 @@ def label_corpus(
     Raises CacheMismatchError if the directory holds labels of another K / teacher / corpus /
     shard size / marginals setting.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
-        raise ValueError(f"shard_size must be a positive int or None, got {shard_size!r}")
+    check_int("k", k, minimum=1, type_error=ValueError)
+    check_int("batch_size", batch_size, minimum=1, type_error=ValueError)
+    check_int("shard_size", shard_size, minimum=1, optional=True, type_error=ValueError)
     if with_marginals and marginals_dtype not in _MARGINAL_DTYPES:
         raise ValueError(f"marginals_dtype must be torch.float16 or torch.float32, got {marginals_dtype}")
     if not hasattr(sentences, "__len__") or not hasattr(sentences, "__getitem__"):
@@ -788,8 +786,7 @@ class TeacherLabelCache:
         if not manifest["complete"] and not allow_incomplete:
             raise ValueError(f"the teacher-label cache in {self.directory} is incomplete (labelling was interrupted); "
                              "run label_corpus again to finish it, or pass allow_incomplete=True")
-        if max_open_shards < 1:
-            raise ValueError(f"max_open_shards must be at least 1, got {max_open_shards}")
+        check_int("max_open_shards", max_open_shards, minimum=1)
         self.manifest = manifest
         self.max_open_shards = max_open_shards
         if manifest["complete"]:

@@ -1,4 +1,10 @@
-"""Teacher embedding transfer (seed 000's TE) and SVD reduction of an embedding table (seed 002).
+"""Teacher embedding transfer (TE) and SVD reduction of an embedding table.
+
+TE, a student reusing the teacher's input embeddings, comes from the multi-grained distillation
+paper (Zhou et al., *Multi-Grained Knowledge Distillation for Named Entity Recognition*, NAACL
+2021); the SVD reduction from the multi-stage distillation paper (Mukherjee and Awadallah,
+*Multi-Stage Distillation Framework for Massive Multi-lingual NER*, 2020). References:
+docs/METHODS.md.
 
 A word-level student meets a word-piece teacher:
 
@@ -10,15 +16,16 @@ A word-level student meets a word-piece teacher:
     report = transfer_embeddings(embedding, teacher_table, words, tokenizer, freeze=True)
     report.coverage                                         # fraction of the student's words given a row
 
-    # seed 002: a narrower student, from the teacher table reduced to E dimensions
+    # as in the multi-stage paper: a narrower student, from the teacher table reduced to E dimensions
     small = torch.nn.Embedding(len(words), 128, padding_idx=words.pad_index)
     transfer_embeddings(small, svd_reduce(teacher_table, 128), words, tokenizer)
 
 How a student word gets its row: the word is split by the teacher's tokenizer; a word that is one
 piece takes that piece's row; a word of several pieces takes the mean of its pieces' rows
 (``multi_piece="mean"``; "first" takes the first piece's row, "skip" leaves such words alone).
-The mean is a choice of crfkit (seed 000 does not say how it handled words the teacher splits):
-it is the simplest pooling that uses every piece, and it matches ``align_to_words(reduce="mean")``.
+The mean is a choice of crfkit (the multi-grained paper does not say how it handled words the
+teacher splits): it is the simplest pooling that uses every piece, and it matches
+``align_to_words(reduce="mean")``.
 A word whose pieces include the teacher's unknown token, or a piece missing from the teacher's
 vocabulary, gets no row and is reported as missing; rows not transferred (and the padding row)
 keep the student's own initialisation. Because the reduction is linear, transferring from
@@ -35,6 +42,8 @@ import torch
 from torch import nn
 
 from crfkit.data import Vocabulary
+
+from .._validation import check_bool, check_choice, check_int
 
 __all__ = ["MULTI_PIECE", "TransferReport", "svd_reduce", "teacher_word_vectors", "transfer_embeddings"]
 
@@ -119,8 +128,7 @@ def teacher_word_vectors(
     """
     if not isinstance(teacher_weight, torch.Tensor) or teacher_weight.dim() != 2:
         raise TypeError("teacher_weight must be a (V_t, D) tensor")
-    if multi_piece not in MULTI_PIECE:
-        raise ValueError(f"multi_piece must be one of {MULTI_PIECE}, got {multi_piece!r}")
+    check_choice("multi_piece", multi_piece, MULTI_PIECE)
     piece_rows, tokenize, unk_token = _teacher_lookup(teacher_vocab, teacher_tokenize, unk_token)
     vocabulary_size = teacher_weight.shape[0]
 
@@ -177,8 +185,9 @@ def transfer_embeddings(
     student_vocab: the student's word -> row map: a crfkit Vocabulary, a mapping or a sequence.
     teacher_vocab: a Hugging Face tokenizer, or a piece -> row mapping / sequence (then
         teacher_tokenize splits words; see teacher_word_vectors).
-    freeze: True stops gradient to the whole table (seed 000's TE keeps the teacher's rows
-        fixed; rows that were not transferred stay frozen at their initial values too).
+    freeze: True stops gradient to the whole table (the multi-grained paper's TE keeps the
+        teacher's rows fixed; rows that were not transferred stay frozen at their initial values
+        too).
     multi_piece: "mean" (default), "first" or "skip" for words the teacher splits.
     unk_token: the teacher's unknown piece (taken from the tokenizer when one is given).
     special_tokens: student token -> teacher piece for rows looked up directly, e.g.
@@ -198,8 +207,7 @@ def transfer_embeddings(
             f"teacher_weight has width {teacher_weight.shape[1]} but student_embedding has {width}; "
             f"reduce it first with svd_reduce(teacher_weight, {width})"
         )
-    if not isinstance(freeze, bool):
-        raise TypeError(f"freeze must be a bool, got {type(freeze).__name__}")
+    check_bool("freeze", freeze)
     student_rows = _index_mapping(student_vocab, "student_vocab")
     for word, row in student_rows.items():
         if not isinstance(row, int) or not 0 <= row < student_size:
@@ -260,7 +268,7 @@ def transfer_embeddings(
 
 
 def svd_reduce(weight: torch.Tensor, dim: int, *, return_basis: bool = False):
-    """Reduce an embedding table to ``dim`` columns by truncated SVD (seed 002).
+    """Reduce an embedding table to ``dim`` columns by truncated SVD (as in the multi-stage paper).
 
     weight: (V, D) floating point; dim: E with 1 <= E <= min(V, D).
 
@@ -270,18 +278,16 @@ def svd_reduce(weight: torch.Tensor, dim: int, *, return_basis: bool = False):
     Frobenius error is the sum of the discarded S**2). With return_basis=True, returns
     (reduced (V, E), basis (E, D) = Vh[:E]) so new rows can be projected the same way.
 
-    No centring (the seed reduces the table itself). Signs are made deterministic: each basis row
-    has its largest-magnitude entry positive, so the result does not depend on the LAPACK build.
-    The SVD runs in float32 at least (float64 stays float64); the result has weight's dtype.
+    No centring (the multi-stage paper reduces the table itself). Signs are made deterministic:
+    each basis row has its largest-magnitude entry positive, so the result does not depend on the
+    LAPACK build. The SVD runs in float32 at least (float64 stays float64); the result has
+    weight's dtype.
     """
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"weight must be a (V, D) floating-point tensor, got {weight.dtype} {tuple(weight.shape)}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    if not 1 <= dim <= min(weight.shape):
-        raise ValueError(f"dim must be in 1..min(V, D) = 1..{min(weight.shape)}, got {dim}")
+    check_int("dim", dim, minimum=1, maximum=min(weight.shape))  # 1 .. min(V, D)
     compute_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     matrix = weight.detach().to(compute_dtype)
     left, singular, right = torch.linalg.svd(matrix, full_matrices=False)

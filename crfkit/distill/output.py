@@ -1,4 +1,11 @@
-"""Output-level distillation losses on per-position logits (seeds 001, 002, 003, 004).
+"""Output-level distillation losses on per-position logits.
+
+They come from the adaptive-weight paper (Ye and Hernandez, *Knowledge Distillation Scheme for
+Named Entity Recognition Model Based on BERT*, MLBDBI 2023), the multi-stage distillation paper
+(Mukherjee and Awadallah, *Multi-Stage Distillation Framework for Massive Multi-lingual NER*,
+2020), the DistillBiDAF report (a Stanford CS224N project report on distilling BERT into BiDAF)
+and Tang et al. (*Distilling Task-Specific Knowledge from BERT into Simple Neural Networks*,
+2019); docs/METHODS.md has the references.
 
 Shapes:
     logits  (B, L, C)  one score per class at each position of B sentences padded to L, or
@@ -24,24 +31,19 @@ torch.no_grad()) when the teacher is fixed.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .._validation import check_bool, check_int, check_number, check_reduction
+
 __all__ = ["logit_mse", "soft_cross_entropy", "hard_cross_entropy"]
 
-_REDUCTIONS = ("mean", "sum", "none")
 _LOGITS_SHAPE = "(batch, seq_len, num_classes) or (num_positions, num_classes)"
 
 
 # --- argument checks shared by the output- and representation-level losses ------------------
-
-def _check_reduction(reduction) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
-
 
 def _check_features(name: str, x, shape_text: str = _LOGITS_SHAPE) -> None:
     """x must be a floating-point tensor (B, L, D) or (N, D) with D >= 1."""
@@ -113,16 +115,6 @@ def _reduce(per_item: Tensor, include: Optional[Tensor], reduction: str) -> Tens
     return total / max(count, 1)
 
 
-def _check_positive_number(name: str, value, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"{name} must be a finite {bound} number, got {value}")
-    return value
-
-
 def _prepare_pair(student_logits, teacher_logits, mask) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     _check_features("student_logits", student_logits)
     _check_features("teacher_logits", teacher_logits)
@@ -147,11 +139,13 @@ def _zero_excluded(per_position: Tensor, include: Optional[Tensor]) -> Tensor:
 
 def logit_mse(student_logits: Tensor, teacher_logits: Tensor, mask: Optional[Tensor] = None,
               reduction: str = "mean", scale: float = 1.0) -> Tensor:
-    """Squared distance between student and teacher logits (seeds 002, 003, 004).
+    """Squared distance between student and teacher logits (the multi-stage paper, the
+    DistillBiDAF report, Tang et al.).
 
     Per position: l[b, i] = scale * sum_c (student_logits[b, i, c] - teacher_logits[b, i, c])^2,
-    the squared Euclidean norm ||z_s - z_t||^2 of seeds 003 and 004 (scale=1); seed 002's
-    L_LL = 1/2 sum ||r_s - z_t||^2 is scale=0.5 with reduction="sum".
+    the squared Euclidean norm ||z_s - z_t||^2 of the DistillBiDAF report and Tang et al.
+    (scale=1); the multi-stage paper's L_LL = 1/2 sum ||r_s - z_t||^2 is scale=0.5 with
+    reduction="sum".
 
     Args:
         student_logits: (B, L, C) or (N, C).
@@ -162,10 +156,10 @@ def logit_mse(student_logits: Tensor, teacher_logits: Tensor, mask: Optional[Ten
 
     Relation to torch: with reduction="mean" this is C times
     F.mse_loss(student_logits[mask], teacher_logits[mask]) (which averages over classes too);
-    pass scale=1/C to get that (the Keras 'mse' of seed 002's released code).
+    pass scale=1/C to get that (the Keras 'mse' of the multi-stage paper's released code).
     """
-    _check_reduction(reduction)
-    scale = _check_positive_number("scale", scale, allow_zero=True)
+    check_reduction(reduction)
+    scale = check_number("scale", scale, minimum=0)
     student, teacher, mask = _prepare_pair(student_logits, teacher_logits, mask)
     per_position = (student - teacher).square().sum(-1) * scale
     return _reduce(per_position, mask, reduction)
@@ -174,15 +168,18 @@ def logit_mse(student_logits: Tensor, teacher_logits: Tensor, mask: Optional[Ten
 def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0,
                        mask: Optional[Tensor] = None, reduction: str = "mean",
                        scale_by_temperature_squared: bool = True) -> Tensor:
-    """Cross entropy from the teacher's softened distribution to the student's (seed 001's
-    L_soft, Hinton et al.'s distillation loss; seed 000's TOKEN-EM baseline at temperature 1).
+    """Cross entropy from the teacher's softened distribution to the student's (the
+    adaptive-weight paper's L_soft, Hinton et al.'s distillation loss; at temperature 1, the
+    TOKEN-EM baseline of the multi-grained distillation paper, Zhou et al., *Multi-Grained
+    Knowledge Distillation for Named Entity Recognition*).
 
     Per position, with p_t = softmax(teacher_logits / tau) and log p_s = log_softmax(student_logits / tau):
         l[b, i] = - tau^2 * sum_c p_t[c] * log p_s[c]
     The tau^2 factor (scale_by_temperature_squared=True, the default) keeps the gradient's size
     independent of tau: d l / d z_s = tau * (p_s - p_t) instead of (p_s - p_t) / tau, so that
     the weight between this loss and a hard loss need not change with the temperature
-    (Hinton et al. 2015). Seed 001's formula (3) has no such factor: pass False to match it.
+    (Hinton et al. 2015). The adaptive-weight paper's formula (3) has no such factor: pass False
+    to match it.
 
     This is a cross entropy, not a KL divergence: it includes the teacher's entropy, which
     does not depend on the student, so the gradient in the student is the same as the KL's.
@@ -197,11 +194,9 @@ def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor, temperatu
         reduction: 'mean' (over real positions), 'sum', or 'none' -> (B, L) / (N,).
         scale_by_temperature_squared: multiply by tau^2 (see above).
     """
-    _check_reduction(reduction)
-    temperature = _check_positive_number("temperature", temperature)
-    if not isinstance(scale_by_temperature_squared, bool):
-        raise TypeError(f"scale_by_temperature_squared must be a bool, "
-                        f"got {type(scale_by_temperature_squared).__name__}")
+    check_reduction(reduction)
+    temperature = check_number("temperature", temperature, minimum=0, open_minimum=True)
+    check_bool("scale_by_temperature_squared", scale_by_temperature_squared)
     student, teacher, mask = _prepare_pair(student_logits, teacher_logits, mask)
     teacher_probs = torch.softmax(teacher / temperature, dim=-1)
     student_log_probs = torch.log_softmax(student / temperature, dim=-1)
@@ -217,8 +212,8 @@ def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor, temperatu
 
 def hard_cross_entropy(student_logits: Tensor, labels: Tensor, mask: Optional[Tensor] = None,
                        ignore_index: int = -100, reduction: str = "mean") -> Tensor:
-    """Token-level cross entropy with gold (or teacher top-1) labels: seed 001's L_hard, seed
-    002's L_CE, seed 004's CE(y, softmax(z_s)).
+    """Token-level cross entropy with gold (or teacher top-1) labels: the adaptive-weight
+    paper's L_hard, the multi-stage paper's L_CE, Tang et al.'s CE(y, softmax(z_s)).
 
     Per position: l[b, i] = -log_softmax(student_logits[b, i])[labels[b, i]].
     A position counts when mask is True there AND labels != ignore_index; the labels of other
@@ -232,14 +227,13 @@ def hard_cross_entropy(student_logits: Tensor, labels: Tensor, mask: Optional[Te
         ignore_index: label value that excludes a position (like torch's cross_entropy).
         reduction: 'mean' (over counted positions), 'sum', or 'none' -> (B, L) / (N,).
     """
-    _check_reduction(reduction)
+    check_reduction(reduction)
     _check_features("student_logits", student_logits)
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be an integer torch.Tensor, got {type(labels).__name__}")
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_int("ignore_index", ignore_index)
     positions_shape = student_logits.shape[:-1]
     if labels.shape != positions_shape:
         raise ValueError(f"labels must have shape {tuple(positions_shape)} (student_logits without its "

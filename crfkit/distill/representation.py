@@ -1,4 +1,9 @@
-"""Representation-level distillation: hidden states, attention scores, layer mapping (seeds 001, 002).
+"""Representation-level distillation: hidden states, attention scores, layer mapping.
+
+They come from the adaptive-weight paper (Ye and Hernandez, *Knowledge Distillation Scheme for
+Named Entity Recognition Model Based on BERT*, MLBDBI 2023) and the multi-stage distillation paper
+(Mukherjee and Awadallah, *Multi-Stage Distillation Framework for Massive Multi-lingual NER*,
+2020); docs/METHODS.md has the references.
 
 Shapes:
     hidden   (B, L, D) hidden states of B sentences padded to L (or (N, D) flattened positions)
@@ -12,8 +17,9 @@ positions are replaced by zeros before any arithmetic, so NaN / inf garbage ther
 into the loss or its gradient (the projections' weight gradients included).
 
 Hidden-state losses average the squared error over the feature dimension (torch's / TinyBERT's
-MSE, seed 001's formula (11)), unlike logit_mse which sums over classes (seeds 002-004's
-squared norm): hidden widths are in the hundreds and a sum would dwarf every other loss.
+MSE, the adaptive-weight paper's formula (11)), unlike logit_mse which sums over classes (the
+squared norm of the papers behind crfkit.distill.output, the multi-stage paper among them):
+hidden widths are in the hundreds and a sum would dwarf every other loss.
 """
 from __future__ import annotations
 
@@ -23,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._validation import check_choice, check_int, check_reduction
 from .output import (
     _check_features,
     _check_mask,
-    _check_reduction,
     _check_same_positions,
     _compute_dtype,
     _reduce,
@@ -43,14 +49,6 @@ __all__ = [
 ]
 
 _HIDDEN_SHAPE = "(batch, seq_len, width) or (num_positions, width)"
-
-
-def _check_width(name: str, width) -> int:
-    if isinstance(width, bool) or not isinstance(width, int):
-        raise TypeError(f"{name} must be an int, got {type(width).__name__}")
-    if width < 1:
-        raise ValueError(f"{name} must be at least 1, got {width}")
-    return width
 
 
 def _prepare_hidden(student_hidden, teacher_hidden, mask, student_width: int, teacher_width: int):
@@ -87,7 +85,7 @@ class _ProjectedHiddenLoss(nn.Module):
 
     def forward(self, student_hidden: Tensor, teacher_hidden: Tensor, mask: Optional[Tensor] = None,
                 reduction: str = "mean") -> Tensor:
-        _check_reduction(reduction)
+        check_reduction(reduction)
         student, teacher, mask = _prepare_hidden(student_hidden, teacher_hidden, mask,
                                                  self.student_width, self.teacher_width)
         projected = self.project(student)
@@ -97,12 +95,14 @@ class _ProjectedHiddenLoss(nn.Module):
 
 
 class HiddenStateMSE(_ProjectedHiddenLoss):
-    """Seed 001's L_hidn = MSE(H_s W_h, H_t), with a learned projection W_h when widths differ.
+    """The adaptive-weight paper's L_hidn = MSE(H_s W_h, H_t), with a learned projection W_h
+    when widths differ.
 
     Args:
         student_width: d_s, the width of the student's hidden states.
         teacher_width: d_t, the width of the teacher's.
-        bias: give the projection a bias (seed 001's formula has none; TinyBERT's code has one).
+        bias: give the projection a bias (the adaptive-weight paper's formula has none;
+            TinyBERT's code has one).
 
     When d_s == d_t there is no projection (the identity, no parameters). W_h is learned with
     the student: put this module's parameters in the student's optimizer.
@@ -114,8 +114,8 @@ class HiddenStateMSE(_ProjectedHiddenLoss):
 
     def __init__(self, student_width: int, teacher_width: int, bias: bool = False):
         super().__init__()
-        self.student_width = _check_width("student_width", student_width)
-        self.teacher_width = _check_width("teacher_width", teacher_width)
+        self.student_width = check_int("student_width", student_width, minimum=1)
+        self.teacher_width = check_int("teacher_width", teacher_width, minimum=1)
         if student_width == teacher_width:
             self.projection: nn.Module = nn.Identity()
         else:
@@ -138,16 +138,16 @@ _KERAS_EPSILON = 1e-7
 
 
 class GeluProjectionLoss(_ProjectedHiddenLoss):
-    """Seed 002's representation loss L_RL: a distance between the student's hidden states
-    projected to the teacher's width, z~_s = GELU(W_f h_s + b_f), and the teacher's layer-l
-    hidden states z_l^t (l around 6-7 of 12 in seed 002).
+    """The multi-stage paper's representation loss L_RL: a distance between the student's
+    hidden states projected to the teacher's width, z~_s = GELU(W_f h_s + b_f), and the
+    teacher's layer-l hidden states z_l^t (l around 6-7 of 12 in the multi-stage paper).
 
     Args:
         student_width: width of h_s (2H for a BiLSTM of H units per direction).
         teacher_width: width of z_l^t.
         distance: the per-position distance between z~_s and z_l^t:
             'mse'        mean over features of the squared difference (default; the 'mse'
-                         option of seed 002's released code)
+                         option of the multi-stage paper's released code)
             'cosine'     1 - cosine similarity
             'keras_kld'  sum over features of t * log(t / s) with t, s clipped to [1e-7, 1]:
                          what the paper's "KL divergence" is in its released (Keras) code.
@@ -166,12 +166,10 @@ class GeluProjectionLoss(_ProjectedHiddenLoss):
     def __init__(self, student_width: int, teacher_width: int, distance: str = "mse",
                  approximate: str = "none"):
         super().__init__()
-        self.student_width = _check_width("student_width", student_width)
-        self.teacher_width = _check_width("teacher_width", teacher_width)
-        if distance not in _DISTANCES:
-            raise ValueError(f"distance must be one of {', '.join(map(repr, _DISTANCES))}, got {distance!r}")
-        if approximate not in ("none", "tanh"):
-            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.student_width = check_int("student_width", student_width, minimum=1)
+        self.teacher_width = check_int("teacher_width", teacher_width, minimum=1)
+        check_choice("distance", distance, _DISTANCES)
+        check_choice("approximate", approximate, ("none", "tanh"))
         self.distance = distance
         self.approximate = approximate
         self.projection = nn.Linear(student_width, teacher_width)
@@ -196,8 +194,8 @@ class GeluProjectionLoss(_ProjectedHiddenLoss):
 
 def attention_mse(student_scores: Tensor, teacher_scores: Tensor, mask: Optional[Tensor] = None,
                   reduction: str = "mean") -> Tensor:
-    """Seed 001's L_attn = 1/h sum_heads MSE(A_s, A_t) on UNNORMALISED attention scores
-    (q k^T / sqrt(d) before the softmax, as in TinyBERT).
+    """The adaptive-weight paper's L_attn = 1/h sum_heads MSE(A_s, A_t) on UNNORMALISED
+    attention scores (q k^T / sqrt(d) before the softmax, as in TinyBERT).
 
     Args:
         student_scores: (B, H, L, L), [b, head, query, key].
@@ -219,7 +217,7 @@ def attention_mse(student_scores: Tensor, teacher_scores: Tensor, mask: Optional
     output_attentions are softmax PROBABILITIES, not these scores; comparing those is a
     different loss.
     """
-    _check_reduction(reduction)
+    check_reduction(reduction)
     shape_text = "(batch, heads, seq_len, seq_len)"
     for name, scores in (("student_scores", student_scores), ("teacher_scores", teacher_scores)):
         if not isinstance(scores, Tensor):
@@ -265,7 +263,7 @@ def attention_mse(student_scores: Tensor, teacher_scores: Tensor, mask: Optional
 
 def uniform_layer_map(num_student_layers: int, num_teacher_layers: int, include_embeddings: bool = False,
                       allow_uneven: bool = False) -> List[int]:
-    """Seed 001's uniform layer mapping: student layer m -> teacher layer m * N / M.
+    """The adaptive-weight paper's uniform layer mapping: student layer m -> teacher layer m * N / M.
 
     Layers are numbered from 1 (the first Transformer layer) to M (student) or N (teacher);
     0 is the embedding output. These are exactly the indices of a Hugging Face model's
@@ -282,11 +280,8 @@ def uniform_layer_map(num_student_layers: int, num_teacher_layers: int, include_
     layer is floor(m * N / M): strictly increasing, and the last student layer still maps to
     the last teacher layer.
     """
-    for name, value in (("num_student_layers", num_student_layers), ("num_teacher_layers", num_teacher_layers)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+    check_int("num_student_layers", num_student_layers, minimum=1)
+    check_int("num_teacher_layers", num_teacher_layers, minimum=1)
     M, N = num_student_layers, num_teacher_layers
     if M > N:
         raise ValueError(f"num_student_layers = {M} exceeds num_teacher_layers = {N}: the uniform "
@@ -306,7 +301,7 @@ def layer_transfer_loss(student_hidden_states: Sequence[Tensor], teacher_hidden_
                         student_attention_scores: Optional[Sequence[Tensor]] = None,
                         teacher_attention_scores: Optional[Sequence[Tensor]] = None,
                         mask: Optional[Tensor] = None) -> Tensor:
-    """Seed 001's sum over mapped layers of L_trans = L_attn + L_hidn.
+    """The adaptive-weight paper's sum over mapped layers of L_trans = L_attn + L_hidn.
 
     Args:
         student_hidden_states: M + 1 tensors (B, L, d_s), Hugging Face order: [0] embeddings,

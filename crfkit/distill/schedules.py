@@ -1,5 +1,7 @@
-"""Weight schedules over training steps: seed 001's adaptive theta_t, linear teacher annealing,
-and seed 001's combined loss.
+"""Weight schedules over training steps: the adaptive theta_t of the adaptive-weight paper (Ye and
+Hernandez, *Knowledge Distillation Scheme for Named Entity Recognition Model Based on BERT*,
+MLBDBI 2023; docs/METHODS.md has the references), linear teacher annealing, and the
+adaptive-weight paper's combined loss.
 
 Functions take (step, total_steps, ...) and return a float; the classes hold the settings and
 are called with the step alone, so a trainer (or ScheduledWeights) needs no other argument:
@@ -15,30 +17,19 @@ from typing import Optional, Sequence, Union
 
 from torch import Tensor
 
+from .._validation import check_number
+
 __all__ = ["adaptive_theta", "linear_annealing", "adaptive_kd_loss", "AdaptiveTheta", "LinearAnnealing"]
 
 
-def _check_real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
 def _check_step(step, total_steps) -> tuple:
-    step = _check_real("step", step)
-    if step < 0:
-        raise ValueError(f"step must be non-negative, got {step}")
-    total_steps = _check_real("total_steps", total_steps)
-    if total_steps <= 0:
-        raise ValueError(f"total_steps must be positive, got {total_steps}")
+    step = check_number("step", step, minimum=0)
+    total_steps = check_number("total_steps", total_steps, minimum=0, open_minimum=True)
     return step, total_steps
 
 
 def adaptive_theta(step: float, total_steps: float, bias: float = 0.0) -> float:
-    """Seed 001's adaptive distillation weight, formula (14):
+    """The adaptive-weight paper's adaptive distillation weight, formula (14):
 
         theta_t = max(1 - exp(t / steps + b) / e, 0) = max(1 - exp(t / steps + b - 1), 0)
 
@@ -54,7 +45,7 @@ def adaptive_theta(step: float, total_steps: float, bias: float = 0.0) -> float:
         bias: b, any finite number.
     """
     step, total_steps = _check_step(step, total_steps)
-    bias = _check_real("bias", bias)
+    bias = check_number("bias", bias)
     exponent = step / total_steps + bias - 1
     # exp overflows only where theta is 0 anyway.
     if exponent >= 0:
@@ -65,9 +56,11 @@ def adaptive_theta(step: float, total_steps: float, bias: float = 0.0) -> float:
 def linear_annealing(step: float, total_steps: float, start: float = 1.0, end: float = 0.0) -> float:
     """A weight moved linearly from start (step 0) to end (step total_steps), then held at end.
 
-    Teacher annealing (Clark et al. 2019, not one of seeds 000-004): a linear alternative to
-    seed 001's theta_t for the weight between a distillation loss and a hard loss, e.g. the
-    a of seed 003's a L_distill + (1 - a) L_nll, annealed from 1 (all teacher) to 0.
+    Teacher annealing (Clark et al. 2019, not one of the distillation papers crfkit implements):
+    a linear alternative to the adaptive-weight paper's theta_t for the weight between a
+    distillation loss and a hard loss, e.g. the a of a L_distill + (1 - a) L_nll in the
+    DistillBiDAF report (a Stanford CS224N project report on distilling BERT into BiDAF),
+    annealed from 1 (all teacher) to 0.
 
         w(t) = start + (end - start) * min(t / steps, 1)
 
@@ -77,15 +70,15 @@ def linear_annealing(step: float, total_steps: float, start: float = 1.0, end: f
         start, end: finite numbers (end < start anneals down, end > start up).
     """
     step, total_steps = _check_step(step, total_steps)
-    start = _check_real("start", start)
-    end = _check_real("end", end)
+    start = check_number("start", start)
+    end = check_number("end", end)
     fraction = min(step / total_steps, 1.0)
     return start + (end - start) * fraction
 
 
 def adaptive_kd_loss(soft: Tensor, hard: Tensor, transfer: Union[Tensor, Sequence[Tensor], None],
                      theta: Union[float, Tensor]) -> Tensor:
-    """Seed 001's combined loss, formula (15):
+    """The adaptive-weight paper's combined loss, formula (15):
 
         L = theta * L_soft + (1 - theta) * L_hard + theta * sum_layers L_trans
 
@@ -103,11 +96,9 @@ def adaptive_kd_loss(soft: Tensor, hard: Tensor, transfer: Union[Tensor, Sequenc
     if isinstance(theta, Tensor):
         if theta.numel() != 1:
             raise ValueError(f"theta must be a scalar, got shape {tuple(theta.shape)}")
-        theta_value = float(theta)
+        check_number("theta", float(theta), minimum=0, maximum=1)
     else:
-        theta_value = _check_real("theta", theta)
-    if not 0.0 <= theta_value <= 1.0:
-        raise ValueError(f"theta must lie in [0, 1], got {theta_value}")
+        check_number("theta", theta, minimum=0, maximum=1)
     total = theta * soft + (1 - theta) * hard
     layer_total: Optional[Tensor] = None
     if isinstance(transfer, Tensor):
@@ -123,7 +114,8 @@ def adaptive_kd_loss(soft: Tensor, hard: Tensor, transfer: Union[Tensor, Sequenc
 
 
 class AdaptiveTheta:
-    """adaptive_theta with its settings held: AdaptiveTheta(total_steps, bias)(step) -> theta_t (seed 001)."""
+    """adaptive_theta with its settings held: AdaptiveTheta(total_steps, bias)(step) -> theta_t
+    (the adaptive-weight paper)."""
 
     def __init__(self, total_steps: float, bias: float = 0.0):
         adaptive_theta(0, total_steps, bias)  # validates the settings now, not at the first step

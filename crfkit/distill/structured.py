@@ -1,5 +1,6 @@
-"""Structure-level distillation losses on linear-chain CRFs: seed 000 (multi-grained k-best
-distillation) and the points it is compared with. docs/METHODS.md states the maths.
+"""Structure-level distillation losses on linear-chain CRFs: those of the multi-grained paper
+(Zhou et al., *Multi-Grained Knowledge Distillation for Named Entity Recognition*, NAACL 2021:
+k-best distillation) and the points it is compared with. docs/METHODS.md states the maths.
 
 Notation, per sentence x: the teacher's k-best Viterbi gives sequences y_1..y_K with teacher
 log-probabilities log p_j^t; the student gives log p_j^s = s_student(x, y_j) - log Z_student(x)
@@ -19,7 +20,7 @@ Shapes: student_emissions (B, L, T), student_transitions (T, T), lengths (B,), s
 the teacher's k-best `kb` is a crfkit.KBest (or any (paths, scores, log_probs) triple) with
 paths (B, K, L) and log_probs (B, K), as crfkit.kbest_viterbi returns it.
 
-Reductions: 'mean' over the B sentences (the seeds' 1/N sum; 0 for B = 0), 'sum', or 'none'
+Reductions: 'mean' over the B sentences (the papers' 1/N sum; 0 for B = 0), 'sum', or 'none'
 (per sentence, (B,)). Length-0 sentences contribute 0 to every loss (their one empty sequence has
 probability 1 under both models); so do sentences for which the teacher allows no sequence.
 
@@ -45,11 +46,12 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from .. import functional as F
+from .. import functional as crf_ops
+from .._arguments import check_tensor, prepare, prepare_lengths
+from .._validation import check_number, check_reduction
 from ..reference import safe_logsumexp  # -inf with gradient 0 (not NaN) when every term is -inf
 from ..distribution import LinearChainCRF
 
-_REDUCTIONS = ("mean", "sum", "none")
 NEG_INF = float("-inf")
 
 
@@ -61,11 +63,6 @@ def reduce_per_sentence(per_sentence: Tensor, reduction: str) -> Tensor:
     if reduction == "sum" or per_sentence.numel() == 0:
         return per_sentence.sum()
     return per_sentence.mean()
-
-
-def _check_reduction(reduction) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
 def log1mexp(x: Tensor) -> Tensor:
@@ -108,16 +105,10 @@ def _candidate_log_probs(student_emissions, student_transitions, kb, lengths, st
     has_teacher (B,) bool, (K, the teacher log-probs' dtype)). Rows that hold no sequence (missing) have log_p -inf
     in both.
     """
-    if not isinstance(student_emissions, Tensor):
-        raise TypeError(f"student_emissions must be a torch.Tensor (batch, seq_len, num_tags), got "
-                        f"{type(student_emissions).__name__}")
-    if student_emissions.dim() != 3:
-        raise ValueError(f"student_emissions must have 3 dimensions (batch, seq_len, num_tags), got "
-                         f"shape {tuple(student_emissions.shape)}")
+    check_tensor("student_emissions", student_emissions, 3, "(batch, seq_len, num_tags)")
     B, L, T = student_emissions.shape
     paths, log_p_teacher = _unpack_kbest(kb, B, L, student_emissions.device)
-    emissions, transitions, lengths, start, end = F._prepare(student_emissions, student_transitions, lengths,
-                                                             start, end)
+    emissions, transitions, lengths, start, end = prepare(student_emissions, student_transitions, lengths, start, end)
 
     present = log_p_teacher > NEG_INF  # (B, K): the row holds a sequence
     real = torch.arange(L, device=paths.device) < lengths.view(B, 1, 1)  # (B, 1, L)
@@ -140,12 +131,12 @@ def _candidate_log_probs(student_emissions, student_transitions, kb, lengths, st
     student_log_z = backend.log_partition(emissions, transitions, lengths, start, end)  # (B,): ONE per sentence
     log_p_student = torch.where(present, student_scores - student_log_z.unsqueeze(1),
                                 torch.full_like(student_scores, NEG_INF))
-    teacher = (paths.shape[1], log_p_teacher.dtype)  # K and the precision of the teacher's log-probs
+    k_and_teacher_dtype = (paths.shape[1], log_p_teacher.dtype)  # K and the precision of the teacher's log-probs
     log_p_teacher = log_p_teacher.to(log_p_student.dtype)
     has_teacher = present[:, 0]
     # Fewer than K sequences exist (given the teacher's constraints): the set holds all of them.
     exhausted = ~present.all(1)
-    return log_p_teacher, log_p_student, present, exhausted, has_teacher, teacher
+    return log_p_teacher, log_p_student, present, exhausted, has_teacher, k_and_teacher_dtype
 
 
 def _residual_term(log_psum_teacher: Tensor, log_psum_student: Tensor, exhausted: Tensor, k: int,
@@ -172,11 +163,11 @@ def _cross_entropy_terms(p_teacher: Tensor, log_p_student: Tensor, present: Tens
     return -(torch.where(present, p_teacher, torch.zeros_like(p_teacher)) * safe).sum(1)
 
 
-# ---- seed 000 --------------------------------------------------------------------------------
+# ---- the multi-grained paper ---------------------------------------------------------------
 def kbest_cross_entropy(student_emissions: Tensor, student_transitions: Tensor, kb,
                         lengths: Optional[Tensor] = None, start: Optional[Tensor] = None,
                         end: Optional[Tensor] = None, reduction: str = "mean") -> Tensor:
-    """Seed 000's fine-grained k-best cross entropy with the residual mass:
+    """The multi-grained paper's fine-grained k-best cross entropy with the residual mass:
 
         L_seq_ce = - sum_j p_j^t log p_j^s - (1 - p_sum^t) log(1 - p_sum^s)
 
@@ -189,39 +180,40 @@ def kbest_cross_entropy(student_emissions: Tensor, student_transitions: Tensor, 
     Returns a scalar, or (B,) with reduction='none'. Differentiable in the student's scores.
     Equals the exact cross entropy crf_cross_entropy when K covers every sequence.
     """
-    _check_reduction(reduction)
-    log_p_t, log_p_s, present, exhausted, has_teacher, teacher = _candidate_log_probs(
+    check_reduction(reduction)
+    log_p_t, log_p_s, present, exhausted, has_teacher, k_and_teacher_dtype = _candidate_log_probs(
         student_emissions, student_transitions, kb, lengths, start, end)
     loss = _cross_entropy_terms(log_p_t.exp(), log_p_s, present)
-    loss = loss + _residual_term(safe_logsumexp(log_p_t, 1), safe_logsumexp(log_p_s, 1), exhausted, *teacher)
+    loss = loss + _residual_term(safe_logsumexp(log_p_t, 1), safe_logsumexp(log_p_s, 1), exhausted,
+                                 *k_and_teacher_dtype)
     return reduce_per_sentence(torch.where(has_teacher, loss, torch.zeros_like(loss)), reduction)
 
 
 def fuzzy_loss(student_emissions: Tensor, student_transitions: Tensor, kb,
                lengths: Optional[Tensor] = None, start: Optional[Tensor] = None,
                end: Optional[Tensor] = None, reduction: str = "mean") -> Tensor:
-    """Seed 000's coarse-grained fuzzy loss: binary cross entropy on the candidate set's mass
+    """The multi-grained paper's coarse-grained fuzzy loss: binary cross entropy on the candidate set's mass
     (the fuzzy CRF of Shang et al. 2018 applied to the teacher's k-best):
 
         L_seq_fuzzy = - p_sum^t log p_sum^s - (1 - p_sum^t) log(1 - p_sum^s)
 
     Arguments and result as kbest_cross_entropy.
     """
-    _check_reduction(reduction)
-    log_p_t, log_p_s, present, exhausted, has_teacher, teacher = _candidate_log_probs(
+    check_reduction(reduction)
+    log_p_t, log_p_s, present, exhausted, has_teacher, k_and_teacher_dtype = _candidate_log_probs(
         student_emissions, student_transitions, kb, lengths, start, end)
     log_psum_t, log_psum_s = safe_logsumexp(log_p_t, 1), safe_logsumexp(log_p_s, 1)
     set_term = -log_psum_t.exp() * torch.where(has_teacher, log_psum_s, torch.zeros_like(log_psum_s))
-    loss = set_term + _residual_term(log_psum_t, log_psum_s, exhausted, *teacher)
+    loss = set_term + _residual_term(log_psum_t, log_psum_s, exhausted, *k_and_teacher_dtype)
     return reduce_per_sentence(torch.where(has_teacher, loss, torch.zeros_like(loss)), reduction)
 
 
 def crf_nll(student_emissions: Tensor, student_transitions: Tensor, tags: Tensor,
             lengths: Optional[Tensor] = None, start: Optional[Tensor] = None,
             end: Optional[Tensor] = None, reduction: str = "mean") -> Tensor:
-    """Seed 000's hard loss L_hard = -log P_s(y_hard | x): tags (B, L) are the gold labels, or
+    """The multi-grained paper's hard loss L_hard = -log P_s(y_hard | x): tags (B, L) are the gold labels, or
     the teacher's top-1 on unlabelled text (kb.paths[:, 0]). Padded tags are ignored."""
-    _check_reduction(reduction)
+    check_reduction(reduction)
     student = LinearChainCRF(student_emissions, student_transitions, lengths, start, end)
     return reduce_per_sentence(-student.log_prob(tags), reduction)
 
@@ -231,7 +223,7 @@ def token_kd(student_emissions: Tensor, teacher_emissions: Tensor, lengths: Opti
              teacher_transitions: Optional[Tensor] = None, student_start=None, student_end=None,
              teacher_start=None, teacher_end=None, temperature: float = 1.0,
              reduction: str = "mean") -> Tensor:
-    """Seed 000's token-level distillation: L_token = - sum_i sum_k P_t(y_i = k) log P_s(y_i = k),
+    """The multi-grained paper's token-level distillation: L_token = - sum_i sum_k P_t(y_i = k) log P_s(y_i = k),
     summed over the real positions of each sentence, times temperature^2 (Hinton et al.: keeps
     the gradient's scale independent of the temperature).
 
@@ -243,18 +235,17 @@ def token_kd(student_emissions: Tensor, teacher_emissions: Tensor, lengths: Opti
     with reduction='none'. It is the cross entropy; subtract the teacher's token entropy for the
     KL divergence (same gradient).
     """
-    _check_reduction(reduction)
+    check_reduction(reduction)
     if source not in ("emissions", "marginals"):
         raise ValueError(f"source must be 'emissions' (TOKEN-EM) or 'marginals' (TOKEN-POS), got {source!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    check_number("temperature", temperature, minimum=0, open_minimum=True, type_error=ValueError)
     for name, x in (("student_emissions", student_emissions), ("teacher_emissions", teacher_emissions)):
-        F._check_tensor(name, x, 3, "(batch, seq_len, num_tags)")
+        check_tensor(name, x, 3, "(batch, seq_len, num_tags)")
     if student_emissions.shape != teacher_emissions.shape:
         raise ValueError(f"student_emissions {tuple(student_emissions.shape)} and teacher_emissions "
                          f"{tuple(teacher_emissions.shape)} must have the same shape")
     B, L, T = student_emissions.shape
-    lengths = F._prepare_lengths(lengths, B, L, student_emissions.device)
+    lengths = prepare_lengths(lengths, B, L, student_emissions.device)
     real = (torch.arange(L, device=lengths.device) < lengths.unsqueeze(1)).unsqueeze(2)  # (B, L, 1)
     tau = float(temperature)
 
@@ -269,10 +260,10 @@ def token_kd(student_emissions: Tensor, teacher_emissions: Tensor, lengths: Opti
     else:
         if student_transitions is None or teacher_transitions is None:
             raise ValueError("source='marginals' (TOKEN-POS) needs student_transitions and teacher_transitions")
-        p_teacher = F.marginals(teacher_emissions / tau, scaled(teacher_transitions), lengths,
-                                scaled(teacher_start), scaled(teacher_end))
-        mu_student = F.marginals(student_emissions / tau, scaled(student_transitions), lengths,
-                                 scaled(student_start), scaled(student_end))
+        p_teacher = crf_ops.marginals(teacher_emissions / tau, scaled(teacher_transitions), lengths,
+                                      scaled(teacher_start), scaled(teacher_end))
+        mu_student = crf_ops.marginals(student_emissions / tau, scaled(student_transitions), lengths,
+                                       scaled(student_start), scaled(student_end))
         # -inf where the student forbids a tag; log is never evaluated at 0, whose gradient
         # (0 / 0) would be NaN even where the term is selected away.
         allowed = mu_student > 0
@@ -297,7 +288,7 @@ def topk_loss(student_emissions: Tensor, student_transitions: Tensor, kb,
     with K' the number of sequences the teacher's k-best holds (K, or fewer when fewer exist).
     Arguments and result as kbest_cross_entropy.
     """
-    _check_reduction(reduction)
+    check_reduction(reduction)
     if weighting not in ("uniform", "teacher"):
         raise ValueError(f"weighting must be 'uniform' (Top-K) or 'teacher' (Top-WK), got {weighting!r}")
     log_p_t, log_p_s, present, _, has_teacher, _ = _candidate_log_probs(
@@ -320,7 +311,7 @@ def crf_cross_entropy(teacher: LinearChainCRF, student: LinearChainCRF, reductio
     """The exact CRF-to-CRF cross entropy H(P_t, P_s) = -E_{y ~ P_t}[log P_s(y)] over all T^n
     sequences, from the teacher's marginals and expected transition counts in O(n T^2)
     (no enumeration): the value kbest_cross_entropy approaches as K grows."""
-    _check_reduction(reduction)
+    check_reduction(reduction)
     _check_pair(teacher, student)
     return reduce_per_sentence(teacher.cross_entropy(student), reduction)
 
@@ -328,7 +319,7 @@ def crf_cross_entropy(teacher: LinearChainCRF, student: LinearChainCRF, reductio
 def crf_kl_divergence(teacher: LinearChainCRF, student: LinearChainCRF, reduction: str = "mean") -> Tensor:
     """The exact KL(P_t || P_s) = H(P_t, P_s) - H(P_t): crf_cross_entropy minus the teacher's
     entropy (same gradient in the student)."""
-    _check_reduction(reduction)
+    check_reduction(reduction)
     _check_pair(teacher, student)
     return reduce_per_sentence(teacher.kl_divergence(student), reduction)
 

@@ -1,8 +1,10 @@
-"""Seed 002's stage-wise training with gradual unfreezing, over any nn.Module.
+"""Stage-wise training with gradual unfreezing, over any nn.Module, after the multi-stage
+distillation paper (Mukherjee and Awadallah, *Multi-Stage Distillation Framework for Massive
+Multi-lingual NER*, 2020; docs/METHODS.md has the references).
 
-Within a stage (Algorithm 1 of seed 002): every parameter of the model is frozen; then the
-listed layers are unfrozen one at a time from the TOP (the output side) down, and each time
-the model is trained with everything unfrozen so far, a layer staying trainable once
+Within a stage (Algorithm 1 of the multi-stage paper): every parameter of the model is frozen;
+then the listed layers are unfrozen one at a time from the TOP (the output side) down, and each
+time the model is trained with everything unfrozen so far, a layer staying trainable once
 unfrozen. After each layer's training the best model seen so far in the stage, by a
 validation score, is restored, so a stage never ends worse than its best point.
 
@@ -21,9 +23,9 @@ The callables:
         trainable_parameters is the list of parameters that currently require grad: build the
         optimizer over it (only those change; frozen ones get no gradient).
     evaluate_fn(model) -> float                      a validation score, HIGHER is better
-        (return -loss for a validation loss, as seed 002 uses; F1 works as it is). NaN never
-        counts as best. Set model.eval() / model.train() inside them as needed: this helper
-        does not change the module's training mode.
+        (return -loss for a validation loss, as the multi-stage paper does; F1 works as it
+        is). NaN never counts as best. Set model.eval() / model.train() inside them as needed:
+        this helper does not change the module's training mode.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+
+from .._validation import check_int
 
 __all__ = ["UnfreezingRound", "Stage", "gradual_unfreezing", "stagewise_training"]
 
@@ -176,18 +180,10 @@ def _score(evaluate_fn: EvaluateFn, model: nn.Module) -> float:
         raise TypeError(f"evaluate_fn must return a number (higher is better), got {type(value).__name__}") from None
 
 
-def _check_rounds(rounds_per_layer) -> int:
-    if isinstance(rounds_per_layer, bool) or not isinstance(rounds_per_layer, int):
-        raise TypeError(f"rounds_per_layer must be an int, got {type(rounds_per_layer).__name__}")
-    if rounds_per_layer < 1:
-        raise ValueError(f"rounds_per_layer must be at least 1, got {rounds_per_layer}")
-    return rounds_per_layer
-
-
 def gradual_unfreezing(model: nn.Module, layers: Sequence[LayerSpec], train_fn: TrainFn, evaluate_fn: EvaluateFn,
                        rounds_per_layer: int = 1, checkpoint_path: Optional[Union[str, os.PathLike]] = None,
                        stage: Optional[str] = None) -> List[UnfreezingRound]:
-    """Seed 002's gradual unfreezing (section 5.3), one stage.
+    """The multi-stage paper's gradual unfreezing (section 5.3), one stage.
 
     Args:
         model: any nn.Module.
@@ -198,7 +194,8 @@ def gradual_unfreezing(model: nn.Module, layers: Sequence[LayerSpec], train_fn: 
         train_fn: train_fn(model, trainable_parameters), see the module docstring.
         evaluate_fn: evaluate_fn(model) -> score, higher is better.
         rounds_per_layer: train_fn calls per unfrozen layer, each followed by an evaluation
-            (seed 002 tunes each layer for n epochs and keeps the best of any of them).
+            (the multi-stage paper tunes each layer for n epochs and keeps the best of any of
+            them).
         checkpoint_path: keep the best state in this file instead of in memory.
         stage: a name recorded in the history.
 
@@ -221,7 +218,7 @@ def gradual_unfreezing(model: nn.Module, layers: Sequence[LayerSpec], train_fn: 
         raise TypeError(f"train_fn must be callable, got {type(train_fn).__name__}")
     if not callable(evaluate_fn):
         raise TypeError(f"evaluate_fn must be callable, got {type(evaluate_fn).__name__}")
-    rounds_per_layer = _check_rounds(rounds_per_layer)
+    rounds_per_layer = check_int("rounds_per_layer", rounds_per_layer, minimum=1)
 
     all_parameters = list(model.parameters())
     original_flags = [p.requires_grad for p in all_parameters]
@@ -267,11 +264,12 @@ def stagewise_training(model: nn.Module, stages: Sequence[Union[Stage, tuple]],
                        layers: Optional[Sequence[LayerSpec]] = None, evaluate_fn: Optional[EvaluateFn] = None,
                        rounds_per_layer: int = 1,
                        checkpoint_dir: Optional[Union[str, os.PathLike]] = None) -> List[UnfreezingRound]:
-    """Seed 002's stage-wise distillation (section 5.2, Algorithm 1): stages run in order, each
-    with gradual_unfreezing, each starting from the model the previous one left (its best).
+    """The multi-stage paper's stage-wise distillation (section 5.2, Algorithm 1): stages run in
+    order, each with gradual_unfreezing, each starting from the model the previous one left (its
+    best).
 
-    Seed 002's three stages are L_RL (representation loss on unlabelled data), L_LL (logit
-    loss on unlabelled data) and L_CE (cross entropy on labelled data); here a stage is any
+    The multi-stage paper's three stages are L_RL (representation loss on unlabelled data), L_LL
+    (logit loss on unlabelled data) and L_CE (cross entropy on labelled data); here a stage is any
     Stage(name, train_fn, layers=None, evaluate_fn=None), or a tuple of those fields in that
     order ((name, train_fn) is enough when `layers` and `evaluate_fn` are given here).
 

@@ -1,5 +1,12 @@
-"""Combining several losses into one: learned uncertainty weights (seed 000) and fixed or
-scheduled weights (seeds 001-004).
+"""Combining several losses into one: learned uncertainty weights, as in the multi-grained
+distillation paper (Zhou et al., *Multi-Grained Knowledge Distillation for Named Entity
+Recognition*, NAACL 2021), and fixed or scheduled weights, as in the other papers crfkit
+implements: the adaptive-weight paper (Ye and Hernandez, *Knowledge Distillation Scheme for Named
+Entity Recognition Model Based on BERT*, MLBDBI 2023), the multi-stage distillation paper
+(Mukherjee and Awadallah, *Multi-Stage Distillation Framework for Massive Multi-lingual NER*,
+2020), the DistillBiDAF report (a Stanford CS224N project report on distilling BERT into BiDAF)
+and Tang et al. (*Distilling Task-Specific Knowledge from BERT into Simple Neural Networks*,
+2019). docs/METHODS.md has the references.
 
 Every combiner is called on a list (or tuple) of scalar losses and returns one scalar:
     combine = UncertaintyWeighting(3)
@@ -12,6 +19,8 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+
+from .._validation import check_int, check_number
 
 __all__ = ["UncertaintyWeighting", "FixedWeights", "ScheduledWeights"]
 
@@ -36,7 +45,7 @@ def _check_losses(losses, expected: int) -> List[Tensor]:
 
 
 class UncertaintyWeighting(nn.Module):
-    """Seed 000's automatic loss weighting (Kendall, Gal & Cipolla 2018), learnable.
+    """The multi-grained paper's automatic loss weighting (Kendall, Gal & Cipolla 2018), learnable.
 
     With one learned s_i per loss and lambda_i = exp(-s_i) > 0:
         L_u = sum_i lambda_i L_i - 1/2 sum_i log lambda_i = sum_i (exp(-s_i) L_i + s_i / 2)
@@ -59,10 +68,7 @@ class UncertaintyWeighting(nn.Module):
 
     def __init__(self, num_losses: int, initial_log_variances: Union[float, Sequence[float]] = 0.0):
         super().__init__()
-        if isinstance(num_losses, bool) or not isinstance(num_losses, int):
-            raise TypeError(f"num_losses must be an int, got {type(num_losses).__name__}")
-        if num_losses < 1:
-            raise ValueError(f"num_losses must be at least 1, got {num_losses}")
+        check_int("num_losses", num_losses, minimum=1)
         if isinstance(initial_log_variances, (int, float)) and not isinstance(initial_log_variances, bool):
             initial = [float(initial_log_variances)] * num_losses
         elif isinstance(initial_log_variances, (list, tuple)):
@@ -115,12 +121,7 @@ class UncertaintyWeighting(nn.Module):
 
 
 def _check_weight(index: int, weight) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise TypeError(f"weights[{index}] must be a real number, got {type(weight).__name__}")
-    weight = float(weight)
-    if not math.isfinite(weight) or weight < 0:
-        raise ValueError(f"weights[{index}] must be a finite non-negative number, got {weight}")
-    return weight
+    return check_number(f"weights[{index}]", weight, minimum=0)
 
 
 def _weighted_sum(weights: Sequence[float], losses: List[Tensor]) -> Tensor:
@@ -132,8 +133,8 @@ def _weighted_sum(weights: Sequence[float], losses: List[Tensor]) -> Tensor:
 
 
 class FixedWeights(nn.Module):
-    """sum_i w_i L_i with constant weights: seed 002's joint a L_CE + b L_RL + c L_LL, seed
-    003's a L_distill + (1 - a) L_nll, seed 004's a CE + (1 - a) MSE.
+    """sum_i w_i L_i with constant weights: the multi-stage paper's joint a L_CE + b L_RL + c L_LL,
+    the DistillBiDAF report's a L_distill + (1 - a) L_nll, Tang et al.'s a CE + (1 - a) MSE.
 
     Args:
         weights: a non-empty list of finite non-negative numbers, one per loss.
@@ -163,7 +164,7 @@ WeightOrSchedule = Union[float, Callable[[int], float]]
 class ScheduledWeights(nn.Module):
     """sum_i w_i(step) L_i, each weight a number or a schedule step -> weight.
 
-    Seed 001's L = theta_t L_soft + (1 - theta_t) L_hard + theta_t L_trans is
+    The adaptive-weight paper's L = theta_t L_soft + (1 - theta_t) L_hard + theta_t L_trans is
         theta = AdaptiveTheta(total_steps, bias)
         combine = ScheduledWeights([theta, lambda step: 1 - theta(step), theta])
         total = combine([soft, hard, transfer], step)

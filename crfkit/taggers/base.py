@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from .._validation import check_int
 from ..constraints import allowed_transitions
 from ..functional import KBest
 from ..nn import CRF
@@ -168,8 +169,7 @@ class CRFTagger(nn.Module):
         """Tag sentences: a list of word lists -> a list of tag-name lists (same lengths).
         Runs in eval mode on the tagger's device, batch_size sentences at a time."""
         sentences = _check_token_lists(token_lists)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        check_int("batch_size", batch_size, minimum=1, type_error=ValueError)
         was_training = self.training
         self.eval()
         device = next(self.parameters()).device

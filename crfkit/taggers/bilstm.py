@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from .._validation import check_int, check_number
 from ..data import Vocabulary
 from .base import CRFTagger, _check_token_lists
 from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_tensor
@@ -50,12 +51,10 @@ class BiLSTMCRFTagger(CRFTagger):
                                  ("num_layers", num_layers, 1), ("casing_dim", casing_dim, 0),
                                  ("char_dim", char_dim, 1), ("char_filters", char_filters, 1),
                                  ("char_kernel", char_kernel, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(name, value, minimum=low, type_error=ValueError)
         if hidden_size % 2:
             raise ValueError(f"hidden_size is split over two directions and must be even, got {hidden_size}")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        check_number("dropout", dropout, minimum=0, maximum=1, open_maximum=True)
         words = list(words)
         if words[:2] != [PAD, UNK]:
             raise ValueError(f"words must start with {PAD!r}, {UNK!r} (use BiLSTMCRFTagger.build_vocabulary)")

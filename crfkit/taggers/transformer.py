@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from .._validation import check_choice, check_int, check_number
 from ..distill.alignment import REDUCTIONS, align_to_words, word_index_from_word_ids
 from .base import CRFTagger, _check_token_lists
 from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_tensor
@@ -48,23 +49,17 @@ class TransformerCRFTagger(CRFTagger):
                  max_pieces: int = 256, word_pooling: str = "first", *, _saved_encoder: Optional[str] = None):
         super().__init__(labels, scheme)
         transformers = require("transformers", "pip install transformers")
-        if word_pooling not in REDUCTIONS:
-            raise ValueError(f"word_pooling must be one of {REDUCTIONS}, got {word_pooling!r}")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-        if isinstance(casing_dim, bool) or not isinstance(casing_dim, int) or casing_dim < 0:
-            raise ValueError(f"casing_dim must be a non-negative int, got {casing_dim!r}")
-        if isinstance(max_pieces, bool) or not isinstance(max_pieces, int) or max_pieces < 3:
-            raise ValueError(f"max_pieces must be an int >= 3, got {max_pieces!r}")
+        check_choice("word_pooling", word_pooling, REDUCTIONS)
+        check_number("dropout", dropout, minimum=0, maximum=1, open_maximum=True)
+        check_int("casing_dim", casing_dim, minimum=0, type_error=ValueError)
+        check_int("max_pieces", max_pieces, minimum=3, type_error=ValueError)
         path = _saved_encoder or encoder_path(encoder)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         if not self.tokenizer.is_fast:
             raise ValueError(f"encoder {encoder!r} has no fast tokenizer; word alignment needs one")
         config = transformers.AutoConfig.from_pretrained(path)
         if num_layers is not None:
-            if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
-                    or not 1 <= num_layers <= config.num_hidden_layers):
-                raise ValueError(f"num_layers must be in 1 .. {config.num_hidden_layers}, got {num_layers!r}")
+            check_int("num_layers", num_layers, minimum=1, maximum=config.num_hidden_layers, type_error=ValueError)
             config.num_hidden_layers = num_layers
         if _saved_encoder is None:
             self.encoder = _load_encoder(transformers, path, config)
@@ -114,8 +109,7 @@ class TransformerCRFTagger(CRFTagger):
     def emissions_and_hidden(self, batch: Mapping[str, Tensor], layer: int) -> tuple[Tensor, Tensor]:
         """(emissions (B, L, T), encoder layer `layer` per word (B, L, H)); layer 0 is the
         embedding output, layer num_layers the last."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.num_layers:
-            raise ValueError(f"layer must be an int in 0 .. {self.num_layers}, got {layer!r}")
+        check_int("layer", layer, minimum=0, maximum=self.num_layers, type_error=ValueError)
         out = self.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            output_hidden_states=True)
         emissions = self.emissions_from_features(self._with_casing(batch, self._words(batch, out.last_hidden_state)))

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from .._validation import check_int
+
 __all__ = ["TaggingCollator", "tagging_items"]
 
 IGNORE_INDEX = -100  # padding of tags and of decoded paths, as transformers pads predictions
@@ -52,8 +54,7 @@ class TaggingCollator:
         self.label_index = {label: i for i, label in enumerate(tagger.labels)}
         if cache is not None:
             k = cache.k if k is None else k
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cache.k:
-                raise ValueError(f"k must be an int in 1 .. {cache.k} (the cache's K), got {k!r}")
+            check_int("k", k, minimum=1, maximum=cache.k, type_error=ValueError)  # at most the cache's K
             if cache.label_names is not None and list(cache.label_names) != list(tagger.labels):
                 raise ValueError(f"the cache's labels {cache.label_names} differ from the tagger's {tagger.labels}")
             if teacher_emissions and not cache.manifest.get("with_emissions"):

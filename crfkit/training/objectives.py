@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import distill
+from .._validation import check_choice, check_int, check_number
 from ..distribution import LinearChainCRF
 
 __all__ = ["EMBEDDINGS", "LOSSES", "WEIGHTINGS", "ObjectiveConfig", "TaggingObjective", "Variant", "VARIANTS"]
@@ -59,15 +60,12 @@ class ObjectiveConfig:
         for name in losses:
             if name not in LOSSES:
                 raise ValueError(f"unknown loss {name!r}; choose from {LOSSES}")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        check_choice("weighting", self.weighting, WEIGHTINGS)
         if self.weighting == "adaptive" and ("hard" not in losses or len(losses) < 2):
             raise ValueError("weighting='adaptive' mixes the hard loss with distillation losses: give 'hard' and at "
                              "least one other loss")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"k must be a positive int, got {self.k!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature!r}")
+        check_int("k", self.k, minimum=1, type_error=ValueError)
+        check_number("temperature", self.temperature, minimum=0, open_minimum=True)
 
     @property
     def needs_teacher(self) -> bool:
@@ -125,8 +123,7 @@ class Variant:
         return tuple(self.stages) or (self.objective,)
 
     def __post_init__(self):
-        if self.embeddings not in EMBEDDINGS:
-            raise ValueError(f"embeddings must be one of {EMBEDDINGS}, got {self.embeddings!r}")
+        check_choice("embeddings", self.embeddings, EMBEDDINGS)
         if (self.embeddings == "pretrained") != (self.transformer_layers > 0):
             raise ValueError("embeddings='pretrained' goes with a transformer student (transformer_layers > 0)")
 

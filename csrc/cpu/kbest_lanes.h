@@ -16,11 +16,11 @@
 //     next[t][round] = best + emit[i, t],   backpointer = (s, rank[s]) of the head taken,
 // and the list it came from advances: rank[s] += 1 and its new head is fetched. In lanes the
 // taken list differs from lane to lane, so its new head is a gather from the lists, which are
-// stored [s][r][lane] (one gather per round after the first; about a quarter of the time at
-// T = 9, K = 5 on the AVX-512 VM, where a 16-lane gather costs about 20 cycles). Up to
-// kNextAheadMaxTags tags the entry after each head is kept at hand, so that gather runs one
-// round ahead, off the chain from one round's argmax to the next. The final
-// choice over last tags is the same merge with offsets end[s] instead of trans[s, t].
+// stored [s][r][lane] (one gather per round after the first, a large share of the time at small
+// T: benchmarks/results/NOTES.md). Up to kNextAheadMaxTags tags the entry after each head is
+// kept at hand, so that gather runs one round ahead, off the chain from one round's argmax to
+// the next. The final choice over last tags is the same merge with offsets end[s] instead of
+// trans[s, t].
 //
 // Layout details that keep the round branch-free and its gather in bounds:
 // - Each list has K + 1 slots; slot K is a -inf sentinel, so a list that has given all K of its
@@ -98,10 +98,8 @@ inline constexpr int kLaneShift = std::countr_zero(static_cast<uint64_t>(Lanes<s
 // Up to this many tags (with T a template argument) merge_lanes keeps each list's next entry
 // in registers beside its head (kNextAhead), which takes the gather out of the dependency chain
 // from one round to the next at the cost of T more registers and T blends per round. Measured
-// with one thread, 16 float sentences of length 32-64, lanes forced, against the gather in the
-// chain (same build otherwise), K = 5 / 15: float T = 3: -14% / -20%, T = 5: -15% / -15%,
-// T = 7: -11% / -19%, T = 9: -9% / -14%, T = 10: -0% / -7%; double T = 5: +3% / +2%, T = 9:
-// -6% / -8%. At T = 12 it gained nothing, and at T = 16 the spills made it 50% slower.
+// against the gather in the chain: it gains in float up to T = 10, nothing at T = 12, and the
+// spills make it slower at T = 16 (benchmarks/results/NOTES.md).
 inline constexpr int kNextAheadMaxTags = 10;
 
 // The first maximum over s < kT of value[s] (strict `>`: the smaller s wins a tie), per lane, as
@@ -214,7 +212,7 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
         // Only the advances after rounds r <= K - 3 are followed by another one, so the
         // gathers read at most slot K - 1. (This loop is the `advance` below plus the refill
         // of `next`, written out: sharing that lambda, with the refill as a callback, measured
-        // 8-14% slower at T = 7 and 9 with GCC 12.)
+        // slower with GCC 12; benchmarks/results/NOTES.md.)
         Vector* nx = next + m * T;
         const bool refill = r + 2 < K;
         const Vector gathered = refill ? gather_lanes<scalar_t>(list_scalars, arg[m] + static_cast<Index>(2 * kCount))
@@ -249,16 +247,10 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
 }
 
 // From this many tags (with T a template argument) kbest_lane_group runs merge_lanes_pruned.
-// Measured against merge_lanes alone (public k-best calls, which include a log Z; 1 thread,
-// (32, 128, T) float, lanes forced, AVX2-only EPYC, best of 5 alternating processes), K = 5 /
-// 15 (two or three runs where given): T = 3 +9% / +14%, T = 5 +3%, +13%, 0% / +4%, +8%, +3%,
-// T = 7 +6% / -6%, T = 9 -5%, +1%, +9% / -8%, -10%, -15%, T = 12 -26% / -27%, T = 16 -20%,
-// -20%, -6% / -26%, -31%, -26%. The op alone at (32, 128, 9), best of 9: -3% / -12%. With
-// AVX-512's 16 lanes (a group has twice as many lanes that must all hold for the pruned merge
-// to stand) it neither gains nor loses: raw op, 2 threads, (32, 128, T), lanes forced, best of
-// 2 alternating processes, pruned time over merge_lanes' alone at K = 2 / 5 / 15: float T = 9
-// 1.02, 0.99, 1.02; T = 12 1.04, 1.02, 1.01; T = 16 1.01, 0.99, 0.95; double T = 9 0.98,
-// 1.00, 0.97; T = 12 0.99, 0.97, 0.99; T = 16 0.99, 1.00, 0.99 (2026-11-23). Kept there too.
+// Measured against merge_lanes alone: with AVX2's 8 lanes it gains from T = 9 on (at K = 5 only
+// from T = 12; at T = 9 within the noise) and loses below; with AVX-512's 16 lanes (a group has
+// twice as many lanes that must all hold for the pruned merge to stand) it neither gains nor
+// loses, and is kept there too. benchmarks/results/NOTES.md has the timings.
 inline constexpr int kPrunedMergeMinTags = 9;
 
 // One merge of merge_lanes (kT > 0, one target tag) with the lists that cannot contribute left
@@ -277,8 +269,8 @@ inline constexpr int kPrunedMergeMinTags = 9;
 // because list s1 holds fewer than K finite entries, as at the first positions); the caller
 // then runs merge_lanes for this tag, which overwrites it. (No branch on the data in here, so
 // that the CPU can overlap consecutive tags' dependency chains, even for the tags where s1
-// alone takes part in every lane, about half.) On random scores (T = 9, K = 5, 8 float lanes,
-// 32 sentences of length 64-128, emissions 3 randn) the merge holds for 81% of the tags.
+// alone takes part in every lane.) On random scores the merge holds for most tags
+// (benchmarks/results/NOTES.md).
 template <typename scalar_t, int kT, typename Offset, typename Out>
 __attribute__((always_inline)) inline bool merge_lanes_pruned(
     const typename Lanes<scalar_t>::Vector* __restrict__ lists, int64_t K,
@@ -326,11 +318,8 @@ __attribute__((always_inline)) inline bool merge_lanes_pruned(
 
   // Two-way merge of list a = s1 and list b = the other one. The entry after each head is kept
   // at hand (as merge_lanes' kNextAhead), so a round's head update needs no gather; the gather
-  // that refills it follows the round's choice and has until the next round's update. (Still
-  // the hottest spot: perf on AVX-512, (16, 128, 9), K = 5, put 19% of the group decoder's
-  // samples on the blend that takes the refill gather's result. The extract-and-OR chain of
-  // any_lane above drew about 8%, but one test instruction in its place changed nothing
-  // measurable, 260.7 against 262.2 us for (32, 128, 9) with 1 thread: it is off the chain.)
+  // that refills it follows the round's choice and has until the next round's update.
+  // (benchmarks/results/NOTES.md has this loop's perf profile.)
   const Mask b_wins_ties = second_address < best_address;  // the smaller predecessor
   Vector head_a = best, head_b = second;
   Mask address_a = best_address, address_b = second_address;
@@ -360,9 +349,9 @@ __attribute__((always_inline)) inline bool merge_lanes_pruned(
 
 // How many merges merge_lanes runs side by side (the targets t of one position, in blocks of at
 // most this many). With T a template argument the merge state is in registers: one merge at a
-// time (2 spill, and measured 10-25% slower at T = 9 and 16). With T at run time the state is in
-// memory and the argmax a chain of T - 1 steps: 4 merges interleave those chains (T = 37: 20%
-// faster than 1; 3 and 4 measured the same).
+// time (2 spill, and measured slower). With T at run time the state is in memory and the argmax
+// a chain of T - 1 steps: 4 merges interleave those chains (measured faster than 1, and the
+// same as 3; benchmarks/results/NOTES.md).
 inline constexpr int kMemoryMergeBlock = 4;
 template <int kT>
 inline constexpr int kMergeBlock = kT > 0 ? 1 : kMemoryMergeBlock;
@@ -441,8 +430,8 @@ void dispatch_tag_count(int64_t T, int64_t K, F&& f) {
 // are (-1 / -inf). A sentence whose real positions hold NaN or +inf is flagged in bad_sentence
 // and left idle. bp_t must hold the slot codes, T * (K + 1) - 1; kT = T or 0 (see
 // dispatch_tag_count). (All in one function: with the position loop in a function of its own, or
-// the backtrace, GCC 12's code measured 5-17% slower at T = 9 - 16, although it compiled in
-// 27 - 31 s instead of 39.)
+// the backtrace, GCC 12's code measured slower, although it compiled faster;
+// benchmarks/results/NOTES.md.)
 template <typename scalar_t, typename bp_t, int kT>
 void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const scalar_t* start,
                       const scalar_t* end, int64_t L, int64_t T, int64_t K, int64_t k,
@@ -572,49 +561,17 @@ constexpr bool kbest_merges_in_vectors(int64_t K) {
 }
 
 // The cost of one position of a lane group, in positions of one sentence of the per-sentence
-// kernel (kbest_sentence, with its pruned merge). Measured with one thread, 4 full groups of
-// equal lengths (L = 64), on a 2-core AVX-512 VM (time of a group over time per sentence,
-// random scores; the merge state is in registers where T <= 16 and T (K + 1) <= 256):
-//     T               1    2    5    9    12   16   17   24   37   64
-//     float   K = 2   2.8  2.1  3.4  2.9  3.6  5.0  7.1  9.4  13.1 25.2
-//             K = 5   2.5  3.6  4.5  4.6  5.9  7.0  10.3 13.3 21.2 37.4
-//             K = 15  2.9  5.4  6.0  5.9  8.3  9.8  13.5 18.9 27.9 54.4
-//             K = 30  3.3  4.3  6.2  8.2  11.2 13.9 15.8 20.5 29.5 57.2
-//     double  K = 2   2.3  1.9  2.4  2.3  2.9  3.9  6.2  9.1  11.3 18.0
-//             K = 5   2.2  2.6  4.9  4.6  5.0  6.3  9.6  12.8 17.4 26.3
-//             K = 15  2.7  3.9  5.8  5.4  6.5  8.7  12.7 18.5 23.9 41.5
-//             K = 30  3.0  3.7  5.4  7.6  9.5  14.3 15.1 20.2 28.2 43.4
-// The float rows for K <= 16 were measured again once the per-sentence kernel merged in vectors
-// (kbest_merges_in_vectors), which made it faster where lists merge (up to 1.6x at T = 37,
-// K = 15) and lanes comparatively dearer (/tmp script, same setup):
-//     T               2    5    9    12   16   17   24   37
-//     float   K = 2   1.9  3.0  2.9  3.7  4.9  7.2  10.3 14.8
-//             K = 5   3.3  5.7  6.4  7.9  10.1 13.5 19.2 27.0
-//             K = 15  5.9  9.2  10.6 14.8 18.6 27.3 34.4 48.3
-// A group decodes kCount (16 / 8) sentences, so lanes pay off below those values: in float up
-// to T = 12 - 37 (less far for larger K, where the pruned merge gains most), in double up to
-// T = 12 - 17. Modelled as 1.3 + 0.27 T with the merge state in registers and 1.3 + 0.45 T in
-// memory, times a factor for the list length: 0.84 (K / 2)^0.63 where the per-sentence kernel
-// merges in vectors, else 0.65 + K / 10 up to 1.6; and 6 at T = 1 (where the per-sentence
-// kernel's merges are trivial). It picks the faster kernel in every cell above but one near-tie:
-// double T = 9, K = 30 (per sentence, 5% slower than lanes).
+// kernel (kbest_sentence, with its pruned merge), fitted to measurements on 2-core AVX-512 and
+// AVX2-only VMs (benchmarks/results/NOTES.md has the tables and how they were taken). A group
+// decodes kCount (16 / 8) sentences, so lanes pay off where the cost is below that. Modelled as
+// 1.3 + 0.27 T with the merge state in registers and 1.3 + 0.45 T in memory, times a factor for
+// the list length: 0.84 (K / 2)^0.63 where the per-sentence kernel merges in vectors, else
+// 0.65 + K / 10 up to 1.6; and 6 at T = 1 (where the per-sentence kernel's merges are trivial).
 // AVX2 builds use the same model (kCount is 8 floats / 4 doubles there, and the per-sentence
-// kernel merges without vectors). Checked on a 2-core AVX2-only EPYC, 2 threads, K = 5 and 15,
-// (B, L, T) = (32, 128, 9 | 37), (256, 128, 9 | 37), (1024, 32, 9): it picks the faster kernel
-// (lanes at T = 9 in float, 0.45 - 0.78 of the per-sentence time; per sentence at T = 37,
-// where lanes take 1.25 - 2.9 times as long) in all but three cells of double at T = 9, where it
-// keeps the per-sentence kernel though lanes take 0.68 - 0.92 of its time. The model predates
-// the pruned merge (merge_lanes_pruned, T = 9 - 16 in registers) and the packed backpointer
-// codes (narrow_codes), which made the lanes 10-30% faster on the AVX2 VM (1 thread, k-best
-// at (32 | 256, 128, 9 | 12 | 16)). Measured there afterwards ((64, 128, T), 1 and 2 threads,
-// lanes time over per-sentence time, K = 5 / 15): float T = 9 0.44 / 0.54-0.61, T = 12
-// 0.54-0.58 / 0.62-0.68, T = 16 0.68-0.69 / 0.79-0.81; double T = 9 0.55-0.71 / 0.70-0.84,
-// T = 12 0.77-0.89 / 0.88-1.06, T = 16 0.98-1.10 / 1.16-1.22. The model overestimated those
-// lane times by a factor 1.2-2 (mostly ~1.5), and kept the per-sentence kernel for float T = 16,
-// K = 15, double T = 9 (K = 5 and 15) and T = 12, K = 5. So on AVX2 builds the pruned cases (T = 9 - 16 in
-// registers) cost 0.65 of the model: it now picks lanes there, and still the per-sentence
-// kernel for double T = 12, K = 15 and T = 16, where the two are within 10-20%. The AVX-512
-// fit is left as it was: the pruned merge has not been measured there.
+// kernel merges without vectors), except that the pruned cases (T = 9 - 16 in registers) cost
+// 0.65 of it: the model, fitted before the pruned merge (merge_lanes_pruned) and the packed
+// backpointer codes (narrow_codes), overestimated those lane times. The AVX-512 fit is left as
+// it was: the pruned merge has not been measured there.
 template <typename scalar_t>
 double kbest_lane_group_cost(int64_t T, int64_t K) {
   if (T == 1) return 6.0;

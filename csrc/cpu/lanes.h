@@ -1,11 +1,10 @@
 // Fixed-width SIMD vectors for the CPU kernels, as GCC / Clang vector extensions, one register
 // of the widest kind the build targets: 64 bytes with AVX-512, 32 with AVX / AVX2, 16 otherwise
-// (SSE, NEON), so the code needs no intrinsics and still builds for any -march. (They were 64
-// bytes everywhere until 2026-11-22: without AVX-512, GCC expands the comparisons and selects on
-// such vectors piecewise, and the per-sentence column argmax of Viterbi ran 21x slower than on
-// 32-byte vectors on an AVX2-only EPYC: 4.2 us against 0.2 us per step at T = 37.) Per-tag
-// arrays that the kernels walk a vector at a time are padded to a whole number of vectors
-// (padded_to_lanes), so the loops have no scalar tail.
+// (SSE, NEON), so the code needs no intrinsics and still builds for any -march. Never wider than
+// a register: without AVX-512, GCC expands the comparisons and selects on 64-byte vectors
+// piecewise, many times slower (benchmarks/results/NOTES.md). Per-tag arrays that the kernels
+// walk a vector at a time are padded to a whole number of vectors (padded_to_lanes), so the
+// loops have no scalar tail.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -126,7 +126,7 @@ enum class Output { kLogPartition, kLogPartitionWithMarginals, kMarginals, kBack
 
 // Per-thread space for a lane group's rows (the ops other than log Z): kept between calls,
 // because a fresh allocation of this size is a fresh mapping whose page faults cost more than
-// the scan itself (measured: 0.2 ms per call at (32, 128, 9)). Uninitialised: a group writes
+// the scan itself (measured: benchmarks/results/NOTES.md). Uninitialised: a group writes
 // every row it reads. Sizes above kMaxKept doubles are not kept (they are freed when the
 // thread's next call needs less).
 inline double* lane_rows_workspace(int64_t size) {

@@ -36,11 +36,9 @@ constexpr int64_t kMaxLaneTags = 64;  // above this the per-sentence kernel is a
 
 // Asks for the n lane vectors at p (one cache line each) to be brought closer. The backward
 // walks the saved rows from the last position to the first, two streams (a and w) far apart,
-// and the hardware prefetcher does not keep up: perf showed the first loads of each row taking
-// about half of lanes_backward's time at (256, 128, 37), where the state (21 MiB) is outside the
-// caches. The T2 hint (outer cache levels) measured best there: backward 1 thread 7.1-7.4 ms
-// against 8.6-10.8 ms without prefetch and 8.6-9.2 ms with T0, which stalled on the L1 miss
-// buffers; no change at (32, 128, 9), where the state fits in L2.
+// and the hardware prefetcher does not keep up once the state is outside the caches. The T2
+// hint (outer cache levels) measured best of none, T0 (which stalled on the L1 miss buffers)
+// and T2; benchmarks/results/NOTES.md has the timings.
 inline void prefetch_lane_vectors(const double* p, int64_t n) {
 #if defined(__x86_64__) || defined(_M_X64)
   for (int64_t k = 0; k < n; ++k) _mm_prefetch(reinterpret_cast<const char*>(p + k * kGroup), _MM_HINT_T2);
@@ -57,13 +55,10 @@ inline void prefetch_lane_vectors(const double* p, int64_t n) {
 inline int forced_log_partition_lanes() { return forced_by_environment("CRFKIT_LOG_PARTITION_LANES"); }
 
 // Whether the log-partition ops run on batch lanes for this shape: a group costs about what
-// two or three single-sentence scans cost (measured at T = 9 and 37 on AVX-512), so lanes pay
-// from one full group on. The same holds on AVX2 (4 doubles per group): on a 2-core AVX2-only
-// EPYC, 2 threads, lanes took 0.24 - 0.55 of the per-sentence scans' time for log Z, 0.36 - 0.55
-// for forward + backward and 0.29 - 0.53 for marginals at (32 | 256, 128, 9 | 37) and
-// (1024, 32, 9), float and double; 0.38 - 0.86 at B = 4 and 8; 0.96 - 1.32 at B = 1, a group
-// of one (CRFKIT_LOG_PARTITION_LANES=0 against 1, same build). Elsewhere (SSE, NEON: groups of
-// 2) not measured, so the per-sentence scans stay the default there.
+// two or three single-sentence scans cost, so lanes pay from one full group on, on AVX-512 and
+// on AVX2 (4 doubles per group) alike (measured on both: benchmarks/results/NOTES.md).
+// Elsewhere (SSE, NEON: groups of 2) not measured, so the per-sentence scans stay the default
+// there.
 inline bool use_lanes(int64_t B, int64_t T) {
   if (T > kMaxLaneTags) return false;
   const int forced = forced_log_partition_lanes();
@@ -125,11 +120,10 @@ inline void lanes_matvec(const double* m, int64_t stride, const LaneVector* x, i
 
 // acc[s * T + t] += sum_p left[p * T + s] * right[p * T + t] over p < count (count rank-one
 // updates at once), on a tile of kRows x kCols accumulators kept in registers: per position p
-// it loads kRows + kCols vectors for kRows * kCols multiply-adds. (The earlier row of 8
-// accumulators ran at half the matvec's rate in perf at (256, 128, 37): without unrolled loops
-// GCC kept its accumulators in memory, and it loaded 9 vectors per 8 multiply-adds.) The loops
-// over the tile must stay unrolled for the same reason. Each accumulator adds its terms in p
-// order, as that row did: same results.
+// it loads kRows + kCols vectors for kRows * kCols multiply-adds. The loops over the tile must
+// stay unrolled: without unrolled loops GCC keeps the accumulators in memory (as it did for a
+// row of 8 accumulators, which ran at half the matvec's rate: benchmarks/results/NOTES.md).
+// Each accumulator adds its terms in p order, as a plain sum over p does: same results.
 // With `fresh` the accumulators start from 0 instead of acc (the first update: no fill of acc
 // first); with `scale` (not null) each is stored times scale[s * stride + t] (the last update:
 // no separate pass for that).
@@ -206,8 +200,8 @@ inline void lanes_rank_update(const LaneVector* left, const LaneVector* right, i
 }
 
 // sum_t rows[t] * v[t] per lane, for T lane vectors rows (t * kGroup) and v: four partial sums,
-// so that the chain of dependent multiply-adds is T / 4 long instead of T (perf showed the
-// backward's two single-chain sums taking 15% of lanes_backward at (256, 128, 37)).
+// so that the chain of dependent multiply-adds is T / 4 long instead of T (single-chain sums
+// showed up in perf: benchmarks/results/NOTES.md).
 inline LaneVector lanes_dot(const double* rows, const LaneVector* v, int64_t T) {
   LaneVector part[4] = {};
   int64_t t = 0;
@@ -237,8 +231,7 @@ struct LaneGroup {
 
 // Per-thread work space of the lane scans (T lane vectors each).
 // Positions per batch of rank-one updates (pair_acc): each batch loads and stores all T^2
-// accumulators once. 16 was 9% faster than 8 in the backward at (256, 128, 37) (1 thread); 32
-// measured the same as 16.
+// accumulators once. 16 measured faster than 8 and as fast as 32 (benchmarks/results/NOTES.md).
 constexpr int64_t kPairBatch = 16;
 constexpr int64_t kTransposeChunk = 16;  // positions transposed at once (scores in, marginals out)
 
@@ -276,12 +269,11 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
   // (scores 0 past a lane's length; position 0's include the start scores), shift = the
   // position's largest score (0 for lanes past their length or with every tag forbidden, which
   // fail). Chunks of kTransposeChunk positions are transposed at once, 8 x 8 blocks in
-  // registers (emissions_to_lanes in lanes.h; the scalar transpose it replaced took about a
-  // tenth of the forward at T = 9 in perf), and exponentiated at once: the exponentials do not
-  // depend on the scan, and a chunk's are many independent chains (each a chain of 16 dependent
-  // multiply-adds), where inside the scan only one position's T were in flight. Measured on a
-  // 2-core AVX2 EPYC against the exponentials inside the scan (alternating processes, best of
-  // 5): log Z and marginals 3-6% faster at (8 | 32, 128, 9), the rest within the noise.
+  // registers (emissions_to_lanes in lanes.h; a scalar transpose showed up in perf), and
+  // exponentiated at once: the exponentials do not depend on the scan, and a chunk's are many
+  // independent chains (each a chain of 16 dependent multiply-adds), where inside the scan only
+  // one position's T were in flight. Measured a little faster than the exponentials inside the
+  // scan (benchmarks/results/NOTES.md).
   LaneVector shifts[kTransposeChunk];
   auto load_position = [&](int64_t i) {
     LaneVector* chunk = work.transposed.data();
@@ -406,7 +398,7 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
   // The marginals of kTransposeChunk positions are kept, mu of position i at
   // chunk[(i % kTransposeChunk) * T ..], and written to grad_emit when the chunk's first
   // position is done, 8 x 8 blocks transposed in registers (lanes_to_rows, lanes.h) instead of a
-  // scalar store per score (about 15% of the backward at T = 9 in perf).
+  // scalar store per score (which showed up in perf: benchmarks/results/NOTES.md).
   LaneVector* chunk = work.transposed.data();
   auto write_chunk = [&](int64_t first) {
     const int64_t count = std::min(kTransposeChunk, group.n_max - first);
@@ -486,8 +478,8 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
   if (kPairwise && pair_started) {
     // Each lane's T x T block written out whole, kGroup x kGroup blocks transposed in registers
     // (lanes_to_rows, which reads pair_acc in whole blocks: hence its padded size): reading
-    // lane j of every pair_acc vector in turn, a scalar at a time, took about as long as the
-    // marginals' whole backward at L = 1 (e.g. (256, 1, 37)).
+    // lane j of every pair_acc vector in turn, a scalar at a time, was slow for short sentences
+    // (benchmarks/results/NOTES.md).
     scalar_t* dest[kGroup];
     int64_t limit[kGroup];
     for (int64_t j = 0; j < kGroup; ++j) {

@@ -4,9 +4,9 @@
 //
 // Why: these blocks (4 B L T bytes each in float32, e.g. 4.8 MiB at (256, 128, 37)) are
 // allocated and freed on every training step. glibc serves blocks of this size with fresh
-// mappings (or trims them back to the kernel), so each step page-faults on every page it writes:
-// measured 1.4 ms of a 10 ms forward+backward at (256, 128, 37), 1 thread, for the gradient
-// alone. Recycling the last few freed buffers turns that into a warm reuse.
+// mappings (or trims them back to the kernel), so each step page-faults on every page it writes,
+// a measurable share of a forward+backward (benchmarks/results/NOTES.md). Recycling the last few
+// freed buffers turns that into a warm reuse.
 //
 // A freed buffer is kept when the cache stays within kMaxCachedBytes and kMaxCachedBuffers,
 // otherwise returned to the system. A request takes the smallest kept buffer that holds it and

@@ -92,9 +92,9 @@ void column_argmax_in_registers(const scalar_t* offsets, const scalar_t* rows, i
 // f(std::integral_constant<int, V>{}, t0) for each block [t0, t0 + V lanes), so that a block's V
 // accumulators stay in registers for its whole pass over the predecessors. (A loop over memory
 // for the tags beyond 8 vectors, storing and reloading its accumulators for every predecessor,
-// was not vectorised for double on AVX2, where 8 vectors are 32 tags: per-sentence Viterbi at
-// (256, 128, 37) took 12 ms in double against 1.5 ms in float.) Each column's comparisons run
-// in the same order either way, so the results do not depend on the blocking.
+// was not vectorised for double on AVX2, where 8 vectors are 32 tags: many times slower,
+// benchmarks/results/NOTES.md.) Each column's comparisons run in the same order either way, so
+// the results do not depend on the blocking.
 template <typename scalar_t, typename F>
 void for_each_register_block(int64_t stride, F&& f) {
   constexpr int64_t n = Lanes<scalar_t>::kCount;
@@ -367,8 +367,8 @@ inline ListInVector list_in_vector(const float* list, float offset, int64_t code
 // is its index plus the number of the other list's entries that go before it, so a's places
 // take one compare per entry of b; the places of a among the first K form a mask, and two
 // expands lay both lists' leading entries into their places, in order. No branch on the data:
-// the scalar two-way merge branched on the data, and its lines took about 16% of the samples of
-// the per-sentence k-best at (256, 128, 37), K = 5, in perf.
+// the scalar two-way merge branches on the data, and its lines were a hot spot of the
+// per-sentence k-best in perf (benchmarks/results/NOTES.md).
 inline ListInVector merge_top_k_in_vectors(const ListInVector& a, const float* b, float offset_b,
                                            int64_t code_b, int64_t K) {
   const __mmask16 first_k = first_lanes(K);
@@ -398,8 +398,8 @@ inline ListInVector merge_top_k_in_vectors(const ListInVector& a, const float* b
 // kbest_merges_in_vectors (AVX-512, float, K <= 16): merges in vectors, one list after another
 // (each merge keeps the earlier lists' entries first on ties, which is that rule); otherwise a
 // two-way merge for two lists, one argmax over the heads per entry for more. Same arithmetic
-// (entry + trans, then + emit), same results. The vector merges, 1 thread, against the scalar
-// ones: (256, 128, 37) K = 5 18.7 -> 14.8 ms, K = 15 38.7 -> 24.4 ms.
+// (entry + trans, then + emit), same results. The vector merges measured faster than the scalar
+// ones, the more so at larger K (benchmarks/results/NOTES.md).
 template <typename scalar_t, typename bp_t>
 inline void merge_surviving_lists(const scalar_t* __restrict__ lists, const scalar_t* rows, int64_t stride,
                                   int64_t t, const int32_t* survivors, int64_t count, scalar_t emit,
@@ -442,8 +442,8 @@ inline void merge_surviving_lists(const scalar_t* __restrict__ lists, const scal
     return;
   }
   // merge_top_k's merge, over the survivors only. Not a call of it: a branch-free argmax like
-  // merge_top_k's (running best and index both selected) in this merge made k-best 4% faster
-  // at K = 5 but 12% slower at K = 15 when measured (a8b3adf).
+  // merge_top_k's (running best and index both selected) in this merge measured faster at K = 5
+  // but slower at K = 15 (benchmarks/results/NOTES.md).
   for (int64_t j = 0; j < count; ++j) {
     w.merge_ranks[j] = 0;
     w.merge_heads[j] = lists[survivors[j] * K] + rows[survivors[j] * stride + t];
@@ -469,11 +469,11 @@ inline void merge_surviving_lists(const scalar_t* __restrict__ lists, const scal
 // any entry of a list whose head (+ trans) is below theta[t], the list being sorted. The
 // surviving lists (head + trans >= theta[t]) are merged in increasing s with kbest_step's rule
 // (strict >: the smaller predecessor first, then the earlier rank): same values, same choices,
-// bit for bit. On random scores (T = 9 - 37, K = 5 - 15) about 1.1 - 1.5 lists survive per tag,
-// and about 9 tags in 10 keep only s1, whose K entries are then the K best in order; so a step
-// is a Viterbi step, one counting pass of the same shape and a copy of K entries per tag (more
-// lists: merge_surviving_lists), where kbest_step runs K argmax rounds over all T heads.
-// 1 thread, (64, 128, 37): K = 5 1.55x, K = 15 2.0x faster.
+// bit for bit. On random scores few lists survive per tag, and most tags keep only s1, whose K
+// entries are then the K best in order; so a step is a Viterbi step, one counting pass of the
+// same shape and a copy of K entries per tag (more lists: merge_surviving_lists), where
+// kbest_step runs K argmax rounds over all T heads (benchmarks/results/NOTES.md has the counts
+// and timings).
 // Returns false, having written nothing, where pruning does not apply or does not pay: a list
 // s1 with fewer than K finite entries (the first positions) or more than 3 T surviving lists in
 // all (many ties); the caller then runs kbest_step. `trans` must be built with_columns.

@@ -37,12 +37,10 @@ namespace cpu {
 
 // How many tags one register block updates at once: each tag needs two vector registers (running
 // max and arg max) for the whole loop over predecessors. AVX-512 has 32 of them (one per
-// Vector): blocks of 8, 12 and 14 measured the same within 5% (the loop is bound by vector
-// throughput once 8 chains interleave), and 8 leaves registers to spare. AVX2 has 16 (one per
-// Vector since cb849dc): blocks of 4 measured best of 3, 4 and 6 (Viterbi lanes at B = 256,
-// L = 128, T = 9 - 100, 2 threads: 4 against 3 up to 1.4x faster at T = 24 and 100 and never
-// slower beyond noise; 6 slower than 3, up to 1.6x at T = 64, out of registers).
-// SSE / NEON: 1, sized when a Vector took 4 registers there, not re-measured.
+// Vector): blocks of 8, 12 and 14 measured the same (the loop is bound by vector throughput once
+// 8 chains interleave), and 8 leaves registers to spare. AVX2 has 16 (one per Vector): blocks
+// of 4 measured best of 3, 4 and 6 (6 runs out of registers). SSE / NEON: 1, sized when a
+// Vector took 4 registers there, not re-measured. benchmarks/results/NOTES.md has the timings.
 #if defined(__AVX512F__)
 inline constexpr int kLaneTagBlock = 8;
 #elif defined(__AVX__)
@@ -63,10 +61,9 @@ struct LaneTypes {
 
 // The codes of a Mask (kCount lane values, each in the range of bp_t, never negative) as
 // Backpointers. Without AVX-512, GCC 12 lowers __builtin_convertvector from 32- or 64-bit lanes
-// to narrower ones lane by lane (an extract, a zero-extension, a shift and an or per lane: about
-// 30 instructions per vector of one-byte codes, about a fifth of the k-best lane decoder's
-// samples at T = 9 in perf); on AVX2 two or three packs do it (they saturate: exact for codes
-// in range).
+// to narrower ones lane by lane (an extract, a zero-extension, a shift and an or per lane: a
+// hot spot of the k-best lane decoder in perf, benchmarks/results/NOTES.md); on AVX2 two or
+// three packs do it (they saturate: exact for codes in range).
 template <typename Backpointers, typename Mask>
 inline Backpointers narrow_codes(Mask m) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -292,42 +289,33 @@ struct LanePlan {
 };
 
 // The cost of one position of a lane group, in positions of one sentence of the per-sentence
-// kernel (viterbi_sentence). Measured with one thread, L = 128, full groups, on a 2-core AVX-512
-// VM (time of one group over time per sentence, the fixed cost of a call taken off both):
-//     T         9    16   24   37   50   64   100  128
-//     float    2.1  3.9  5.2  6.2  7.3  10.3 10.2 13
-//     double   1.8            5.0       5.9  2.0  2.1
-// About 1 + T / 8 while the per-sentence kernel holds its tags in registers (up to 8 vectors:
-// 128 floats, 64 doubles); past that it looped over memory and the ratio fell to 2 - 4. (It
-// has since kept blocks of 8 vectors in registers at any T, viterbi.cpp for_each_register_block,
-// which made it 1.8 - 2.7x faster past 8 vectors on AVX2; the AVX-512 values past 8 vectors
-// predate that and were not re-measured, so there lanes may now be chosen where they lose.) (A lane
-// group does T * T max-plus updates of kCount sentences per position; the per-sentence kernel
-// T * ceil(T / kCount) of one sentence, but as chains of dependent steps.)
+// kernel (viterbi_sentence), fitted to measurements (benchmarks/results/NOTES.md has the
+// tables). With AVX-512: about 1 + T / 8 while the per-sentence kernel holds its tags in
+// registers (up to 8 vectors: 128 floats, 64 doubles), 3 past that. (The values past 8 vectors
+// were measured while the per-sentence kernel looped over memory there; it has since kept
+// blocks of 8 vectors in registers at any T, viterbi.cpp for_each_register_block, and they were
+// not re-measured, so there lanes may now be chosen where they lose.) (A lane group does T * T
+// max-plus updates of kCount sentences per position; the per-sentence kernel T * ceil(T /
+// kCount) of one sentence, but as chains of dependent steps.)
 template <typename scalar_t>
 double lane_group_cost(int64_t T) {
 #if defined(__AVX512F__)
   constexpr int64_t kPerSentenceMaxTags = 8 * Lanes<scalar_t>::kCount;
   return T <= kPerSentenceMaxTags ? 1.0 + T / 8.0 : 3.0;
 #else
-  // AVX2 (8 floats, 4 doubles per vector), measured as above on a 2-core AVX2-only EPYC VM but
-  // with 2 threads, B = 256, tag blocks of 3 (ratio of the two kernels' call times, times kCount;
-  // blocks of 4, kLaneTagBlock now, made the lanes faster still, so the model is conservative):
-  //     T         9    16   24   37   50   64   100
-  //     float    2.8  5.5  5.2  7.4  5.6  6.0  7.0
-  //     double   2.4  3.6  2.5  2.7  2.5  3.1  3.2
-  // that is, 0.35 - 0.92 of a group's kCount sentences at every T, without a trend in T that
-  // stands out of the noise of that VM: modelled as 3/4 of them, so that lanes are chosen where
-  // groups are mostly full and the threads stay busy.
+  // AVX2 (8 floats, 4 doubles per vector): a group measured at less than its kCount sentences
+  // at every T, without a trend in T that stands out of the noise (benchmarks/results/NOTES.md):
+  // modelled as 3/4 of them, so that lanes are chosen where groups are mostly full and the
+  // threads stay busy. (Measured with tag blocks of 3; kLaneTagBlock's 4 made the lanes faster
+  // still, so the model is conservative.)
   (void)T;
   return 0.75 * static_cast<double>(Lanes<scalar_t>::kCount);
 #endif
 }
 
 // The cost models hold for AVX-512 and AVX2 builds (measured on both). Elsewhere (SSE, NEON)
-// the lane decoders were last measured when the vectors of lanes.h were 64 bytes everywhere and
-// GCC turned their comparisons and selects into scalar code (0.4x - 2x the time of the
-// per-sentence kernel); there the per-sentence kernel stays the default.
+// the lane decoders have not been measured with register-sized vectors (lanes.h), so the
+// per-sentence kernel stays the default there (benchmarks/results/NOTES.md).
 #if defined(__AVX512F__) || defined(__AVX2__)
 inline constexpr bool kLaneCostModelHolds = true;
 #else

@@ -499,17 +499,14 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
 // column of E (and, for the backward, its row) in registers, the group's p = exp(alpha) reaches
 // the other lanes by shuffles, and the pairwise sums of the lane's column accumulate in
 // registers. The generic kernel above passes every row through the group's shared arena with a
-// __syncwarp on each side, and loops over a run-time T; on an H100 that cost about 2,000 cycles
-// per position for log Z at T = 9, nearly all of it the latency of one dependent chain (one
-// warp per scheduler: there is nothing else to issue). Here the chain of a forward step is
-// exp -> T shuffles -> T multiply-adds -> log -> group max; of a backward step the same, with
-// the v shift taken from the emissions' maximum (known one position ahead, so off the chain).
-// The marginals and pairwise terms of a step hang off the chain and overlap it. Measured on the
-// H100 (2026-11-23): log Z 0.131 -> 0.095 ms at (256, 128, 9), marginals 0.367 -> 0.211 ms, i.e.
-// about 1,300 cycles per position, still well above the ~450 that chain's latencies add up to
-// (not yet profiled; benchmarks/results/gpu_nvidia_h100_80gb_hbm3_notes.md). Part of the gap, read
-// from the SASS since: group_dot's shuffles were conditional, one at a time (see there; changed,
-// not yet timed).
+// __syncwarp on each side, and loops over a run-time T; at small T its time per position is
+// nearly all the latency of one dependent chain (one warp per scheduler: there is nothing else
+// to issue). Here the chain of a forward step is exp -> T shuffles -> T multiply-adds -> log ->
+// group max; of a backward step the same, with the v shift taken from the emissions' maximum
+// (known one position ahead, so off the chain). The marginals and pairwise terms of a step hang
+// off the chain and overlap it. Measured faster than the generic kernel on an H100, though still
+// well above the sum of that chain's latencies (benchmarks/results/NOTES.md,
+// benchmarks/results/gpu_nvidia_h100_80gb_hbm3_notes.md).
 //
 // Same numerics as forward_backward_kernel (factored log-space steps with the exact fallback,
 // rows normalised to max 0, offsets in double); results agree to rounding. Where a fallback is
@@ -530,11 +527,10 @@ __device__ __forceinline__ scalar_t from_lane(scalar_t v, int source, int lanes)
 // their weights are 0, and both callers' values there are exp(-inf) = 0 (the backward's is NaN
 // only when every lane's is, a sum the caller does not use). Adding +0 to a sum of non-negative
 // terms changes no bit, so the result is that of the T terms alone (the emulator's outputs are
-// identical to the conditional version's). The conditional version, `if (s < T)` per shuffle,
-// compiled (sm_90) into a branch and a divergence check around each SHFL, so each multiply-add
-// waited for its own shuffle before the next shuffle was issued: 136 instructions with 32
-// branches for the float dot at kLanes = 16, against 16 shuffles issued back to back, 16 FFMAs
-// and one divergence check now. Not yet timed on a GPU.
+// identical to the conditional version's). A conditional shuffle, `if (s < T)`, compiles
+// (sm_90) into a branch and a divergence check around each SHFL, so each multiply-add waits for
+// its own shuffle before the next shuffle is issued (benchmarks/results/NOTES.md has the SASS
+// counts; not yet timed on a GPU).
 template <typename scalar_t, int kLanes>
 __device__ __forceinline__ scalar_t group_dot(scalar_t value, const scalar_t (&weights)[kLanes]) {
   scalar_t even = 0, odd = 0;
@@ -629,9 +625,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
     scalar_t emit_1 = own && n > 1 ? emit[T] : scalar_t(0);
     scalar_t emit_2 = own && n > 2 ? emit[2 * T] : scalar_t(0);
     // Position i + 2's emission by a pointer advanced T a step (read only while i + 2 < n): nvcc
-    // then predicates one load where `emit[(i + 2) * T]` had it branch around ~20 instructions
-    // of 64-bit address arithmetic each step (sm_90 SASS; an int64 offset instead of the pointer
-    // still recomputed the base, ~15 predicated instructions).
+    // then predicates one load, where `emit[(i + 2) * T]` (or an int64 offset) had it redo the
+    // 64-bit address arithmetic each step (sm_90 SASS: benchmarks/results/NOTES.md).
     const scalar_t* emit_ahead = emit + 2 * T;
     for (int64_t i = 1; i < steps; ++i) {
       const bool active = i < n;
@@ -1019,8 +1014,8 @@ __global__ void scale_marginals_kernel(const scalar_t* grad_log_z, const scalar_
 // [T*T + T, T*T + 2T), one WARP per entry: lane l sums the sentences b = l, l + 32, ... in order,
 // then a butterfly over the lanes adds the 32 partial sums, in the same order on every run
 // (deterministic for a given device; it differs from the CPU kernel's sequential order by
-// rounding only). One thread per entry summing all B sentences in order took 74 us at B = 256,
-// T = 9 and 381 us at B = 1024, T = 37 on an H100, mostly waiting on one load after another.
+// rounding only). One thread per entry summing all B sentences in order was slow, mostly
+// waiting on one load after another (benchmarks/results/NOTES.md has the timings).
 // Start / end read each sentence's first / last row of marginals; empty sentences (and lengths
 // out of range, reported by validate_inputs_kernel) add nothing.
 template <typename scalar_t>

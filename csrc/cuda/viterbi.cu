@@ -363,11 +363,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const Decode
 // ---- k-best for small batches: a block per sentence, a group of lanes per tag ----------------
 // kbest_kernel gives each tag's merge (K rounds, each a scan over the T list heads) to ONE
 // lane, so a position costs about K * T dependent shared-memory steps: with few sentences the
-// device is nearly idle and that chain is most of the time (a k-best call at B = 1, L = 128,
-// T = 9, K = 5 took 0.65 ms on an H100, 2026-11-23, log Z and host work included). Here a
-// sentence gets a whole block: one group of G lanes per tag t (G = the smallest power of two
-// >= T, so T * G <= 1024 for T <= 32), and lane s of the group holds the head of predecessor
-// s's list. A round of the merge is then one group_argmax
+// device is nearly idle and that chain is most of the time (benchmarks/results/NOTES.md has a
+// timing). Here a sentence gets a whole block: one group of G lanes per tag t (G = the smallest
+// power of two >= T, so T * G <= 1024 for T <= 32), and lane s of the group holds the head of
+// predecessor s's list. A round of the merge is then one group_argmax
 // over the heads (log2 G shuffle steps) instead of a T-step scan, and the T tags' merges run at
 // once. Each lane's transition trans[s, t] and end score end[s] never change: they live in
 // registers. The picks, their order and the arithmetic are those of kbest_kernel (and the CPU
@@ -573,11 +572,10 @@ void launch_decoder(Kernel shared_kernel, Kernel generic_kernel, const CrfArgs& 
 //   per_tag       kbest_per_tag_kernel wherever it applies (launch_kbest_per_tag), else kbest_kernel;
 //   auto          kbest_per_tag_kernel where it applies and the batch fits in one wave of its
 //                 blocks (every sentence's block resident at once), else kbest_kernel.
-// kbest_per_tag_kernel was written in a session without a GPU: it passed the tests in the CPU
-// emulator (tools/cuda_compile_check/emulator) but has not yet run or been timed on a GPU, so it
-// is opt-in until it has; `auto` is the rule meant to become the default then (the one-wave
-// threshold is itself a guess to be set from those timings). Tests run both kernels on the
-// same inputs.
+// kbest_per_tag_kernel passed the tests in the CPU emulator (tools/cuda_compile_check/emulator)
+// but has not yet run or been timed on a GPU, so it is opt-in until it has; `auto` is the rule
+// meant to become the default then (the one-wave threshold is itself a guess to be set from
+// those timings). Tests run both kernels on the same inputs.
 enum class KbestKernel { kPerSentence, kPerTag, kAuto };
 
 KbestKernel kbest_kernel_choice() {
