@@ -176,7 +176,7 @@ def test_integer_scores_with_ties_decode_identically(dtype, B, L, T, k):
     assert torch.equal(got["kbest_paths"][:, 0], got["viterbi_paths"])
 
 
-# k-best has two CUDA kernels (csrc/cuda/viterbi.cu): kbest_kernel (a lane per tag, the default)
+# k-best has two CUDA kernels (csrc/cuda/kbest.cu): kbest_kernel (a lane per tag, the default)
 # and kbest_per_tag_kernel (a block per sentence, for small batches; opt-in through
 # CRFKIT_CUDA_KBEST_KERNEL until it has been timed on a GPU). Each must give the CPU's paths and
 # scores bit for bit. Shapes: T = 1, K above the number of sequences, 16 and 32 lanes per tag

@@ -548,7 +548,7 @@ def test_kbest_lane_groups_equal_the_reference_exactly(monkeypatch, dtype, T, ke
 
 def _pruned_kbest_case(dtype, T, scores, L=24, B=6, seed=0):
     """Inputs for the per-sentence k-best's pruned merge (kbest_step_pruned in
-    csrc/cpu/viterbi.cpp): 'spread' scores (continuous, wide) leave one list per tag almost
+    csrc/cpu/kbest.cpp): 'spread' scores (continuous, wide) leave one list per tag almost
     everywhere; 'steps' (multiples of 1/4 in a narrow range) leave two or more lists and make
     exact ties at the pruning bound; 'flat' (-1, 0, 1) makes so many ties that the step falls back
     to the full merge rounds. Tag 1 is forbidden after every tag (no list survives for it) and

@@ -101,7 +101,7 @@ if has sanitize; then
 fi
 
 if has kbest_ab; then
-    # The two CUDA k-best kernels (csrc/cuda/viterbi.cu, CRFKIT_CUDA_KBEST_KERNEL) on the same
+    # The two CUDA k-best kernels (csrc/cuda/kbest.cu, CRFKIT_CUDA_KBEST_KERNEL) on the same
     # build, alternating, K = 5 and 15, three rounds: the numbers that set the `auto` rule.
     # (`stage` runs its command under timeout, so the loop is a bash -c script, not a function.)
     stage kbest_ab 30 env PY="$PY" SHAPES="${KBEST_AB_SHAPES:-1x128x9,32x512x9,256x128x9,1024x128x9}" bash -c '

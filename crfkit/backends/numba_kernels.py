@@ -438,7 +438,7 @@ def _kbest_step(lists, transitions, emissions, b, i, out, backpointers, heads_va
     """One k-best step, position i-1 -> i: for every tag t, the K best of lists[s, r] +
     trans[s, t] over predecessors s and ranks r (each list is sorted), plus emissions[b, i, t].
     The T merges run side by side, the inner loops across t (independent lanes that LLVM can
-    vectorise), as in csrc/cpu/viterbi.cpp."""
+    vectorise), as in csrc/cpu/kbest.cpp."""
     T, K = lists.shape
     for s in range(T):
         for t in range(T):

@@ -2,7 +2,7 @@
 // does for Viterbi: lane j of every vector belongs to sentence j of a group of
 // Lanes<scalar_t>::kCount sentences (16 floats or 8 doubles), sorted longest first.
 //
-// Why: the per-sentence kernel (kbest_step in viterbi.cpp) puts the tags in lanes, so at small T
+// Why: the per-sentence kernel (kbest_step in kbest.cpp) puts the tags in lanes, so at small T
 // most lanes are idle (T = 9 fills 9 of 16), and each of its K merge rounds ends in a scalar
 // loop over the tags. Here every lane is a sentence, so all lanes work at any T.
 //
@@ -254,7 +254,7 @@ inline void merge_lanes(const typename Lanes<scalar_t>::Vector* __restrict__ lis
 inline constexpr int kPrunedMergeMinTags = 9;
 
 // One merge of merge_lanes (kT > 0, one target tag) with the lists that cannot contribute left
-// out, kbest_step_pruned's idea (viterbi.cpp) in lanes. Per lane, let s1 be the list of the
+// out, kbest_step_pruned's idea (kbest.cpp) in lanes. Per lane, let s1 be the list of the
 // best head (the first maximum, as merge_lanes' round 0) and theta = lists[s1][K - 1] +
 // offset(s1), its K-th candidate: every other list whose head is below theta loses to each of
 // s1's K candidates, so only the lists with head >= theta take part. Where, in every active
@@ -548,7 +548,7 @@ void kbest_lane_group(const scalar_t* emissions, const scalar_t* trans, const sc
 }
 
 // ---- the batch -----------------------------------------------------------------------------------
-// Whether the per-sentence kernel merges surviving K-lists in vectors (viterbi.cpp,
+// Whether the per-sentence kernel merges surviving K-lists in vectors (kbest.cpp,
 // merge_surviving_lists): float, K <= 16 (a list in one 512-bit vector), AVX-512 builds.
 template <typename scalar_t>
 constexpr bool kbest_merges_in_vectors(int64_t K) {

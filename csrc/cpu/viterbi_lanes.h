@@ -293,7 +293,7 @@ struct LanePlan {
 // tables). With AVX-512: about 1 + T / 8 while the per-sentence kernel holds its tags in
 // registers (up to 8 vectors: 128 floats, 64 doubles), 3 past that. (The values past 8 vectors
 // were measured while the per-sentence kernel looped over memory there; it has since kept
-// blocks of 8 vectors in registers at any T, viterbi.cpp for_each_register_block, and they were
+// blocks of 8 vectors in registers at any T, viterbi_common.h for_each_register_block, and they were
 // not re-measured, so there lanes may now be chosen where they lose.) (A lane group does T * T
 // max-plus updates of kCount sentences per position; the per-sentence kernel T * ceil(T /
 // kCount) of one sentence, but as chains of dependent steps.)

@@ -94,7 +94,7 @@ void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengt
 
 // log Z (B,) for CRF arguments checked by checked_cuda_args and validated into `status` by
 // launch_validate_inputs; launched on the current stream, the caller raises
-// (log_partition.cu; used by kbest_viterbi_with_log_probs in viterbi.cu).
+// (log_partition.cu; used by kbest_viterbi_with_log_probs in kbest.cu).
 at::Tensor launch_log_partition(const CrfArgs& a, Status& status);
 
 // ---- arguments -----------------------------------------------------------------------------

@@ -944,7 +944,7 @@ FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const 
 }  // namespace
 
 // log Z (B,) launched on the current stream for arguments already checked and validated
-// (common.cuh); the caller raises from `status` (kbest_viterbi_with_log_probs in viterbi.cu).
+// (common.cuh); the caller raises from `status` (kbest_viterbi_with_log_probs in kbest.cu).
 at::Tensor launch_log_partition(const CrfArgs& a, Status& status) {
   return launch_fb<Output::kLogPartition>(a, at::Tensor(), status).log_z;
 }

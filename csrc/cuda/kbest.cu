@@ -1,0 +1,472 @@
+// CUDA kernels: exact k-best Viterbi, the whole time loop and the backtrace in one launch, with
+// results identical to the CPU kernel (csrc/cpu/kbest.cpp) bit for bit: kbest_kernel (a group of
+// lanes per sentence, a lane per tag) and kbest_per_tag_kernel (a block per sentence, a group of
+// lanes per tag), and k-best with log-probabilities (kbest_viterbi_with_log_probs). The layout,
+// the arithmetic and the tie rule are described in viterbi_common.cuh, which holds what k-best
+// shares with Viterbi (viterbi.cu).
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "common.cuh"
+#include "viterbi_common.cuh"
+
+namespace crfkit {
+namespace cuda {
+namespace {
+
+// Per-group k-best workspace for scores of type scalar_t, T tags, lists of K, G lanes.
+struct KbestArena {
+  size_t lists_a, lists_b;  // (T, K) scalars each: the lists of the previous / current position
+  size_t head_values;       // (T, G) scalars: [s][lane] next candidate of list s for the lane's tag
+  size_t heads;             // (T, G) int32: [s][lane] entries of list s already taken
+  size_t final_values;      // (K,) scalars: the K best totals (after end scores)
+  size_t final_codes;       // (K,) int32: their codes s * K + rank
+  size_t bytes;
+};
+
+// Buffers laid out one after another, 16-byte aligned: the offset of a buffer of `bytes`, with
+// `at` moved past it.
+__host__ __device__ inline size_t place(size_t& at, size_t bytes) {
+  const size_t offset = at;
+  at = align_up(at + bytes);
+  return offset;
+}
+
+template <typename scalar_t>
+__host__ __device__ inline KbestArena kbest_arena(int64_t T, int64_t K, int64_t G) {
+  KbestArena a{};
+  size_t at = 0;
+  a.lists_a = place(at, T * K * sizeof(scalar_t));
+  a.lists_b = place(at, T * K * sizeof(scalar_t));
+  a.head_values = place(at, T * G * sizeof(scalar_t));
+  a.heads = place(at, T * G * sizeof(int32_t));
+  a.final_values = place(at, K * sizeof(scalar_t));
+  a.final_codes = place(at, K * sizeof(int32_t));
+  a.bytes = at;
+  return a;
+}
+
+// Row `row` of sentence b's k-best output, from the final merge's value and code (last tag * K +
+// rank): its score, and its path followed back through the backpointers [(i * T + t) * K + r].
+// A row of value -inf (fewer than K sequences exist) keeps what the host filled in (-inf, -1).
+template <typename scalar_t, typename bp_t>
+__device__ void write_kbest_row(const DecodeParams<scalar_t, bp_t>& p, int64_t b, int64_t n, int64_t row,
+                                scalar_t value, int64_t code, const bp_t* backpointers) {
+  if (value == neg_inf<scalar_t>()) return;
+  const int64_t T = p.num_tags, K = p.list_len;
+  p.scores[b * p.rows + row] = value;
+  int64_t* path = p.paths + (b * p.rows + row) * p.max_len;
+  int64_t tag = code / K, rank = code % K;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    path[i] = tag;
+    if (i == 0) break;
+    const int64_t previous = backpointers[(i * T + tag) * K + rank];
+    if (previous >= T * K) break;  // cannot happen with valid data; never read out of range
+    tag = previous / K;
+    rank = previous % K;
+  }
+}
+
+template <typename scalar_t, typename bp_t, bool kAllShared>
+__global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const DecodeParams<scalar_t, bp_t> p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  const int T = p.num_tags;
+  const int G = p.plan.lanes;
+  const int group = threadIdx.x / G;
+  const int lane = threadIdx.x % G;
+  const int64_t slot = (int64_t)blockIdx.x * p.plan.groups_per_block + group;
+  const int64_t L = p.max_len;
+  const int64_t K = p.list_len;
+  const scalar_t kNegInf = neg_inf<scalar_t>();
+
+  unsigned char* cursor = shared_raw;
+  unsigned char* const arena = group_arena<kAllShared>(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
+  const scalar_t* trans = stage_table<kAllShared>(cursor, p.plan.tables_in_shared, p.transitions, (int64_t)T * T);
+  __syncthreads();  // the only block-wide barrier: the transitions are staged
+  const KbestArena layout = kbest_arena<scalar_t>(T, K, G);
+  scalar_t* const lists_a = reinterpret_cast<scalar_t*>(arena + layout.lists_a);  // [t * K + r]
+  scalar_t* const lists_b = reinterpret_cast<scalar_t*>(arena + layout.lists_b);
+  // This lane's column of the merge state: entry s at [s * G].
+  scalar_t* const head_values = reinterpret_cast<scalar_t*>(arena + layout.head_values) + lane;
+  int32_t* const heads = reinterpret_cast<int32_t*>(arena + layout.heads) + lane;
+  scalar_t* const final_values = reinterpret_cast<scalar_t*>(arena + layout.final_values);
+  int32_t* const final_codes = reinterpret_cast<int32_t*>(arena + layout.final_codes);
+  bp_t* const backpointers = p.backpointers + slot * L * T * K;  // [(i * T + t) * K + r]
+
+  const int64_t grid_groups = (int64_t)gridDim.x * p.plan.groups_per_block;
+  for (int64_t first = (int64_t)blockIdx.x * p.plan.groups_per_block; first < p.batch; first += grid_groups) {
+    __syncwarp();  // the previous sentence (backtrace included) is finished by every lane
+    const Sentence sentence = next_sentence(first, group, p.lengths, p.batch, L);
+    const int64_t n = sentence.n;
+    const scalar_t* emit = p.emissions + (sentence.exists ? sentence.b : 0) * L * T;
+    bool bad = false;
+    scalar_t* cur = lists_a;
+    scalar_t* next = lists_b;
+    if (n > 0) {  // position 0: one sequence per tag, in rank 0 of its list
+      for (int t = lane; t < T; t += G) {
+        const scalar_t e = emit[t];
+        bad |= is_nan_or_pos_inf(e);
+        cur[t * K] = p.start[t] + e;
+        for (int64_t r = 1; r < K; ++r) cur[t * K + r] = kNegInf;
+      }
+    }
+    scalar_t emit_ahead = lane < T && n > 1 ? emit[T + lane] : scalar_t(0);  // as in viterbi_kernel
+    for (int64_t i = 1; i < sentence.steps; ++i) {
+      __syncwarp();  // cur complete, and everyone is done reading next (the lists before cur)
+      if (i < n) {
+        const scalar_t* emit_i = emit + i * T;
+        const scalar_t emit_first = emit_ahead;
+        if (lane < T && i + 1 < n) emit_ahead = emit_i[T + lane];
+        for (int t = lane; t < T; t += G) {
+          const scalar_t e = t == lane ? emit_first : emit_i[t];
+          bad |= is_nan_or_pos_inf(e);
+          // The K best of cur[s][r] + trans[s, t] over all s, r (the CPU kbest_step for one t).
+          for (int s = 0; s < T; ++s) {
+            head_values[s * G] = cur[s * K] + trans[s * T + t];
+            heads[s * G] = 0;
+          }
+          scalar_t* out = next + t * K;
+          bp_t* bp = backpointers + (i * T + t) * K;
+          int64_t r = 0;
+          for (; r < K; ++r) {
+            scalar_t best = head_values[0];
+            int best_s = 0;
+            for (int s = 1; s < T; ++s) {
+              const scalar_t v = head_values[s * G];
+              if (v > best) {  // strict: the smaller predecessor wins a tie
+                best = v;
+                best_s = s;
+              }
+            }
+            if (best == kNegInf) break;  // no sequence left for this slot or any later one
+            out[r] = best + e;
+            const int32_t rank = heads[best_s * G];
+            heads[best_s * G] = rank + 1;
+            bp[r] = static_cast<bp_t>(best_s * K + rank);
+            head_values[best_s * G] = rank + 1 < K ? cur[best_s * K + rank + 1] + trans[best_s * T + t] : kNegInf;
+          }
+          for (; r < K; ++r) out[r] = kNegInf;
+        }
+        scalar_t* swap = cur;
+        cur = next;
+        next = swap;
+      }
+    }
+    __syncwarp();  // the last lists and every backpointer are visible to the whole group
+    bad = group_max(static_cast<int>(bad), G) != 0;
+    // The K best over last tags (the CPU merge_top_k with the end scores), on the first lane.
+    if (lane == 0 && n > 0 && !bad) {
+      for (int s = 0; s < T; ++s) {
+        head_values[s * G] = cur[s * K] + p.end[s];
+        heads[s * G] = 0;
+      }
+      for (int64_t out = 0; out < K; ++out) {
+        scalar_t best = head_values[0];
+        int best_s = 0;
+        for (int s = 1; s < T; ++s) {
+          const scalar_t v = head_values[s * G];
+          if (v > best) {  // strict: the smaller last tag wins a tie
+            best = v;
+            best_s = s;
+          }
+        }
+        if (best == kNegInf) {  // only -inf left: these rows hold no sequence
+          for (; out < K; ++out) final_values[out] = kNegInf;
+          break;
+        }
+        final_values[out] = best;
+        const int32_t rank = heads[best_s * G];
+        heads[best_s * G] = rank + 1;
+        final_codes[out] = static_cast<int32_t>(best_s * K + rank);
+        head_values[best_s * G] = rank + 1 < K ? cur[best_s * K + rank + 1] + p.end[best_s] : kNegInf;
+      }
+    }
+    __syncwarp();  // final_values / final_codes visible to the group
+    if (!sentence.exists) continue;
+    const int64_t b = sentence.b;
+    if (bad) {
+      if (lane == 0) report(p.status, kBadEmissions, b);
+      continue;
+    }
+    if (n == 0) {  // exactly one sequence, the empty one, of score 0 (row 0; its path is all -1)
+      if (lane == 0) p.scores[b * p.rows] = 0;
+      continue;
+    }
+    for (int64_t row = lane; row < K; row += G) {  // one backtrace per lane
+      write_kbest_row(p, b, n, row, final_values[row], final_codes[row], backpointers);
+    }
+  }
+}
+
+// ---- k-best for small batches: a block per sentence, a group of lanes per tag ----------------
+// kbest_kernel gives each tag's merge (K rounds, each a scan over the T list heads) to ONE
+// lane, so a position costs about K * T dependent shared-memory steps: with few sentences the
+// device is nearly idle and that chain is most of the time (benchmarks/results/NOTES.md has a
+// timing). Here a sentence gets a whole block: one group of G lanes per tag t (G = the smallest
+// power of two >= T, so T * G <= 1024 for T <= 32), and lane s of the group holds the head of
+// predecessor s's list. A round of the merge is then one group_argmax
+// over the heads (log2 G shuffle steps) instead of a T-step scan, and the T tags' merges run at
+// once. Each lane's transition trans[s, t] and end score end[s] never change: they live in
+// registers. The picks, their order and the arithmetic are those of kbest_kernel (and the CPU
+// kbest_step): head = list[s][rank] + trans[s, t], the largest head wins with the smaller s
+// winning a tie, out = head + emission; so the results are identical bit for bit.
+
+// Shared memory of one block of kbest_per_tag_kernel (byte offsets).
+struct PerTagPlan {
+  int lanes = 1;        // G
+  int threads = 32;     // T * G rounded up to whole warps
+  size_t lists_a = 0, lists_b = 0;  // (T, K) scalars each: the lists of the previous / current position
+  size_t final_values = 0;          // (K,) scalars: the K best totals (after end scores)
+  size_t final_codes = 0;           // (K,) int32: their codes s * K + rank
+  size_t backpointers = 0;          // (L, T, K) bp_t, when backpointers_in_shared
+  bool backpointers_in_shared = false;
+  size_t shared_bytes = 0;
+};
+
+template <typename scalar_t, typename bp_t>
+PerTagPlan per_tag_plan(int64_t T, int64_t K, int64_t L) {
+  PerTagPlan plan;
+  plan.lanes = lanes_per_sentence(T);
+  plan.threads = (int)((T * plan.lanes + kWarpSize - 1) / kWarpSize * kWarpSize);
+  size_t at = 0;
+  plan.lists_a = place(at, T * K * sizeof(scalar_t));
+  plan.lists_b = place(at, T * K * sizeof(scalar_t));
+  plan.final_values = place(at, K * sizeof(scalar_t));
+  plan.final_codes = place(at, K * sizeof(int32_t));
+  // The backtrace follows L dependent backpointers: from shared memory when they fit (short
+  // sentences, small K), else from the global workspace.
+  const size_t backpointer_bytes = align_up(L * T * K * sizeof(bp_t));
+  plan.backpointers = at;
+  plan.backpointers_in_shared = at + backpointer_bytes <= kSharedBudget;
+  if (plan.backpointers_in_shared) at += backpointer_bytes;
+  plan.shared_bytes = at;
+  return plan;
+}
+
+// A merge round by round of T lists sorted in descending order, lists[s * K + r], each shifted
+// by the offset of its lane: the K largest of lists[s * K + r] + offset_s over all s and r, by
+// the G lanes of a group, lane s walking list s (`walks` false for lanes without a list and for
+// idle groups). Round r: the group's largest head, the smaller s on a tie (the sequential merge
+// scans s upwards with a strict '>'); the lane that owns it calls take(r, value, s * K + rank)
+// and advances. Once only -inf is left, the rounds take -inf. Every lane of the warp runs all K
+// rounds (shuffles with the full mask).
+template <typename scalar_t, typename Take>
+__device__ __forceinline__ void group_merge_lists(const scalar_t* lists, int64_t K, scalar_t offset, bool walks, int s,
+                                                  int G, Take&& take) {
+  int rank = 0;
+  scalar_t head = walks ? lists[s * K] + offset : neg_inf<scalar_t>();
+  for (int64_t r = 0; r < K; ++r) {
+    scalar_t best = head;
+    int best_s = s;
+    group_argmax(best, best_s, G);
+    if (best_s == s) {
+      if (walks) take(r, best, (int64_t)s * K + rank);
+      ++rank;
+      head = walks && rank < K ? lists[s * K + rank] + offset : neg_inf<scalar_t>();
+    }
+  }
+}
+
+template <typename scalar_t, typename bp_t>
+__global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<scalar_t, bp_t> p, const PerTagPlan plan) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  const int T = p.num_tags;
+  const int G = plan.lanes;
+  const int t = threadIdx.x / G;  // the tag this lane's group merges for (t >= T: an idle group)
+  const int s = threadIdx.x % G;  // the predecessor whose list the lane walks (s >= T: none)
+  const bool walks = t < T && s < T;
+  const int64_t L = p.max_len;
+  const int64_t K = p.list_len;
+  const scalar_t kNegInf = neg_inf<scalar_t>();
+  const scalar_t transition = walks ? p.transitions[s * T + t] : scalar_t(0);  // trans[s, t]
+  const scalar_t end_score = s < T ? p.end[s] : scalar_t(0);                   // for the final merge
+
+  scalar_t* const lists_a = reinterpret_cast<scalar_t*>(shared_raw + plan.lists_a);  // [t * K + r]
+  scalar_t* const lists_b = reinterpret_cast<scalar_t*>(shared_raw + plan.lists_b);
+  scalar_t* const final_values = reinterpret_cast<scalar_t*>(shared_raw + plan.final_values);
+  int32_t* const final_codes = reinterpret_cast<int32_t*>(shared_raw + plan.final_codes);
+  bp_t* const backpointers = plan.backpointers_in_shared  // [(i * T + t) * K + r]
+                                 ? reinterpret_cast<bp_t*>(shared_raw + plan.backpointers)
+                                 : p.backpointers + (int64_t)blockIdx.x * L * T * K;
+
+  for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
+    __syncthreads();  // the previous sentence (backtrace included) is finished by every lane
+    const int64_t n = safe_length(p.lengths, b, L);
+    const scalar_t* emit = p.emissions + b * L * T;
+    bool bad = false;  // this lane saw a NaN / +inf emission
+    for (int64_t x = threadIdx.x; x < T * K; x += blockDim.x) {  // position 0: rank 0 of each list
+      const int64_t tag = x / K;
+      lists_a[x] = x % K == 0 && n > 0 ? p.start[tag] + emit[tag] : kNegInf;
+      if (x % K == 0 && n > 0) bad |= is_nan_or_pos_inf(emit[tag]);
+    }
+    scalar_t* cur = lists_a;
+    scalar_t* next = lists_b;
+    // The group's emission, loaded one position ahead (its latency overlaps a whole step).
+    scalar_t emit_ahead = t < T && n > 1 ? emit[T + t] : scalar_t(0);
+    __syncthreads();  // position 0's lists are complete
+    for (int64_t i = 1; i < n; ++i) {
+      const scalar_t e = emit_ahead;
+      if (t < T && i + 1 < n) emit_ahead = emit[(i + 1) * T + t];
+      if (walks && s == 0) bad |= is_nan_or_pos_inf(e);
+      scalar_t* out = next + t * K;
+      bp_t* bp = backpointers + (i * T + t) * K;
+      group_merge_lists(cur, K, transition, walks, s, G, [&](int64_t r, scalar_t best, int64_t code) {
+        if (best == kNegInf) {  // no sequence left for this slot
+          out[r] = kNegInf;
+        } else {
+          out[r] = best + e;
+          bp[r] = static_cast<bp_t>(code);
+        }
+      });
+      __syncthreads();  // next is complete, and nobody reads cur any more
+      scalar_t* swap = cur;
+      cur = next;
+      next = swap;
+    }
+    const bool sentence_bad = __syncthreads_or(bad) != 0;
+    // The K best over last tags (with the end scores): group 0's lanes walk the lists; the rest
+    // of warp 0 joins the shuffles only.
+    if (threadIdx.x < kWarpSize && n > 0 && !sentence_bad) {
+      group_merge_lists(cur, K, end_score, t == 0 && s < T, s, G, [&](int64_t r, scalar_t best, int64_t code) {
+        final_values[r] = best;
+        final_codes[r] = static_cast<int32_t>(code);
+      });
+    }
+    __syncthreads();  // final_values / final_codes and every backpointer visible to the block
+    if (sentence_bad) {
+      if (threadIdx.x == 0) report(p.status, kBadEmissions, b);
+      continue;
+    }
+    if (n == 0) {  // exactly one sequence, the empty one, of score 0 (row 0; its path is all -1)
+      if (threadIdx.x == 0) p.scores[b * p.rows] = 0;
+      continue;
+    }
+    for (int64_t row = threadIdx.x; row < K; row += blockDim.x) {  // one backtrace per lane
+      write_kbest_row(p, b, n, row, final_values[row], final_codes[row], backpointers);
+    }
+  }
+}
+
+// Number of tag sequences of length L, saturated at `cap` (as the CPU kernel).
+int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
+  int64_t count = 1;
+  for (int64_t i = 0; i < L && count < cap; ++i) count = count > cap / T ? cap : count * T;
+  return std::min(count, cap);
+}
+
+// Which k-best kernel runs: CRFKIT_CUDA_KBEST_KERNEL =
+//   per_sentence  kbest_kernel (the default for now);
+//   per_tag       kbest_per_tag_kernel wherever it applies (launch_kbest_per_tag), else kbest_kernel;
+//   auto          kbest_per_tag_kernel where it applies and the batch fits in one wave of its
+//                 blocks (every sentence's block resident at once), else kbest_kernel.
+// kbest_per_tag_kernel passed the tests in the CPU emulator (tools/cuda_compile_check/emulator)
+// but has not yet run or been timed on a GPU, so it is opt-in until it has; `auto` is the rule
+// meant to become the default then (the one-wave threshold is itself a guess to be set from
+// those timings). Tests run both kernels on the same inputs.
+enum class KbestKernel { kPerSentence, kPerTag, kAuto };
+
+KbestKernel kbest_kernel_choice() {
+  const char* value = std::getenv("CRFKIT_CUDA_KBEST_KERNEL");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "per_sentence") == 0) return KbestKernel::kPerSentence;
+  if (std::strcmp(value, "per_tag") == 0) return KbestKernel::kPerTag;
+  if (std::strcmp(value, "auto") == 0) return KbestKernel::kAuto;
+  TORCH_CHECK_VALUE(false, "crfkit: the environment variable CRFKIT_CUDA_KBEST_KERNEL must be per_sentence, per_tag "
+                    "or auto, got '", value, "'");
+}
+
+// Launches kbest_per_tag_kernel and returns true, or returns false (nothing launched) where it
+// does not apply (T > 32: a group per tag would not fit in a block; lists too large for shared
+// memory) or, unless `forced`, where the batch needs more than one wave of its blocks.
+template <typename scalar_t, typename bp_t>
+bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced, at::Tensor& scores,
+                          at::Tensor& paths, Status& status) {
+  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
+  const PerTagPlan plan = per_tag_plan<scalar_t, bp_t>(T, K, L);
+  if (T > kWarpSize || plan.backpointers > kSharedBudget) return false;
+  if (B == 0) return true;
+  const auto kernel = kbest_per_tag_kernel<scalar_t, bp_t>;
+  SharedPlan one_sentence_per_block;
+  one_sentence_per_block.threads = plan.threads;
+  one_sentence_per_block.groups_per_block = 1;
+  one_sentence_per_block.shared_bytes = plan.shared_bytes;
+  const int64_t resident = persistent_blocks(kernel, one_sentence_per_block, B);
+  if (!forced && resident < B) return false;
+  const int64_t per_block = L * T * K * (int64_t)sizeof(bp_t);  // > 0 when not in shared memory
+  const int64_t blocks = plan.backpointers_in_shared
+                             ? resident
+                             : std::min(resident, std::max<int64_t>(1, kBackpointerBudget / per_block));
+  const auto bytes = a.emissions.options().dtype(at::kByte);
+  at::Tensor backpointers = plan.backpointers_in_shared ? at::Tensor() : at::empty({std::max<int64_t>(1, blocks * per_block)}, bytes);
+
+  const auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status);
+  kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, current_stream()>>>(params, plan);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+// scores (B, k), paths (B, k, L) int64: the k best distinct sequences per sentence, descending;
+// rows beyond the number of allowed sequences hold -1 / -inf.
+std::tuple<at::Tensor, at::Tensor> launch_kbest_viterbi(const CrfArgs& a, int64_t k, Status& status) {
+  TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
+  if (k == 1) {  // the 1-best is Viterbi, with the same tie rule: use the cheaper kernel
+    auto [best_scores, best_paths] = launch_viterbi(a, status);
+    return {best_scores.unsqueeze(1), best_paths.unsqueeze(1)};
+  }
+  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
+  // No sentence has more than T^L sequences, so lists longer than that only hold -inf.
+  const int64_t K = num_sequences_capped(T, L, k);
+  check_sizes(T, K);
+  at::Tensor paths = at::full({B, k, L}, -1, a.lengths.options());
+  at::Tensor scores = at::full({B, k}, -std::numeric_limits<double>::infinity(), a.emissions.options());
+  const KbestKernel choice = kbest_kernel_choice();
+  AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_kbest_viterbi_cuda", [&] {
+    const int G = lanes_per_sentence(T);
+    const size_t arena_bytes = kbest_arena<scalar_t>(T, K, G).bytes;
+    dispatch_backpointer_type(T * K, [&](auto bp_tag) {
+      using bp_t = decltype(bp_tag);
+      if (choice != KbestKernel::kPerSentence &&
+          launch_kbest_per_tag<scalar_t, bp_t>(a, k, K, choice == KbestKernel::kPerTag, scores, paths, status)) {
+        return;
+      }
+      launch_decoder<scalar_t, bp_t>(kbest_kernel<scalar_t, bp_t, true>, kbest_kernel<scalar_t, bp_t, false>, a, k,
+                                     K, arena_bytes, scores, paths, status);
+    });
+  });
+  return {scores, paths};
+}
+
+std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
+                                                      const at::Tensor& start, const at::Tensor& end,
+                                                      const at::Tensor& lengths, int64_t k) {
+  return checked_launch(emissions, transitions, start, end, lengths,
+                        [&](const CrfArgs& a, Status& status) { return launch_kbest_viterbi(a, k, status); });
+}
+
+// kbest_viterbi's outputs and log_probs (B, k) = scores - log Z (log Z clamped to the lowest
+// finite value, as reference.log_probs_from_scores does, so missing rows stay -inf): both
+// kernels and the subtraction queued on the stream, then one status read, where the two ops
+// called in turn read theirs twice.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cuda(
+    const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start, const at::Tensor& end,
+    const at::Tensor& lengths, int64_t k) {
+  return checked_launch(emissions, transitions, start, end, lengths, [&](const CrfArgs& a, Status& status) {
+    auto [scores, paths] = launch_kbest_viterbi(a, k, status);
+    const at::Tensor log_z = launch_log_partition(a, status);
+    const double lowest = a.emissions.scalar_type() == at::kFloat ? std::numeric_limits<float>::lowest()
+                                                                   : std::numeric_limits<double>::lowest();
+    at::Tensor log_probs = scores - log_z.clamp_min(lowest).unsqueeze(1);
+    return std::make_tuple(scores, paths, log_probs);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("kbest_viterbi", &kbest_viterbi_cuda);
+  m.impl("kbest_viterbi_with_log_probs", &kbest_viterbi_with_log_probs_cuda);
+}
+
+}  // namespace cuda
+}  // namespace crfkit
