@@ -33,7 +33,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,15 +55,18 @@ STAGES = ("teacher", "label", "students", "report")
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One student run: a variant of crfkit.training.VARIANTS, K (teacher paths), a seed."""
+    """One student run: a variant of crfkit.training.VARIANTS, K (teacher paths), a seed, and for
+    the DA variants the pool ("news", "aug1", "news-aug1"), so runs on different pools never
+    share a folder."""
 
     variant: str
     k: int
     seed: int
+    pool: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.variant}-k{self.k}-seed{self.seed}"
+        return f"{self.variant}-k{self.k}-seed{self.seed}" + (f"-{self.pool}" if self.pool else "")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -111,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.run_specs = [_parse_run(text, args.k, seed) for text in args.runs for seed in args.seeds]
     if not (args.da_augment or args.da_news) and any(_variant(spec).da for spec in args.run_specs):
         parser.error("the DA variants need a pool of unlabelled text: give --da-news or --da-augment 1 (or more)")
+    pool = "-".join((["news"] if args.da_news else []) + ([f"aug{args.da_augment}"] if args.da_augment else []))
+    args.run_specs = [replace(spec, pool=pool) if _variant(spec).da else spec for spec in args.run_specs]
     largest = max([spec.k for spec in args.run_specs], default=args.k)
     args.cache_k = args.cache_k or largest
     if args.cache_k < largest:
@@ -301,7 +306,6 @@ def build_student(args, corpus: Corpus, teacher_dir: str, embeddings: str) -> Bi
 
 def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) -> dict:
     import transformers
-    from dataclasses import replace
 
     from .training import fit_tagger, fit_tagger_gradually, tagging_items
 

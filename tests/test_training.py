@@ -416,8 +416,10 @@ def test_pipeline_arguments():
     from crfkit import pipeline
 
     args = pipeline.parse_args(["--runs", "vanilla", "te_da_seq@10", "--seeds", "0", "1", "--da-augment", "1"])
-    assert [s.name for s in args.run_specs] == ["vanilla-k5-seed0", "vanilla-k5-seed1", "te_da_seq-k10-seed0",
-                                                "te_da_seq-k10-seed1"]
+    # a DA run's folder names its pool: runs on different pools never share one
+    assert [s.name for s in args.run_specs] == ["vanilla-k5-seed0", "vanilla-k5-seed1", "te_da_seq-k10-seed0-aug1",
+                                                "te_da_seq-k10-seed1-aug1"]
+    assert pipeline.parse_args(["--full", "--runs", "te_da", "--seeds", "2"]).run_specs[0].name == "te_da-k5-seed2-news"
     assert args.cache_k == 10 and args.workdir == "runs/quick" and args.teacher_epochs == 1.0
     assert pipeline.parse_args(["--full", "--runs", "te_seq"]).cache_k == 15
     full = pipeline.parse_args(["--full"])
@@ -468,7 +470,7 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     assert records[-1]["losses"] == [["hidden"], ["logit_mse"], ["hard"]] and records[-1]["K"] is None  # K unused
     assert records[-1]["gradual_unfreezing"] is True
     assert records[-3]["da_pool"] == {"news": 0, "augment": 1} and records[1]["da_pool"] is None
-    stages = tmp_path / "students" / "te_da_stagewise-k5-seed0"
+    stages = tmp_path / "students" / "te_da_stagewise-k5-seed0-aug1"
     for stage in ("stage1", "stage2", "stage3"):
         assert (stages / stage / "model" / "config.json").exists() and (stages / stage / "unfreeze2").is_dir()
     if with_glove:  # 400k GloVe words, frozen 50-d rows
