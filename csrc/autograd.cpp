@@ -27,7 +27,8 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using Grads4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// The gradients of the four score tensors, in the ops' order: emissions, transitions, start, end.
+using EmitTransStartEndGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The crfkit op `name` with C++ signature Signature, looked up once.
 template <typename Signature>
@@ -37,7 +38,7 @@ c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
 
 // The four gradients (emissions, transitions, start, end) followed by `undefined` empty
 // gradients, one per argument that has none (lengths, tags, k).
-variable_list with_no_grad_for(const Grads4& grads, int undefined) {
+variable_list with_no_grad_for(const EmitTransStartEndGrads& grads, int undefined) {
   variable_list out = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads), std::get<3>(grads)};
   out.resize(4 + undefined);
   return out;
@@ -45,10 +46,10 @@ variable_list with_no_grad_for(const Grads4& grads, int undefined) {
 
 // Gradient of path scores: ones at the emissions / transitions / start / end each path uses.
 // grad_scores (B, N), tags (B, N, L).
-Grads4 path_score_grads(const at::Tensor& grad_scores, const at::Tensor& emissions,
-                        const at::Tensor& lengths, const at::Tensor& tags) {
-  static const auto op = op_handle<Grads4(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&)>("crfkit::sequence_score_backward");
+EmitTransStartEndGrads path_score_grads(const at::Tensor& grad_scores, const at::Tensor& emissions,
+                                        const at::Tensor& lengths, const at::Tensor& tags) {
+  static const auto op = op_handle<EmitTransStartEndGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&)>("crfkit::sequence_score_backward");
   return op.call(grad_scores.contiguous(), emissions, lengths, tags);
 }
 
@@ -131,8 +132,9 @@ const auto& log_partition_with_marginals_op() {
 }
 
 const auto& log_partition_backward_from_marginals_op() {
-  static const auto op = op_handle<Grads4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-      "crfkit::log_partition_backward_from_marginals");
+  static const auto op =
+      op_handle<EmitTransStartEndGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "crfkit::log_partition_backward_from_marginals");
   return op;
 }
 
@@ -156,7 +158,7 @@ NodeHandle make_node(Args&&... args) {
   }
 }
 
-Grads4 once_differentiable(Grads4 grads, const variable_list& inputs) {
+EmitTransStartEndGrads once_differentiable(EmitTransStartEndGrads grads, const variable_list& inputs) {
   if (!at::GradMode::is_enabled()) return grads;
   torch::autograd::tensor_list outputs = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
                                           std::get<3>(grads)};
@@ -189,7 +191,7 @@ struct LogPartition : torch::autograd::Function<LogPartition> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor g = grads[0].contiguous();
     if (saved.size() == 7) {  // the inputs, then marginals and counts
-      Grads4 from_marginals;
+      EmitTransStartEndGrads from_marginals;
       {
         at::AutoDispatchBelowADInplaceOrView below_autograd;  // not differentiable: see once_differentiable
         from_marginals = log_partition_backward_from_marginals_op().call(g, saved[5], saved[6], saved[4]);
@@ -198,8 +200,8 @@ struct LogPartition : torch::autograd::Function<LogPartition> {
       return with_no_grad_for(once_differentiable(std::move(from_marginals), differentiated), 1);
     }
     static const auto op =
-        op_handle<Grads4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, const at::Tensor&)>("crfkit::log_partition_backward");
+        op_handle<EmitTransStartEndGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&)>("crfkit::log_partition_backward");
     return with_no_grad_for(op.call(g, saved[0], saved[1], saved[2], saved[3], saved[4]), 1);
   }
 };

@@ -16,8 +16,8 @@ lengths int64). Each op is a torch.autograd.Function around a numba kernel:
   transitions, start and end each path uses (one numba kernel for the three).
 
 The kernels are serial numba functions that release the GIL; a call splits the batch over
-torch.get_num_threads() threads (a small thread pool, see _run), like the compiled backend's
-at::parallel_for. Importing this module raises ImportError when numba is missing. The kernels
+torch.get_num_threads() threads (a small thread pool, see _call_over_batch), like the compiled
+backend's at::parallel_for. Importing this module raises ImportError when numba is missing. The kernels
 are compiled on first use (the exact decoding kernels once per dtype, the others once: they
 compute in float64) and cached on disk (numba's cache=True, in __pycache__).
 """
@@ -63,7 +63,7 @@ def _workers(count: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def _run(kernel, *args, batch: int, work: int) -> None:
+def _call_over_batch(kernel, *args, batch: int, work: int) -> None:
     """kernel(*args, first, step) over the batch, split across torch.get_num_threads() threads
     (the kernels release the GIL): thread j takes sentences j, j + step, j + 2 step, ..., which
     balances ragged lengths. Idle threads sleep; nothing spin-waits."""
@@ -134,10 +134,10 @@ def _forward_backward(mode, emissions, transitions, start, end, lengths, *, grad
     grad_start = torch.zeros((B, T), dtype=f64) if backward else torch.empty((0, 0), dtype=f64)
     grad_end = torch.zeros((B, T), dtype=f64) if backward else torch.empty((0, 0), dtype=f64)
     bad = np.zeros(B, dtype=np.bool_)
-    _run(kernels.forward_backward,
-         _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths), _np(grad_log_z), mode,
-         _np(rows), _np(offsets), _np(log_z), _np(grad_emissions), _np(grad_trans), _np(grad_start),
-         _np(grad_end), bad, batch=B, work=emissions.numel() * T)
+    _call_over_batch(kernels.forward_backward,
+                     _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths), _np(grad_log_z), mode,
+                     _np(rows), _np(offsets), _np(log_z), _np(grad_emissions), _np(grad_trans), _np(grad_start),
+                     _np(grad_end), bad, batch=B, work=emissions.numel() * T)
     _raise_if_bad(bad)
     return log_z, grad_emissions, grad_trans, grad_start, grad_end
 
@@ -240,8 +240,8 @@ class _Viterbi(_PathScores):
         paths = torch.full((B, L), -1, dtype=torch.long)
         scores = torch.empty(B, dtype=emissions.dtype)
         bad = np.zeros(B, dtype=np.bool_)
-        _run(kernels.viterbi, _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths),
-             _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T)
+        _call_over_batch(kernels.viterbi, _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths),
+                         _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T)
         _raise_if_bad(bad)
         _PathScores._save(ctx, emissions, lengths, paths)
         return scores, paths
@@ -272,8 +272,8 @@ class _KBest(_PathScores):
         scores = torch.full((B, k), float("-inf"), dtype=emissions.dtype)
         bad = np.zeros(B, dtype=np.bool_)
         K = _num_sequences_capped(T, L, k)
-        _run(kernels.kbest_viterbi, _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths),
-             K, _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T * K)
+        _call_over_batch(kernels.kbest_viterbi, _np(emissions), _np(transitions), _np(start), _np(end),
+                         _np(lengths), K, _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T * K)
         _raise_if_bad(bad)
         _PathScores._save(ctx, emissions, lengths, paths)
         return scores, paths
@@ -292,8 +292,9 @@ class _SequenceScore(_PathScores):
         scores = torch.empty((B, tags.shape[1]), dtype=emissions.dtype)
         bad = np.zeros(B, dtype=np.bool_)
         bad_tag = np.zeros(B, dtype=np.int64)
-        _run(kernels.sequence_score, _np(emissions), _np(transitions), _np(start), _np(end),
-             _np(lengths), _np(tags), _np(scores), bad, bad_tag, batch=B, work=emissions.numel() + tags.numel())
+        _call_over_batch(kernels.sequence_score, _np(emissions), _np(transitions), _np(start), _np(end),
+                         _np(lengths), _np(tags), _np(scores), bad, bad_tag, batch=B,
+                         work=emissions.numel() + tags.numel())
         _raise_if_bad_tag(bad_tag, tags, T)
         _raise_if_bad(bad)
         ctx.save_for_backward(lengths, tags)

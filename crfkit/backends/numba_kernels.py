@@ -5,10 +5,10 @@ Every kernel takes NumPy views of the validated tensors: emissions (B, L, T), tr
 sentence is one sequential scan, as in the C++ kernels (csrc/cpu/*.cpp), whose algorithms these
 follow. The batched kernels process sentences first, first + step, first + 2 step, ... and
 release the GIL (nogil), so the caller runs one call per thread with first = 0 .. step - 1
-(numba_backend._run). They are deliberately not numba parallel=True / prange kernels: those
-compile about twice as slowly, and numba's OpenMP threading layer (a second libgomp next to
-torch's) spin-waits: as soon as another process used a core, every call took a scheduler time
-slice (about 8 ms on a 2-core machine, for a 0.3 ms kernel).
+(numba_backend._call_over_batch). They are deliberately not numba parallel=True / prange
+kernels: those compile about twice as slowly, and numba's OpenMP threading layer (a second
+libgomp next to torch's) spin-waits: as soon as another process used a core, every call took a
+scheduler time slice (about 8 ms on a 2-core machine, for a 0.3 ms kernel).
 
 - log Z / marginals / backward: forward-backward in log space with per-position normalisation
   (each alpha / beta row is shifted so that its maximum is 0, the shifts are summed in float64),
@@ -38,10 +38,13 @@ import numpy as np
 _JIT = dict(cache=True, nogil=True)  # fastmath stays off (the default)
 
 NEG_INF = -np.inf
-# A probability-space sum at or above this is trusted as it is (see csrc/cpu/log_space.h); the
-# forward-backward kernels compute in float64.
+# The thresholds shared with the C++ / CUDA kernels: csrc/numerics.h, which Python cannot include
+# (tests/test_numerics_header.py holds these to its double values). The forward-backward
+# kernels compute in float64.
+# A probability-space sum at or above this is trusted as it is (trusted_sum_min<double>).
 TRUSTED_SUM_MIN = 2.0 ** -960
-# Pairwise marginals use exp(w) * p[s] * E[t][s] while w stays below this bound (float64).
+# Pairwise marginals use exp(w) * p[s] * E[t][s] while w is at most this bound
+# (pairwise_fast_bound<double>).
 PAIRWISE_FAST_BOUND = 600.0
 
 # Modes of forward_backward.

@@ -145,10 +145,10 @@ inline double* lane_rows_workspace(int64_t size) {
 // log-space scans above when that path reports a value out of its range. Outputs that an op
 // does not have are null (start_out / end_out may be null in the pairwise ops too).
 template <typename scalar_t, Output kOut>
-void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
-                   const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
-                   const scalar_t* grad_log_z, scalar_t* log_z_out, scalar_t* emit_out,
-                   scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out) {
+void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& transitions,
+                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
+                            const scalar_t* grad_log_z, scalar_t* log_z_out, scalar_t* emit_out,
+                            scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out) {
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const scalar_t* emit = emissions.data_ptr<scalar_t>();
   const scalar_t* trans = transitions.data_ptr<scalar_t>();
@@ -264,9 +264,11 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
                             offset.data(), work.data());
       };
       double log_z = 0;
-      const bool fast = tables.usable && prob_forward(emit_b, st, tables, n, keep_rows, prob_a.data(),
-                                                      prob_w.data(), prob_work.data(), &log_z);
-      if (!fast) log_z = exact_forward();
+      // Whether the probability-space forward stayed in its range (else the exact scan ran).
+      const bool forward_in_prob_space =
+          tables.usable &&
+          prob_forward(emit_b, st, tables, n, keep_rows, prob_a.data(), prob_w.data(), prob_work.data(), &log_z);
+      if (!forward_in_prob_space) log_z = exact_forward();
       if (writes_log_z && !has_log_z[b]) log_z_out[b] = static_cast<scalar_t>(log_z);
       if constexpr (keep_rows) {
         // Every sequence forbidden: log Z = -inf and all gradients / marginals stay 0.
@@ -276,12 +278,13 @@ void run_sentences(const at::Tensor& emissions, const at::Tensor& transitions,
         scalar_t* grad_emit_b = emit_out + b * L * T;
         scalar_t* grad_start_b = start_out != nullptr ? start_out + b * T : nullptr;
         scalar_t* grad_end_b = end_out != nullptr ? end_out + b * T : nullptr;
-        if (fast && prob_backward<scalar_t, pairwise>(tables, n, prob_a.data(), prob_w.data(), g,
-                                                      grad_emit_b, grad_trans_b, grad_start_b,
-                                                      grad_end_b, prob_work.data())) {
+        if (forward_in_prob_space &&
+            prob_backward<scalar_t, pairwise>(tables, n, prob_a.data(), prob_w.data(), g, grad_emit_b, grad_trans_b,
+                                              grad_start_b, grad_end_b, prob_work.data())) {
           continue;
         }
-        if (fast) {  // the backward left its range: discard its partial sums, redo exactly
+        // The probability-space backward left its range: discard its partial sums, redo exactly.
+        if (forward_in_prob_space) {
           if (pairwise) std::fill(grad_trans_b, grad_trans_b + T * T, scalar_t(0));
           log_z = exact_forward();
         }
@@ -303,9 +306,9 @@ at::Tensor log_partition_cpu(const at::Tensor& emissions_in, const at::Tensor& t
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   auto log_z = at::empty({emissions.size(0)}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition", [&] {
-    run_sentences<scalar_t, Output::kLogPartition>(emissions, transitions, start, end, lengths,
-                                                   nullptr, log_z.data_ptr<scalar_t>(), nullptr,
-                                                   nullptr, nullptr, nullptr);
+    forward_backward_batch<scalar_t, Output::kLogPartition>(emissions, transitions, start, end, lengths,
+                                                            nullptr, log_z.data_ptr<scalar_t>(), nullptr,
+                                                            nullptr, nullptr, nullptr);
   });
   return log_z;
 }
@@ -317,9 +320,9 @@ at::Tensor marginals_cpu(const at::Tensor& emissions_in, const at::Tensor& trans
       checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
   auto marginals = at::empty_like(emissions);  // zeroed per sentence by the kernel
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals", [&] {
-    run_sentences<scalar_t, Output::kMarginals>(emissions, transitions, start, end, lengths,
-                                                nullptr, nullptr, marginals.data_ptr<scalar_t>(),
-                                                nullptr, nullptr, nullptr);
+    forward_backward_batch<scalar_t, Output::kMarginals>(emissions, transitions, start, end, lengths,
+                                                         nullptr, nullptr, marginals.data_ptr<scalar_t>(),
+                                                         nullptr, nullptr, nullptr);
   });
   return marginals;
 }
@@ -340,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   auto grad_start = at::zeros({B, T}, emissions.options());
   auto grad_end = at::zeros({B, T}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward", [&] {
-    run_sentences<scalar_t, Output::kBackward>(
+    forward_backward_batch<scalar_t, Output::kBackward>(
         emissions, transitions, start, end, lengths, grad_log_z.data_ptr<scalar_t>(), nullptr,
         grad_emissions.data_ptr<scalar_t>(), grad_trans.data_ptr<scalar_t>(),
         grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>());
@@ -365,7 +368,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cpu(
   auto marginals = recycled_tensor(emissions.sizes(), emissions.scalar_type());  // zeroed per sentence by the kernel
   auto counts = recycled_tensor({B, T, T}, emissions.scalar_type()).zero_();
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_with_marginals", [&] {
-    run_sentences<scalar_t, Output::kLogPartitionWithMarginals>(
+    forward_backward_batch<scalar_t, Output::kLogPartitionWithMarginals>(
         emissions, transitions, start, end, lengths, nullptr, log_z.data_ptr<scalar_t>(),
         marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(), nullptr, nullptr);
   });

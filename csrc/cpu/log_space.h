@@ -7,14 +7,17 @@
 // per call, so a position costs T exponentials, a T x T matrix-vector product and T logs.
 // Every factor is <= 1, so nothing overflows; the one risk is underflow, when the terms that
 // matter are far below exp(a_max + col_max[t]). The dot product is then tiny, and whenever it
-// falls below `trusted_sum_min` we recompute that column exactly in log space. The exact path
-// is what the reference does; the fast path agrees with it to rounding (tests/test_parity.py).
+// falls below `trusted_sum_min` (csrc/numerics.h) we recompute that column exactly in log
+// space. The exact path is what the reference does; the fast path agrees with it to rounding
+// (tests/test_parity.py).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#include "../numerics.h"  // trusted_sum_min, pairwise_fast_bound
 
 namespace crfkit {
 namespace cpu {
@@ -23,25 +26,6 @@ template <typename scalar_t>
 constexpr scalar_t neg_inf() {
   return -std::numeric_limits<scalar_t>::infinity();
 }
-
-// A sum of positive terms at or above this value has lost at most T * min_normal to underflow,
-// i.e. far less than one unit in the last place of the sum: it is trusted as it is.
-template <typename scalar_t>
-constexpr scalar_t trusted_sum_min();
-template <>
-constexpr float trusted_sum_min<float>() { return 0x1p-92f; }
-template <>
-constexpr double trusted_sum_min<double>() { return 0x1p-960; }
-
-// The pairwise (transition) marginals use exp(w) * p[s] * E[t][s]; for w at most this bound a
-// term lost to underflow is below exp(log(min_normal) + bound), which is negligible next to the
-// probabilities (<= 1) being accumulated (about 1e-29 for float, 1e-47 for double).
-template <typename scalar_t>
-constexpr scalar_t pairwise_fast_bound();
-template <>
-constexpr float pairwise_fast_bound<float>() { return 20.0f; }
-template <>
-constexpr double pairwise_fast_bound<double>() { return 600.0; }
 
 template <typename scalar_t>
 inline scalar_t max_of(const scalar_t* x, int64_t n) {

@@ -368,8 +368,8 @@ LaneMask lanes_forward(const scalar_t* emit, int64_t L, const scalar_t* start,
 // (B, T) ones where those are not null. Lanes in `skip` (and g = 0) are left alone.
 // Returns the lanes that failed: their outputs are partial and must be redone by the caller
 // (the transition gradient of a failed lane is never written).
-// Not inlined: once per group, and inlined into run_sentences' lambda GCC 12's SLP vectoriser
-// crashed (internal compiler error) on it when the prefetches were added.
+// Not inlined: once per group, and inlined into forward_backward_batch's lambda GCC 12's SLP
+// vectoriser crashed (internal compiler error) on it when the prefetches were added.
 template <typename scalar_t, bool kPairwise>
 __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const LaneGroup& group, ProbLaneWork& work,
                         const double* rows_a, const double* rows_w, LaneVector g, LaneMask skip,

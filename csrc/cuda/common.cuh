@@ -34,6 +34,7 @@
 
 #include "../backpointers.h"
 #include "../checks.h"
+#include "../numerics.h"  // trusted_sum_min, pairwise_fast_bound (shared with the CPU kernels)
 
 namespace crfkit {
 namespace cuda {
@@ -153,23 +154,6 @@ __device__ __forceinline__ double log_(double x) { return ::log(x); }
 
 template <typename scalar_t>
 __device__ __forceinline__ scalar_t max_(scalar_t a, scalar_t b) { return b > a ? b : a; }
-
-// The same thresholds as the CPU log-space kernels (csrc/cpu/log_space.h), for the same reasons:
-// a factored sum at or above trusted_sum_min lost nothing to underflow; pairwise terms with an
-// exponent shift at most pairwise_fast_bound are computed factored.
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t trusted_sum_min();
-template <>
-__device__ __forceinline__ float trusted_sum_min<float>() { return 0x1p-92f; }
-template <>
-__device__ __forceinline__ double trusted_sum_min<double>() { return 0x1p-960; }
-
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t pairwise_fast_bound();
-template <>
-__device__ __forceinline__ float pairwise_fast_bound<float>() { return 20.0f; }
-template <>
-__device__ __forceinline__ double pairwise_fast_bound<double>() { return 600.0; }
 
 // ---- group reductions (G lanes, G a power of two <= 32) --------------------------------------
 // Every lane of the WARP must call these (the shuffles use the full mask); with width G each

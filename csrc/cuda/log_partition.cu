@@ -10,10 +10,10 @@
 //     p[s] = exp(alpha_hat[s])  (alpha_hat normalised to max 0: p <= 1),
 //     E[s][t] = exp(trans[s, t] - col_max[t])  (one table for the whole call),
 // i.e. one exponential (p of the lane's own tag, shared through the group's arena), T
-// multiply-adds and one logarithm per tag; a column whose sum falls below trusted_sum_min is
-// recomputed exactly (max-shifted logsumexp). The rows are normalised after every position
-// (offsets accumulated in double), exactly like the CPU kernels, so float32 stays accurate on
-// long sentences with large scores. Results agree with the CPU kernels to rounding, not bit
+// multiply-adds and one logarithm per tag; a column whose sum falls below trusted_sum_min
+// (csrc/numerics.h) is recomputed exactly (max-shifted logsumexp). The rows are normalised
+// after every position (offsets accumulated in double), exactly like the CPU kernels, so
+// float32 stays accurate on long sentences with large scores. Results agree with the CPU kernels to rounding, not bit
 // for bit (different summation order, and the CPU also has a probability-space fast path).
 //
 // Marginals / backward / log Z with marginals: the forward pass stores the normalised alpha
@@ -636,9 +636,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
       emit_2 = own && i + 2 < n ? *emit_ahead : scalar_t(0);
       bad |= active && is_nan_or_pos_inf(e);
       const scalar_t sum = group_dot(exp_(a), e_col);
-      const bool fast = sum >= trusted_sum_min<scalar_t>();
-      scalar_t x = col_max != kNegInf && fast ? col_max + log_(sum) : kNegInf;
-      const bool need_exact = active && col_max != kNegInf && !fast;  // col_max = -inf off own
+      const bool sum_is_trusted = sum >= trusted_sum_min<scalar_t>();
+      scalar_t x = col_max != kNegInf && sum_is_trusted ? col_max + log_(sum) : kNegInf;
+      const bool need_exact = active && col_max != kNegInf && !sum_is_trusted;  // col_max = -inf off own
       if (__any_sync(kFullMask, need_exact)) {  // logsumexp_s(alpha_hat[s] + trans[s, lane])
         const scalar_t exact = group_exact_lse<scalar_t, kLanes>(a, own_transitions, T, T);
         if (need_exact) x = exact;
@@ -721,9 +721,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
       // with the shift max_t emit_i[t] (v - shift <= 0 since beta <= 0).
       const scalar_t v = emit_i + beta;  // -inf off own
       const scalar_t row_sum = group_dot(exp_(v - emit_max_i), e_row);
-      const bool fast = row_sum >= trusted_sum_min<scalar_t>();
-      scalar_t x = row_max != kNegInf && fast ? emit_max_i + row_max + log_(row_sum) : kNegInf;
-      const bool need_exact = step && row_max != kNegInf && !fast;  // row_max = -inf off own
+      const bool sum_is_trusted = row_sum >= trusted_sum_min<scalar_t>();
+      scalar_t x = row_max != kNegInf && sum_is_trusted ? emit_max_i + row_max + log_(row_sum) : kNegInf;
+      const bool need_exact = step && row_max != kNegInf && !sum_is_trusted;  // row_max = -inf off own
       if (__any_sync(kFullMask, need_exact)) {  // logsumexp_t(trans[lane, t] + v[t])
         const scalar_t exact = group_exact_lse<scalar_t, kLanes>(v, own_row, 1, T);
         if (need_exact) x = exact;
@@ -734,7 +734,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
       if (kPairwise) {
         const scalar_t shift = static_cast<scalar_t>(offset_prev + beta_offset - log_z);
         const scalar_t w = col_max + v + shift;  // -inf off own or when the column is forbidden
-        const bool pair_fast = w <= pairwise_fast_bound<scalar_t>();
+        const bool pair_is_factored = w <= pairwise_fast_bound<scalar_t>();
         scalar_t coef = exp_(w);
         const scalar_t pr = exp_(alpha_prev);
         scalar_t column[kLanes];
@@ -745,7 +745,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
           column_sum += column[s];
         }
         scalar_t part = w == kNegInf ? scalar_t(0) : coef * column_sum;
-        const bool pair_exact = step && w != kNegInf && !pair_fast;
+        const bool pair_exact = step && w != kNegInf && !pair_is_factored;
         if (__any_sync(kFullMask, pair_exact)) {
           scalar_t exact_sum = 0;
 #pragma unroll
@@ -916,9 +916,10 @@ void check_num_tags(int64_t T) {
 }
 
 // One forward-backward launch for arguments checked and validated into `status` (the caller
-// raises from it): log Z, marginals or gradients, as kOut says.
+// raises from it): log Z, marginals or gradients, as kOut says, for the emissions' dtype
+// (launch_forward_backward<scalar_t, kOut>).
 template <Output kOut>
-FbOutputs launch_fb(const CrfArgs& a, const at::Tensor& grad_log_z_in, Status& status) {
+FbOutputs dispatch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z_in, Status& status) {
   const int64_t B = a.emissions.size(0);
   check_num_tags(a.emissions.size(2));
   at::Tensor grad_log_z;
@@ -933,11 +934,13 @@ FbOutputs launch_fb(const CrfArgs& a, const at::Tensor& grad_log_z_in, Status& s
   return out;
 }
 
+// The body of the forward-backward ops below: checks and validates the arguments, launches
+// (dispatch_forward_backward) and raises from the status words (checked_launch, common.cuh).
 template <Output kOut>
-FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& grad_log_z = {}) {
+FbOutputs forward_backward_op(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& grad_log_z = {}) {
   return checked_launch(emissions, transitions, start, end, lengths, [&](const CrfArgs& a, Status& status) {
-    return launch_fb<kOut>(a, grad_log_z, status);
+    return dispatch_forward_backward<kOut>(a, grad_log_z, status);
   });
 }
 
@@ -946,7 +949,7 @@ FbOutputs run(const at::Tensor& emissions, const at::Tensor& transitions, const 
 // log Z (B,) launched on the current stream for arguments already checked and validated
 // (common.cuh); the caller raises from `status` (kbest_viterbi_with_log_probs in kbest.cu).
 at::Tensor launch_log_partition(const CrfArgs& a, Status& status) {
-  return launch_fb<Output::kLogPartition>(a, at::Tensor(), status).log_z;
+  return dispatch_forward_backward<Output::kLogPartition>(a, at::Tensor(), status).log_z;
 }
 
 namespace {
@@ -954,13 +957,13 @@ namespace {
 // log Z per sentence: (B,).
 at::Tensor log_partition_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                               const at::Tensor& end, const at::Tensor& lengths) {
-  return run<Output::kLogPartition>(emissions, transitions, start, end, lengths).log_z;
+  return forward_backward_op<Output::kLogPartition>(emissions, transitions, start, end, lengths).log_z;
 }
 
 // P(y_i = t | x): (B, L, T), zero at padded positions.
 at::Tensor marginals_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                           const at::Tensor& end, const at::Tensor& lengths) {
-  return run<Output::kMarginals>(emissions, transitions, start, end, lengths).rows;
+  return forward_backward_op<Output::kMarginals>(emissions, transitions, start, end, lengths).rows;
 }
 
 // Gradients of sum_b grad_log_z[b] * log Z[b] with respect to emissions (B, L, T),
@@ -968,7 +971,7 @@ at::Tensor marginals_cuda(const at::Tensor& emissions, const at::Tensor& transit
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cuda(
     const at::Tensor& grad_log_z, const at::Tensor& emissions, const at::Tensor& transitions,
     const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
-  FbOutputs out = run<Output::kBackward>(emissions, transitions, start, end, lengths, grad_log_z);
+  FbOutputs out = forward_backward_op<Output::kBackward>(emissions, transitions, start, end, lengths, grad_log_z);
   return {out.rows, out.grad_transitions, out.grad_start, out.grad_end};
 }
 
@@ -978,7 +981,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
 std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cuda(
     const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start, const at::Tensor& end,
     const at::Tensor& lengths) {
-  FbOutputs out = run<Output::kWithMarginals>(emissions, transitions, start, end, lengths);
+  FbOutputs out = forward_backward_op<Output::kWithMarginals>(emissions, transitions, start, end, lengths);
   return {out.log_z, out.rows, out.counts};
 }
 
@@ -986,7 +989,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cuda
 at::Tensor expected_transition_counts_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
                                            const at::Tensor& start, const at::Tensor& end,
                                            const at::Tensor& lengths) {
-  return run<Output::kWithMarginals>(emissions, transitions, start, end, lengths).counts;
+  return forward_backward_op<Output::kWithMarginals>(emissions, transitions, start, end, lengths).counts;
 }
 
 // ---- the backward from saved marginals ----------------------------------------------------------

@@ -64,7 +64,7 @@ def prepare(build_dir: Path) -> list:
     """Write the rewritten sources; returns the .cpp files to compile."""
     src = build_dir / "src"
     (src / "csrc" / "cuda").mkdir(parents=True, exist_ok=True)
-    for shared in ("checks.h", "backpointers.h"):  # the csrc/ headers the CUDA sources include
+    for shared in ("checks.h", "backpointers.h", "numerics.h"):  # the csrc/ headers the CUDA sources include
         _write_if_changed(src / "csrc" / shared, (ROOT / "csrc" / shared).read_text())
     sources, written = [], set()
     for path in sorted((ROOT / "csrc" / "cuda").iterdir()):
