@@ -20,6 +20,20 @@ from .constraints import Constraints
 
 
 
+def reduce_per_sentence(values: Tensor, reduction: str, lengths: Optional[Tensor], batch_and_length) -> Tensor:
+    """values (B,) per sentence -> reduced as `reduction` says (one of CRF_REDUCTIONS): 'none',
+    'sum', 'mean' over sentences, or 'token_mean' (the sum over the real tokens: lengths.sum(),
+    or B * L when lengths is None; batch_and_length = (B, L))."""
+    if reduction == "none":
+        return values
+    if reduction == "sum":
+        return values.sum()
+    if reduction == "mean":
+        return values.mean()
+    num_tokens = batch_and_length[0] * batch_and_length[1] if lengths is None else lengths.sum()
+    return values.sum() / num_tokens
+
+
 class CRF(nn.Module):
     """Linear-chain CRF with learnable transitions (T, T) [from, to] and start / end scores (T,).
 
@@ -109,16 +123,9 @@ class CRF(nn.Module):
         or 'token_mean' (sum divided by the number of real tokens).
         """
         check_reduction(reduction, CRF_REDUCTIONS)
-        nll = -self.log_likelihood(emissions, tags, lengths, mask)
-        if reduction == "none":
-            return nll
-        if reduction == "sum":
-            return nll.sum()
-        if reduction == "mean":
-            return nll.mean()
-        n_tokens = self._lengths(emissions, lengths, mask)
-        n_tokens = emissions.shape[0] * emissions.shape[1] if n_tokens is None else n_tokens.sum()
-        return nll.sum() / n_tokens
+        lengths = self._lengths(emissions, lengths, mask)
+        return reduce_per_sentence(-self.log_likelihood(emissions, tags, lengths), reduction, lengths,
+                                   emissions.shape[:2])
 
     forward = nll
 

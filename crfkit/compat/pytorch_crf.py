@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .. import functional as crf_ops
 from .._arguments import HALF_DTYPES
 from .._validation import CRF_REDUCTIONS, check_int, check_reduction
+from ..nn import reduce_per_sentence
 
 
 
@@ -91,14 +92,7 @@ class CRF(nn.Module):
         transitions, start, end, emissions = self._scores(emissions)
         log_likelihood = (crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
                           - crf_ops.log_partition(emissions, transitions, lengths, start, end))
-        if reduction == "none":
-            return log_likelihood
-        if reduction == "sum":
-            return log_likelihood.sum()
-        if reduction == "mean":
-            return log_likelihood.mean()
-        num_tokens = emissions.shape[0] * emissions.shape[1] if lengths is None else lengths.sum()
-        return log_likelihood.sum() / num_tokens
+        return reduce_per_sentence(log_likelihood, reduction, lengths, emissions.shape[:2])
 
     def decode(self, emissions: Tensor, mask: Optional[Tensor] = None) -> List[List[int]]:
         """Most likely tag sequence of each sentence (Viterbi).
