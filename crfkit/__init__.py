@@ -3,7 +3,7 @@
     import crfkit
     log_z = crfkit.log_partition(emissions, transitions, lengths)          # (B,)
     best = crfkit.kbest_viterbi(emissions, transitions, k=5, lengths=lengths)
-    best.paths, best.scores, best.log_probs                                 # (B,5,L), (B,5), (B,5)
+    best.scores, best.paths, best.log_probs                                 # (B,5), (B,5,L), (B,5)
 
 See crfkit.functional for shapes and conventions, crfkit.backend_info() for which
 implementation runs. The layers above the CRF ops (crfkit.distill, crfkit.taggers,
@@ -15,6 +15,7 @@ from . import constraints, reference
 from .backends import backend_info, cached_memory, release_cached_memory, set_backend, use_backend
 from .distribution import LinearChainCRF
 from .functional import (
+    BestPath,
     KBest,
     expected_transition_counts,
     kbest_viterbi,
@@ -38,6 +39,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BestPath",
     "CRF",
     "KBest",
     "LinearChainCRF",

@@ -100,15 +100,15 @@ class LinearChainCRF:
     def argmax(self) -> Tensor:
         """The most probable tag sequence: (B, L) int64, -1 at padded positions. (torch-struct
         returns a one-hot structure here; tags are what sequence labelling needs.)"""
-        return crf_ops.viterbi(*self._args())[0]
+        return crf_ops.viterbi(*self._args()).paths
 
     @property
     def max(self) -> Tensor:
         """The score of the most probable sequence: (B,)."""
-        return crf_ops.viterbi(*self._args())[1]
+        return crf_ops.viterbi(*self._args()).scores
 
     def kbest(self, k: int) -> crf_ops.KBest:
-        """The k most probable distinct sequences: KBest(paths (B, k, L), scores (B, k),
+        """The k most probable distinct sequences: KBest(scores (B, k), paths (B, k, L),
         log_probs (B, k)); see crfkit.kbest_viterbi."""
         emissions, transitions, lengths, start, end = self._args()
         return crf_ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)

@@ -48,11 +48,19 @@ from . import backends
 from ._arguments import check_k, check_tensor, is_compiling, prepare, prepare_tags
 
 
-class KBest(NamedTuple):
-    """Result of kbest_viterbi: paths (B, K, L) int64, scores (B, K), log_probs (B, K)."""
+class BestPath(NamedTuple):
+    """Result of viterbi: scores (B,), paths (B, L) int64. Scores come first, as torch.max and
+    torch.topk give (values, indices)."""
 
-    paths: Tensor
     scores: Tensor
+    paths: Tensor
+
+
+class KBest(NamedTuple):
+    """Result of kbest_viterbi: scores (B, K), paths (B, K, L) int64, log_probs (B, K)."""
+
+    scores: Tensor
+    paths: Tensor
     log_probs: Tensor
 
 
@@ -94,24 +102,23 @@ def expected_transition_counts(emissions, transitions, lengths=None, start=None,
     return backends.current().expected_transition_counts(*prepare(emissions, transitions, lengths, start, end))
 
 
-def viterbi(emissions, transitions, lengths=None, start=None, end=None):
-    """The best tag sequence: (paths (B, L) int64, scores (B,)); paths are -1 at padded
+def viterbi(emissions, transitions, lengths=None, start=None, end=None) -> BestPath:
+    """The best tag sequence: BestPath(scores (B,), paths (B, L) int64); paths are -1 at padded
     positions. scores are differentiable (they are the sequence scores of the paths)."""
-    return tuple(backends.current().viterbi(*prepare(emissions, transitions, lengths, start, end)))
+    return BestPath(*backends.current().viterbi(*prepare(emissions, transitions, lengths, start, end)))
 
 
 def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=None) -> KBest:
     """The k highest-scoring DISTINCT tag sequences, best first (exact k-best Viterbi).
 
-    Returns KBest(paths (B, k, L) int64, scores (B, k), log_probs (B, k)) with
+    Returns KBest(scores (B, k), paths (B, k, L) int64, log_probs (B, k)) with
     log_probs = scores - log_partition. Row 0 equals viterbi(). Rows beyond the number of
     allowed sequences of a sentence have path -1 and score / log_prob -inf; padded positions
     are -1. scores and log_probs are differentiable. Ties: see the module docstring.
     """
     check_k(k)
     emissions, transitions, lengths, start, end = prepare(emissions, transitions, lengths, start, end)
-    paths, scores, log_probs = backends.current().kbest_viterbi(emissions, transitions, k, lengths, start, end)
-    return KBest(paths, scores, log_probs)
+    return KBest(*backends.current().kbest_viterbi(emissions, transitions, k, lengths, start, end))
 
 
 def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=None) -> Tensor:

@@ -129,8 +129,8 @@ class CRF(nn.Module):
 
     forward = nll
 
-    def decode(self, emissions: Tensor, lengths=None, mask=None):
-        """Viterbi: (paths (B, L) int64 with -1 at padding, scores (B,))."""
+    def decode(self, emissions: Tensor, lengths=None, mask=None) -> crf_ops.BestPath:
+        """Viterbi: BestPath(scores (B,), paths (B, L) int64 with -1 at padding)."""
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
         return crf_ops.viterbi(emissions, transitions, lengths, start, end)
 

@@ -134,13 +134,13 @@ def marginals_and_transition_counts(emissions, transitions, lengths=None, start=
 
 
 def viterbi(emissions, transitions, lengths=None, start=None, end=None):
-    """Best path and its score: (paths (B, L) int64, scores (B,)); the first row of k-best."""
-    paths, scores = kbest_viterbi(emissions, transitions, 1, lengths, start, end)[:2]
-    return paths[:, 0], scores[:, 0]
+    """Best path and its score: (scores (B,), paths (B, L) int64); the first row of k-best."""
+    scores, paths = kbest_viterbi(emissions, transitions, 1, lengths, start, end)[:2]
+    return scores[:, 0], paths[:, 0]
 
 
 def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=None):
-    """The k best distinct sequences: (paths (B, k, L), scores (B, k), log_probs (B, k)).
+    """The k best distinct sequences: (scores (B, k), paths (B, k, L), log_probs (B, k)).
 
     Each (position, tag) keeps its k best prefixes ending there, sorted; the k best at the next
     position come from a stable descending sort over the T*k extended candidates, laid out
@@ -154,7 +154,7 @@ def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=
     if L == 0:
         scores = emissions.new_full((B, k), NEG_INF)
         scores[:, 0] = 0
-        return paths, scores, scores.clone()
+        return scores, paths, scores.clone()
     emissions = emissions.masked_fill(~_valid_positions(lengths, L).unsqueeze(-1), 0)
     lists = emissions.new_full((B, T, k), NEG_INF)  # lists[b, t, r]: r-th best prefix ending in t
     lists = torch.cat([(start + emissions[:, 0]).unsqueeze(2), lists[:, :, 1:]], dim=2)
@@ -181,7 +181,7 @@ def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=
     first = torch.arange(k, device=emissions.device) == 0
     scores = torch.where(empty, torch.where(first, 0.0, NEG_INF).to(scores.dtype), scores)
     log_z = log_partition(emissions, transitions, lengths, start, end)
-    return paths, scores, log_probs_from_scores(scores, log_z)
+    return scores, paths, log_probs_from_scores(scores, log_z)
 
 
 def log_probs_from_scores(scores: Tensor, log_z: Tensor) -> Tensor:

@@ -36,25 +36,28 @@ c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// The four gradients (emissions, transitions, start, end) followed by `undefined` empty
-// gradients, one per argument that has none (lengths, tags, k).
-variable_list with_no_grad_for(const EmitTransStartEndGrads& grads, int undefined) {
-  variable_list out = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads), std::get<3>(grads)};
-  out.resize(4 + undefined);
+// The gradients of an op's inputs, in the ops' argument order: emissions, transitions, then
+// `undefined` empty gradients for the arguments that have none (k or tags, lengths), then start
+// and end.
+variable_list input_grads(const EmitTransStartEndGrads& grads, int undefined) {
+  variable_list out = {std::get<0>(grads), std::get<1>(grads)};
+  out.resize(2 + undefined);
+  out.push_back(std::get<2>(grads));
+  out.push_back(std::get<3>(grads));
   return out;
 }
 
 // Gradient of path scores: ones at the emissions / transitions / start / end each path uses.
 // grad_scores (B, N), tags (B, N, L).
 EmitTransStartEndGrads path_score_grads(const at::Tensor& grad_scores, const at::Tensor& emissions,
-                                        const at::Tensor& lengths, const at::Tensor& tags) {
+                                        const at::Tensor& tags, const at::Tensor& lengths) {
   static const auto op = op_handle<EmitTransStartEndGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                           const at::Tensor&)>("crfkit::sequence_score_backward");
-  return op.call(grad_scores.contiguous(), emissions, lengths, tags);
+  return op.call(grad_scores.contiguous(), emissions, tags, lengths);
 }
 
 // The forward ops, looked up once.
-using Crf = const at::Tensor&;  // the five CRF arguments: emissions, transitions, start, end, lengths
+using Crf = const at::Tensor&;  // the five CRF arguments: emissions, transitions, lengths, start, end
 using DecodeOutputs = std::tuple<at::Tensor, at::Tensor>;               // scores, paths
 
 const auto& log_partition_op() {
@@ -66,12 +69,12 @@ const auto& viterbi_op() {
   return op;
 }
 const auto& kbest_viterbi_op() {
-  static const auto op = op_handle<DecodeOutputs(Crf, Crf, Crf, Crf, Crf, int64_t)>("crfkit::kbest_viterbi");
+  static const auto op = op_handle<DecodeOutputs(Crf, Crf, int64_t, Crf, Crf, Crf)>("crfkit::kbest_viterbi");
   return op;
 }
 const auto& sequence_score_op() {
   static const auto op =
-      op_handle<at::Tensor(Crf, Crf, Crf, Crf, Crf, const at::Tensor&)>("crfkit::sequence_score");
+      op_handle<at::Tensor(Crf, Crf, const at::Tensor&, Crf, Crf, Crf)>("crfkit::sequence_score");
   return op;
 }
 
@@ -96,18 +99,17 @@ Outputs as_outputs(const variable_list& outputs) {
       std::make_index_sequence<std::tuple_size_v<Outputs>>{});
 }
 
-// The Autograd-key kernel of op: its autograd::Function when the call records a backward,
-// otherwise the op itself below the autograd key. `rest` are the arguments after the four
-// score tensors (lengths, and tags or k).
-template <typename Function, typename Op, typename... Rest>
-auto autograd_kernel(const Op& op, const at::Tensor& emissions, const at::Tensor& transitions,
-                     const at::Tensor& start, const at::Tensor& end, const Rest&... rest) {
-  using Outputs = decltype(op.call(emissions, transitions, start, end, rest...));
-  if (!records_backward(emissions, transitions, start, end)) {
+// The Autograd-key kernel of op: its autograd::Function when the call records a backward
+// (`records`: records_backward of the call's score tensors), otherwise the op itself below the
+// autograd key.
+template <typename Function, typename Op, typename... Args>
+auto autograd_kernel(bool records, const Op& op, const Args&... args) {
+  using Outputs = decltype(op.call(args...));
+  if (!records) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return op.call(emissions, transitions, start, end, rest...);
+    return op.call(args...);
   }
-  return as_outputs<Outputs>(Function::apply(emissions, transitions, start, end, rest...));
+  return as_outputs<Outputs>(Function::apply(args...));
 }
 
 // ---- log Z --------------------------------------------------------------------------------------
@@ -174,18 +176,18 @@ EmitTransStartEndGrads once_differentiable(EmitTransStartEndGrads grads, const v
 
 struct LogPartition : torch::autograd::Function<LogPartition> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
-                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+                            const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     if (computes_marginals_in_forward(emissions)) {
       auto [log_z, marginals, counts] =
-          log_partition_with_marginals_op().call(emissions, transitions, start, end, lengths);
+          log_partition_with_marginals_op().call(emissions, transitions, lengths, start, end);
       // The score tensors serve only as the edges of once_differentiable's node (and, like any
       // saved input, make an in-place change of them before the backward an error).
-      ctx->save_for_backward({emissions, transitions, start, end, lengths, marginals, counts});
+      ctx->save_for_backward({emissions, transitions, lengths, start, end, marginals, counts});
       return log_z;
     }
-    ctx->save_for_backward({emissions, transitions, start, end, lengths});
-    return log_partition_op().call(emissions, transitions, start, end, lengths);
+    ctx->save_for_backward({emissions, transitions, lengths, start, end});
+    return log_partition_op().call(emissions, transitions, lengths, start, end);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -194,85 +196,87 @@ struct LogPartition : torch::autograd::Function<LogPartition> {
       EmitTransStartEndGrads from_marginals;
       {
         at::AutoDispatchBelowADInplaceOrView below_autograd;  // not differentiable: see once_differentiable
-        from_marginals = log_partition_backward_from_marginals_op().call(g, saved[5], saved[6], saved[4]);
+        from_marginals = log_partition_backward_from_marginals_op().call(g, saved[5], saved[6], saved[2]);
       }
-      const variable_list differentiated = {g, saved[0], saved[1], saved[2], saved[3]};
-      return with_no_grad_for(once_differentiable(std::move(from_marginals), differentiated), 1);
+      const variable_list differentiated = {g, saved[0], saved[1], saved[3], saved[4]};
+      return input_grads(once_differentiable(std::move(from_marginals), differentiated), 1);
     }
     static const auto op =
         op_handle<EmitTransStartEndGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const at::Tensor&, const at::Tensor&)>("crfkit::log_partition_backward");
-    return with_no_grad_for(op.call(g, saved[0], saved[1], saved[2], saved[3], saved[4]), 1);
+    return input_grads(op.call(g, saved[0], saved[1], saved[2], saved[3], saved[4]), 1);
   }
 };
 
 at::Tensor log_partition_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
-                                  const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
-  return autograd_kernel<LogPartition>(log_partition_op(), emissions, transitions, start, end, lengths);
+                                  const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+  return autograd_kernel<LogPartition>(records_backward(emissions, transitions, start, end), log_partition_op(),
+                                       emissions, transitions, lengths, start, end);
 }
 
 // ---- decoders: the scores are differentiable (sums of the scores the paths use) ----------------
 struct Viterbi : torch::autograd::Function<Viterbi> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
-                               const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+                               const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [scores, paths] = viterbi_op().call(emissions, transitions, start, end, lengths);
+    auto [scores, paths] = viterbi_op().call(emissions, transitions, lengths, start, end);
     ctx->save_for_backward({emissions, lengths, paths});
     ctx->mark_non_differentiable({paths});
     return {scores, paths};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();  // emissions, lengths, paths (B, L)
-    return with_no_grad_for(path_score_grads(grads[0].unsqueeze(1), saved[0], saved[1], saved[2].unsqueeze(1)), 1);
+    return input_grads(path_score_grads(grads[0].unsqueeze(1), saved[0], saved[2].unsqueeze(1), saved[1]), 1);
   }
 };
 
-DecodeOutputs viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                               const at::Tensor& end, const at::Tensor& lengths) {
-  return autograd_kernel<Viterbi>(viterbi_op(), emissions, transitions, start, end, lengths);
+DecodeOutputs viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
+                               const at::Tensor& start, const at::Tensor& end) {
+  return autograd_kernel<Viterbi>(records_backward(emissions, transitions, start, end), viterbi_op(), emissions,
+                                  transitions, lengths, start, end);
 }
 
 struct KBestViterbi : torch::autograd::Function<KBestViterbi> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
-                               const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
-                               int64_t k) {
+                               int64_t k, const at::Tensor& lengths, const at::Tensor& start,
+                               const at::Tensor& end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [scores, paths] = kbest_viterbi_op().call(emissions, transitions, start, end, lengths, k);
+    auto [scores, paths] = kbest_viterbi_op().call(emissions, transitions, k, lengths, start, end);
     ctx->save_for_backward({emissions, lengths, paths});
     ctx->mark_non_differentiable({paths});
     return {scores, paths};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();  // emissions, lengths, paths (B, K, L)
-    return with_no_grad_for(path_score_grads(grads[0], saved[0], saved[1], saved[2]), 2);
+    return input_grads(path_score_grads(grads[0], saved[0], saved[2], saved[1]), 2);
   }
 };
 
-DecodeOutputs kbest_viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
-                                     const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
-                                     int64_t k) {
-  return autograd_kernel<KBestViterbi>(kbest_viterbi_op(), emissions, transitions, start, end, lengths, k);
+DecodeOutputs kbest_viterbi_autograd(const at::Tensor& emissions, const at::Tensor& transitions, int64_t k,
+                                     const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+  return autograd_kernel<KBestViterbi>(records_backward(emissions, transitions, start, end), kbest_viterbi_op(),
+                                       emissions, transitions, k, lengths, start, end);
 }
 
 // ---- the score of given tag sequences ------------------------------------------------------------
 struct SequenceScore : torch::autograd::Function<SequenceScore> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& emissions, const at::Tensor& transitions,
-                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
-                            const at::Tensor& tags) {
+                            const at::Tensor& tags, const at::Tensor& lengths, const at::Tensor& start,
+                            const at::Tensor& end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({emissions, lengths, tags});
-    return sequence_score_op().call(emissions, transitions, start, end, lengths, tags);
+    return sequence_score_op().call(emissions, transitions, tags, lengths, start, end);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();  // emissions, lengths, tags (B, N, L)
-    return with_no_grad_for(path_score_grads(grads[0], saved[0], saved[1], saved[2]), 2);
+    return input_grads(path_score_grads(grads[0], saved[0], saved[2], saved[1]), 2);
   }
 };
 
-at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
-                                   const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
-                                   const at::Tensor& tags) {
-  return autograd_kernel<SequenceScore>(sequence_score_op(), emissions, transitions, start, end, lengths, tags);
+at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& tags,
+                                   const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+  return autograd_kernel<SequenceScore>(records_backward(emissions, transitions, start, end), sequence_score_op(),
+                                        emissions, transitions, tags, lengths, start, end);
 }
 
 // kbest_viterbi_with_log_probs has no derivative: a call that would record one raises instead of
@@ -280,15 +284,15 @@ at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor
 using KBestLogProbsOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // scores, paths, log_probs
 
 KBestLogProbsOutputs kbest_viterbi_with_log_probs_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
-                                                           const at::Tensor& start, const at::Tensor& end,
-                                                           const at::Tensor& lengths, int64_t k) {
+                                                           int64_t k, const at::Tensor& lengths,
+                                                           const at::Tensor& start, const at::Tensor& end) {
   TORCH_CHECK(!records_backward(emissions, transitions, start, end),
               "crfkit: kbest_viterbi_with_log_probs is not differentiable; call it under torch.no_grad(), or "
               "use kbest_viterbi and log_partition (crfkit.kbest_viterbi does)");
   static const auto op =
-      op_handle<KBestLogProbsOutputs(Crf, Crf, Crf, Crf, Crf, int64_t)>("crfkit::kbest_viterbi_with_log_probs");
+      op_handle<KBestLogProbsOutputs(Crf, Crf, int64_t, Crf, Crf, Crf)>("crfkit::kbest_viterbi_with_log_probs");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(emissions, transitions, start, end, lengths, k);
+  return op.call(emissions, transitions, k, lengths, start, end);
 }
 
 }  // namespace

@@ -75,8 +75,8 @@ inline void check_backward_from_marginals_arguments(const at::Tensor& grad_log_z
 // end (T,), lengths (B,) int64. Raises with the argument's name (TypeError for a wrong dtype,
 // ValueError for a wrong shape or value, RuntimeError for a wrong device).
 inline void check_crf_inputs(const at::Tensor& emissions, const at::Tensor& transitions,
-                             const at::Tensor& start, const at::Tensor& end,
-                             const at::Tensor& lengths) {
+                             const at::Tensor& lengths, const at::Tensor& start,
+                             const at::Tensor& end) {
   check_emissions_argument(emissions);
   const int64_t B = emissions.size(0);
   const int64_t T = emissions.size(2);
@@ -153,15 +153,15 @@ inline void raise_if_bad_emissions(const std::vector<char>& bad_sentence) {
 // The CRF arguments of a CPU op, dense and checked. The raw ops accept any strides (expanded
 // tensors included): `.contiguous()` copies only where needed, and the kernels index dense memory.
 struct CrfArgs {
-  at::Tensor emissions, transitions, start, end, lengths;
+  at::Tensor emissions, transitions, lengths, start, end;
 };
 
 inline CrfArgs checked_cpu_args(const at::Tensor& emissions, const at::Tensor& transitions,
-                                const at::Tensor& start, const at::Tensor& end,
-                                const at::Tensor& lengths) {
-  CrfArgs a{emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
-            lengths.contiguous()};
-  check_crf_inputs(a.emissions, a.transitions, a.start, a.end, a.lengths);
+                                const at::Tensor& lengths, const at::Tensor& start,
+                                const at::Tensor& end) {
+  CrfArgs a{emissions.contiguous(), transitions.contiguous(), lengths.contiguous(), start.contiguous(),
+            end.contiguous()};
+  check_crf_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
   check_lengths_cpu(a.lengths, a.emissions.size(1));
   check_parameters_finite_cpu(a.transitions, a.start, a.end);
   return a;

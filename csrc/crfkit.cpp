@@ -38,34 +38,37 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(crfkit, m) {
-  m.def("log_partition(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-        "Tensor lengths) -> Tensor");
-  m.def("marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-        "Tensor lengths) -> Tensor");
+  // Every op takes its arguments in the order of crfkit.functional: emissions, transitions, then
+  // k or tags where the op has one, then lengths, start, end. Backward ops take the upstream
+  // gradient first and return the gradients of emissions, transitions, start and end.
+  m.def("log_partition(Tensor emissions, Tensor transitions, Tensor lengths, Tensor start, "
+        "Tensor end) -> Tensor");
+  m.def("marginals(Tensor emissions, Tensor transitions, Tensor lengths, Tensor start, "
+        "Tensor end) -> Tensor");
   m.def("log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
-        "Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor lengths, Tensor start, Tensor end) -> (Tensor, Tensor, Tensor, Tensor)");
   // log Z (B,) with its gradients for grad_log_z = 1: the marginals (B, L, T) and the expected
   // transition counts (B, T, T) (used when log Z is differentiated; csrc/autograd.cpp).
-  m.def("log_partition_with_marginals(Tensor emissions, Tensor transitions, Tensor start, "
-        "Tensor end, Tensor lengths) -> (Tensor log_z, Tensor marginals, Tensor transition_counts)");
+  m.def("log_partition_with_marginals(Tensor emissions, Tensor transitions, Tensor lengths, "
+        "Tensor start, Tensor end) -> (Tensor log_z, Tensor marginals, Tensor transition_counts)");
   m.def("log_partition_backward_from_marginals(Tensor grad_log_z, Tensor marginals, "
         "Tensor transition_counts, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
   // Pairwise marginals summed over positions, per sentence: (B, T, T).
-  m.def("expected_transition_counts(Tensor emissions, Tensor transitions, Tensor start, "
-        "Tensor end, Tensor lengths) -> Tensor");
-  // Decoders return (scores, paths): the differentiable output first (opcheck's AOT test
-  // sums the outputs starting from the first and cannot start from an integer tensor).
-  m.def("viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-        "Tensor lengths) -> (Tensor scores, Tensor paths)");
-  m.def("kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-        "Tensor lengths, int k) -> (Tensor scores, Tensor paths)");
+  m.def("expected_transition_counts(Tensor emissions, Tensor transitions, Tensor lengths, "
+        "Tensor start, Tensor end) -> Tensor");
+  // Decoders return (scores, paths), as crfkit.viterbi / kbest_viterbi and torch.topk do (values
+  // first): opcheck's AOT test also needs the differentiable output first.
+  m.def("viterbi(Tensor emissions, Tensor transitions, Tensor lengths, Tensor start, "
+        "Tensor end) -> (Tensor scores, Tensor paths)");
+  m.def("kbest_viterbi(Tensor emissions, Tensor transitions, int k, Tensor lengths, Tensor start, "
+        "Tensor end) -> (Tensor scores, Tensor paths)");
   // kbest_viterbi's outputs and log_probs (B, k) = scores - log Z, from one call (the CPU runs
   // the two kernels side by side for small batches; CUDA reads its status once). Not
   // differentiable: the front end uses it for k-best without gradient.
-  m.def("kbest_viterbi_with_log_probs(Tensor emissions, Tensor transitions, Tensor start, "
-        "Tensor end, Tensor lengths, int k) -> (Tensor scores, Tensor paths, Tensor log_probs)");
-  m.def("sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-        "Tensor lengths, Tensor tags) -> Tensor");
-  m.def("sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, "
-        "Tensor tags) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("kbest_viterbi_with_log_probs(Tensor emissions, Tensor transitions, int k, Tensor lengths, "
+        "Tensor start, Tensor end) -> (Tensor scores, Tensor paths, Tensor log_probs)");
+  m.def("sequence_score(Tensor emissions, Tensor transitions, Tensor tags, Tensor lengths, "
+        "Tensor start, Tensor end) -> Tensor");
+  m.def("sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor tags, "
+        "Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
 }

@@ -127,20 +127,20 @@ def test_raw_ops_reject_bad_arguments_without_crashing():
     ops = torch.ops.crfkit
     em, tr, ln, s, e = random_crf(2, 4, 3)
     with pytest.raises(ValueError, match="lengths"):
-        ops.log_partition(em, tr, s, e, torch.tensor([9, 1]))
+        ops.log_partition(em, tr, torch.tensor([9, 1]), s, e)
     with pytest.raises(TypeError, match="lengths must be int64"):
-        ops.viterbi(em, tr, s, e, ln.int())
+        ops.viterbi(em, tr, ln.int(), s, e)
     with pytest.raises(ValueError, match="transitions must be"):
-        ops.kbest_viterbi(em, tr[:2], s, e, ln, 2)
+        ops.kbest_viterbi(em, tr[:2], 2, ln, s, e)
     with pytest.raises(ValueError, match="k must be at least 1"):
-        ops.kbest_viterbi(em, tr, s, e, ln, 0)
+        ops.kbest_viterbi(em, tr, 0, ln, s, e)
     with pytest.raises(TypeError, match="float32 or float64"):
-        ops.marginals(em.half(), tr.half(), s.half(), e.half(), ln)
+        ops.marginals(em.half(), tr.half(), ln, s.half(), e.half())
     with pytest.raises(ValueError, match="is not a tag index"):
-        ops.sequence_score(em, tr, s, e, ln, torch.full((2, 1, 4), 7))
+        ops.sequence_score(em, tr, torch.full((2, 1, 4), 7), ln, s, e)
     # Any strides are fine for the raw ops too.
-    torch.testing.assert_close(ops.log_partition(em.transpose(1, 2).contiguous().transpose(1, 2), tr, s, e, ln),
-                               ops.log_partition(em, tr, s, e, ln))
+    torch.testing.assert_close(ops.log_partition(em.transpose(1, 2).contiguous().transpose(1, 2), tr, ln, s, e),
+                               ops.log_partition(em, tr, ln, s, e))
 
 
 # The ops that autograd and crfkit.distribution call internally are registered in torch.ops.crfkit
@@ -154,16 +154,16 @@ def _internal_op_calls():
     g, marginals, counts = torch.ones(B, **f64), torch.rand(B, L, T, **f64), torch.rand(B, T, T, **f64)
     tags, grad_scores = torch.zeros(B, 1, L, dtype=torch.long), torch.ones(B, 1, **f64)
     return {
-        "backward: grad_log_z shape": (lambda: ops.log_partition_backward(torch.ones(3, **f64), em, tr, s, e, ln),
+        "backward: grad_log_z shape": (lambda: ops.log_partition_backward(torch.ones(3, **f64), em, tr, ln, s, e),
                                        ValueError, r"grad_log_z must be \(batch,\) = \[2\], got \[3\]"),
-        "backward: grad_log_z dtype": (lambda: ops.log_partition_backward(g.float(), em, tr, s, e, ln),
+        "backward: grad_log_z dtype": (lambda: ops.log_partition_backward(g.float(), em, tr, ln, s, e),
                                        TypeError, r"grad_log_z must have the dtype of emissions"),
-        "backward: lengths": (lambda: ops.log_partition_backward(g, em, tr, s, e, torch.tensor([9, 1])),
+        "backward: lengths": (lambda: ops.log_partition_backward(g, em, tr, torch.tensor([9, 1]), s, e),
                               ValueError, r"lengths\[0\] = 9 is outside"),
-        "with_marginals: NaN": (lambda: ops.log_partition_with_marginals(em * float("nan"), tr, s, e, ln),
+        "with_marginals: NaN": (lambda: ops.log_partition_with_marginals(em * float("nan"), tr, ln, s, e),
                                 ValueError, r"emissions\[0\] contains NaN"),
-        "with_marginals: dtype": (lambda: ops.log_partition_with_marginals(em.half(), tr.half(), s.half(),
-                                                                           e.half(), ln),
+        "with_marginals: dtype": (
+            lambda: ops.log_partition_with_marginals(em.half(), tr.half(), ln, s.half(), e.half()),
                                   TypeError, r"float32 or float64 emissions"),
         "from_marginals: marginals dims": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals[0], counts, ln),
@@ -189,28 +189,28 @@ def _internal_op_calls():
         "from_marginals: lengths value": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals, counts, torch.tensor([9, 1])),
             ValueError, r"lengths\[0\] = 9 is outside"),
-        "transition_counts: transitions": (lambda: ops.expected_transition_counts(em, tr[:2], s, e, ln),
+        "transition_counts: transitions": (lambda: ops.expected_transition_counts(em, tr[:2], ln, s, e),
                                            ValueError, r"transitions must be \(num_tags, num_tags\)"),
         "sequence_score_backward: emissions dims": (
-            lambda: ops.sequence_score_backward(grad_scores, em[0], ln, tags),
+            lambda: ops.sequence_score_backward(grad_scores, em[0], tags, ln),
             ValueError, r"emissions must be \(batch, seq_len, num_tags\)"),
         "sequence_score_backward: grad shape": (
-            lambda: ops.sequence_score_backward(torch.ones(3, 1, **f64), em, ln, tags),
+            lambda: ops.sequence_score_backward(torch.ones(3, 1, **f64), em, tags, ln),
             ValueError, r"grad_scores must be \(batch, num_sequences\) = \[2, 1\], got \[3, 1\]"),
         "sequence_score_backward: grad dtype": (
-            lambda: ops.sequence_score_backward(grad_scores.float(), em, ln, tags),
+            lambda: ops.sequence_score_backward(grad_scores.float(), em, tags, ln),
             TypeError, r"grad_scores must have the dtype of emissions"),
         "sequence_score_backward: tags shape": (
-            lambda: ops.sequence_score_backward(grad_scores, em, ln, tags[:, 0]),
+            lambda: ops.sequence_score_backward(grad_scores, em, tags[:, 0], ln),
             ValueError, r"tags must be \(batch, num_sequences, seq_len\)"),
         "sequence_score_backward: tags dtype": (
-            lambda: ops.sequence_score_backward(grad_scores, em, ln, tags.float()),
+            lambda: ops.sequence_score_backward(grad_scores, em, tags.float(), ln),
             TypeError, r"tags must be int64"),
         "sequence_score_backward: tag value": (
-            lambda: ops.sequence_score_backward(grad_scores, em, ln, torch.full((B, 1, L), -5)),
+            lambda: ops.sequence_score_backward(grad_scores, em, torch.full((B, 1, L), -5), ln),
             ValueError, r"tags\[0, 0, 0\] = -5 is not a tag index"),
         "sequence_score_backward: lengths": (
-            lambda: ops.sequence_score_backward(grad_scores, em, torch.tensor([9, 1]), tags),
+            lambda: ops.sequence_score_backward(grad_scores, em, tags, torch.tensor([9, 1])),
             ValueError, r"lengths\[0\] = 9 is outside"),
     }
 
@@ -238,21 +238,23 @@ def test_raw_decoders_name_the_sentence_with_nan_in_either_kernel(monkeypatch, d
         pytest.skip("extension not built")
     monkeypatch.setenv("CRFKIT_VITERBI_LANES", kernel)
     ops = torch.ops.crfkit
-    decode = (lambda *args: ops.viterbi(*args)) if decoder == "viterbi" else (lambda *args: ops.kbest_viterbi(*args, 5))
+    def decode(em, tr, ln, s, e):
+        return ops.viterbi(em, tr, ln, s, e) if decoder == "viterbi" else ops.kbest_viterbi(em, tr, 5, ln, s, e)
+
     em, tr, _, s, e = random_crf(20, 5, 9)
     ln = torch.full((20,), 5)
     ln[7] = 4
     em[7, 4, 1] = math.inf  # past the length of sentence 7: ignored
-    scores, paths = decode(em, tr, s, e, ln)
+    scores, paths = decode(em, tr, ln, s, e)
     assert torch.isfinite(scores).all()
     with crfkit.use_backend("reference"):
-        want_paths, want_scores = (crfkit.viterbi(em, tr, ln, s, e) if decoder == "viterbi"
+        want_scores, want_paths = (crfkit.viterbi(em, tr, ln, s, e) if decoder == "viterbi"
                                    else crfkit.kbest_viterbi(em, tr, 5, ln, s, e)[:2])
     assert torch.equal(paths, want_paths) and torch.equal(scores, want_scores)
     em[13, 2, 4] = math.nan
     em[17, 0, 0] = math.inf
     with pytest.raises(ValueError, match=r"emissions\[13\] contains NaN or \+inf"):
-        decode(em, tr, s, e, ln)
+        decode(em, tr, ln, s, e)
 
 
 def _valid_argument_forms():
@@ -308,7 +310,7 @@ def test_outputs_record_a_backward_only_when_asked(op):
     em = torch.randn(2, 4, 3, requires_grad=True)
     tr = torch.randn(3, 3)
     call = {"log_partition": lambda: crfkit.log_partition(em, tr),
-            "viterbi": lambda: crfkit.viterbi(em, tr)[1],
+            "viterbi": lambda: crfkit.viterbi(em, tr).scores,
             "kbest_viterbi": lambda: crfkit.kbest_viterbi(em, tr, 2).scores}[op]
     with torch.no_grad():
         assert not call().requires_grad
@@ -319,8 +321,8 @@ def test_outputs_record_a_backward_only_when_asked(op):
     if "compiled" not in crfkit.backends.available():
         return
     with torch.no_grad():
-        raw = getattr(torch.ops.crfkit, op)(em, tr, torch.zeros(3), torch.zeros(3), torch.tensor([4, 2]),
-                                           *([2] if op == "kbest_viterbi" else []))
+        raw = getattr(torch.ops.crfkit, op)(em, tr, *([2] if op == "kbest_viterbi" else []), torch.tensor([4, 2]),
+                                           torch.zeros(3), torch.zeros(3))
     assert not any(x.requires_grad for x in (raw if isinstance(raw, tuple) else (raw,)))
 
 

@@ -20,7 +20,7 @@ def check_against_enumeration(emissions, transitions, lengths, start, end, k_ext
 
     log_z = crfkit.log_partition(emissions, transitions, lengths, start, end)
     mu = crfkit.marginals(emissions, transitions, lengths, start, end)
-    paths, scores = crfkit.viterbi(emissions, transitions, lengths, start, end)
+    scores, paths = crfkit.viterbi(emissions, transitions, lengths, start, end)
     best = crfkit.kbest_viterbi(emissions, transitions, k, lengths, start, end)
     for b, seqs in enumerate(enumerations):
         n = int(lengths[b])

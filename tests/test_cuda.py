@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import crfkit
+from crfkit.backends import op_table
 from conftest import check_compile_matches_eager, random_crf
 
 EMULATED = os.environ.get("CRFKIT_CUDA_TESTS_EMULATED", "") == "1"
@@ -108,7 +109,7 @@ def every_output(inputs, on_gpu, k):
         log_z = crfkit.log_partition(pe, pt, ln, ps, pn)
         marginals = crfkit.marginals(em, tr, ln, s, e)
         counts = crfkit.expected_transition_counts(em, tr, ln, s, e)
-        paths, scores = crfkit.viterbi(pe, pt, ln, ps, pn)
+        scores, paths = crfkit.viterbi(pe, pt, ln, ps, pn)
         best = crfkit.kbest_viterbi(pe, pt, k, ln, ps, pn)
         gold = torch.randint(0, T, (B, L), generator=torch.Generator().manual_seed(5)).to(device)
         gold_scores = crfkit.sequence_score(pe, pt, gold, ln, ps, pn)
@@ -197,10 +198,10 @@ def test_both_kbest_kernels_decode_like_the_cpu(B, L, T, k, dtype, scores, kerne
     if scores == "forbidden":
         inputs = forbid(inputs, seed=B + L + T)
     em, tr, ln, s, e = inputs
-    want_scores, want_paths = torch.ops.crfkit.kbest_viterbi(em, tr, s, e, ln, k)
+    want_scores, want_paths = torch.ops.crfkit.kbest_viterbi(em, tr, e, s, k, ln)
     monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", kernel)
     em, tr, ln, s, e = to(DEVICE, inputs)
-    got_scores, got_paths = device_ops().kbest_viterbi(em, tr, s, e, ln, k)
+    got_scores, got_paths = device_ops().kbest_viterbi(em, tr, k, ln, s, e)
     assert torch.equal(got_scores.cpu(), want_scores)
     assert torch.equal(got_paths.cpu(), want_paths)
 
@@ -214,13 +215,13 @@ def test_kbest_with_log_probs_is_the_separate_ops(dtype, B, L, T, k):
     inputs = forbid(random_crf(B, L, T, dtype=dtype, scale=2.0), seed=B + L + T)
     em, tr, ln, s, e = to(DEVICE, inputs)
     ops = device_ops()
-    scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(em, tr, s, e, ln, k)
-    want_scores, want_paths = ops.kbest_viterbi(em, tr, s, e, ln, k)
-    want_log_probs = crfkit.reference.log_probs_from_scores(want_scores, ops.log_partition(em, tr, s, e, ln))
+    scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(em, tr, e, s, k, ln)
+    want_scores, want_paths = ops.kbest_viterbi(em, tr, e, s, k, ln)
+    want_log_probs = crfkit.reference.log_probs_from_scores(want_scores, ops.log_partition(em, tr, e, ln, s))
     assert torch.equal(scores, want_scores) and torch.equal(paths, want_paths)
     assert torch.equal(log_probs, want_log_probs) and not log_probs.isnan().any()
     cem, ctr, cln, cs, ce = inputs  # on the CPU
-    cpu_scores, cpu_paths, cpu_log_probs = torch.ops.crfkit.kbest_viterbi_with_log_probs(cem, ctr, cs, ce, cln, k)
+    cpu_scores, cpu_paths, cpu_log_probs = torch.ops.crfkit.kbest_viterbi_with_log_probs(cem, ctr, ce, cs, k, cln)
     assert torch.equal(scores.cpu(), cpu_scores) and torch.equal(paths.cpu(), cpu_paths)
     torch.testing.assert_close(log_probs.cpu(), cpu_log_probs, **TOL[dtype])
     with on_device():
@@ -244,7 +245,7 @@ def test_kbest_kernel_choice_must_be_known(monkeypatch):
     monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", "fastest")
     em, tr, ln, s, e = to(DEVICE, random_crf(2, 4, 3))
     with pytest.raises(ValueError, match="CRFKIT_CUDA_KBEST_KERNEL must be per_sentence, per_tag or auto"):
-        device_ops().kbest_viterbi(em, tr, s, e, ln, 2)
+        device_ops().kbest_viterbi(em, tr, 2, ln, s, e)
 
 
 @pytest.mark.parametrize("B,L,T", [(0, 5, 3), (4, 0, 3), (0, 0, 1)])
@@ -281,8 +282,8 @@ def test_log_partition_with_marginals_and_its_backward_match_cpu(dtype, B, L, T,
     grad = torch.linspace(-1.0, 2.0, B, dtype=dtype)
     grad[1] = 0
     cpu = torch.ops.crfkit
-    want = cpu.log_partition_with_marginals(em, tr, s, e, ln)
-    got = device_ops().log_partition_with_marginals(*to(DEVICE, (em, tr, s, e, ln)))
+    want = cpu.log_partition_with_marginals(em, tr, ln, s, e)
+    got = device_ops().log_partition_with_marginals(*to(DEVICE, (em, tr, ln, s, e)))
     for name, a, b in zip(("log_z", "marginals", "transition_counts"), got, want):
         torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
     assert not torch.isnan(got[2]).any()
@@ -290,14 +291,14 @@ def test_log_partition_with_marginals_and_its_backward_match_cpu(dtype, B, L, T,
     got_grads = device_ops().log_partition_backward_from_marginals(*to(DEVICE, (grad, want[1], want[2], ln)))
     for name, a, b in zip(("emissions", "transitions", "start", "end"), got_grads, want_grads):
         torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
-    counts = device_ops().expected_transition_counts(*to(DEVICE, (em, tr, s, e, ln)))
+    counts = device_ops().expected_transition_counts(*to(DEVICE, (em, tr, ln, s, e)))
     assert torch.equal(counts, got[2])
 
 
 def test_backward_from_marginals_checks_its_arguments():
     em, tr, ln, s, e = _good()
     ops = device_ops()
-    _, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    _, mu, counts = ops.log_partition_with_marginals(em, tr, e, ln, s)
     g = torch.ones(2, device=DEVICE)
     # Beyond the lengths the emissions' gradient is exactly 0, even for an infinite upstream gradient.
     infinite = torch.tensor([math.inf, 1.0], device=DEVICE)
@@ -325,7 +326,7 @@ def test_large_scores_take_the_exact_fallback(dtype):
 def test_results_are_deterministic():
     em, tr, ln, s, e = to(DEVICE, random_crf(64, 40, 9, dtype=torch.float32, scale=2.0))
     ops = device_ops()
-    runs = [ops.log_partition_backward(torch.ones(64, device=DEVICE), em, tr, s, e, ln) for _ in range(2)]
+    runs = [ops.log_partition_backward(torch.ones(64, device=DEVICE), em, tr, e, ln, s) for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -336,10 +337,10 @@ def test_non_contiguous_and_expanded_inputs():
     tr_t = tr.t().contiguous().t()
     assert not em_t.is_contiguous() and not tr_t.is_contiguous()
     ops = device_ops()
-    torch.testing.assert_close(ops.log_partition(em_t, tr_t, s, e, ln), ops.log_partition(em, tr, s, e, ln))
-    assert torch.equal(ops.viterbi(em_t, tr_t, s, e, ln)[1], ops.viterbi(em, tr, s, e, ln)[1])
+    torch.testing.assert_close(ops.log_partition(em_t, tr_t, e, ln, s), ops.log_partition(em, tr, e, ln, s))
+    assert torch.equal(ops.viterbi(em_t, tr_t, e, ln, s)[1], ops.viterbi(em, tr, e, ln, s)[1])
     expanded = em[:1].expand(5, 6, 5)
-    out = ops.log_partition(expanded, tr, s, e, torch.full((5,), 6, device=DEVICE))
+    out = ops.log_partition(expanded, tr, e, torch.full((5,), 6, device=DEVICE), s)
     assert torch.equal(out, out[:1].expand(5))
 
 
@@ -355,27 +356,15 @@ def test_half_precision_inputs():
 
 def test_opcheck_every_op():
     em, tr, ln, s, e = to(DEVICE, random_crf(3, 6, 4))
-    tags = torch.randint(0, 4, (3, 2, 6)).to(DEVICE)
     req = [x.clone().requires_grad_() for x in (em, tr, s, e)]
     ops = device_ops()
-    cases = [
-        (ops.log_partition, (req[0], req[1], req[2], req[3], ln)),
-        (ops.marginals, (em, tr, s, e, ln)),
-        (ops.viterbi, (req[0], req[1], req[2], req[3], ln)),
-        (ops.kbest_viterbi, (req[0], req[1], req[2], req[3], ln, 5)),
-        (ops.sequence_score, (req[0], req[1], req[2], req[3], ln, tags)),
-        (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64, device=DEVICE), em, tr, s, e, ln)),
-        (ops.log_partition_with_marginals, (em, tr, s, e, ln)),
-        (ops.log_partition_backward_from_marginals,
-         (torch.ones(3, dtype=torch.float64, device=DEVICE), *ops.log_partition_with_marginals(em, tr, s, e, ln)[1:],
-          ln)),
-        (ops.expected_transition_counts, (em, tr, s, e, ln)),
-        (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64, device=DEVICE), em, ln, tags)),
-        (ops.kbest_viterbi_with_log_probs, (em, tr, s, e, ln, 5)),
-    ]
+    cases = op_table.example_arguments(ops, req[0], req[1], ln, req[2], req[3],
+                                       tags=torch.randint(0, 4, (3, 2, 6)).to(DEVICE), k=5,
+                                       grad_log_z=torch.ones(3, dtype=torch.float64, device=DEVICE),
+                                       grad_scores=torch.ones(3, 2, dtype=torch.float64, device=DEVICE))
     with on_device():  # the autograd formulas call the backward ops of the same kernels
-        for op, args in cases:
-            torch.library.opcheck(op, args)
+        for name, args in cases.items():
+            torch.library.opcheck(getattr(ops, name), args)
 
 
 def test_torch_compile_fullgraph():
@@ -403,20 +392,19 @@ FUNCTIONAL = {
         em, tr, torch.zeros(em.shape[:2], dtype=torch.long, device=em.device), ln, s, e),
 }
 RAW = {
-    "log_partition": lambda em, tr, ln, s, e: device_ops().log_partition(em, tr, s, e, ln),
-    "marginals": lambda em, tr, ln, s, e: device_ops().marginals(em, tr, s, e, ln),
+    "log_partition": lambda em, tr, ln, s, e: device_ops().log_partition(em, tr, ln, s, e),
+    "marginals": lambda em, tr, ln, s, e: device_ops().marginals(em, tr, ln, s, e),
     "log_partition_backward": lambda em, tr, ln, s, e: device_ops().log_partition_backward(
-        torch.ones(em.shape[0], dtype=em.dtype, device=em.device), em, tr, s, e, ln),
+        torch.ones(em.shape[0], dtype=em.dtype, device=em.device), em, tr, ln, s, e),
     "log_partition_with_marginals": lambda em, tr, ln, s, e: device_ops().log_partition_with_marginals(
-        em, tr, s, e, ln),
-    "expected_transition_counts": lambda em, tr, ln, s, e: device_ops().expected_transition_counts(
-        em, tr, s, e, ln),
-    "viterbi": lambda em, tr, ln, s, e: device_ops().viterbi(em, tr, s, e, ln),
-    "kbest_viterbi": lambda em, tr, ln, s, e: device_ops().kbest_viterbi(em, tr, s, e, ln, 3),
+        em, tr, ln, s, e),
+    "expected_transition_counts": lambda em, tr, ln, s, e: device_ops().expected_transition_counts(em, tr, ln, s, e),
+    "viterbi": lambda em, tr, ln, s, e: device_ops().viterbi(em, tr, ln, s, e),
+    "kbest_viterbi": lambda em, tr, ln, s, e: device_ops().kbest_viterbi(em, tr, 3, ln, s, e),
     "kbest_viterbi_with_log_probs": lambda em, tr, ln, s, e: device_ops().kbest_viterbi_with_log_probs(
-        em, tr, s, e, ln, 3),
+        em, tr, 3, ln, s, e),
     "sequence_score": lambda em, tr, ln, s, e: device_ops().sequence_score(
-        em, tr, s, e, ln, torch.zeros(em.shape[0], 1, em.shape[1], dtype=torch.long, device=em.device)),
+        em, tr, torch.zeros(em.shape[0], 1, em.shape[1], dtype=torch.long, device=em.device), ln, s, e),
 }
 BAD_VALUES = [
     # (description, mutate(em, tr, ln, s, e), message pattern)
@@ -485,14 +473,14 @@ def test_bad_tags_raise():
     tags = torch.zeros(2, 1, 4, dtype=torch.long, device=DEVICE)
     tags[1, 0, 1] = 7  # within sentence 1 (length 2)
     with pytest.raises(ValueError, match=r"tags\[1, 0, 1\] = 7 is not a tag index in \[0, 3\)"):
-        ops.sequence_score(em, tr, s, e, ln, tags)
+        ops.sequence_score(em, tr, e, s, tags, ln)
     with on_device(), pytest.raises(ValueError, match=r"tags\[1, 0, 1\] = 7 is not a tag index in \[0, 3\)"):
         crfkit.sequence_score(em, tr, tags[:, 0], ln, s, e)  # the front end leaves the tags to the kernel
     with pytest.raises(ValueError, match="is not a tag index"):
         ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, ln, tags)
     tags[1, 0, 1] = 0
     tags[1, 0, 3] = -100  # padding: ignored
-    ops.sequence_score(em, tr, s, e, ln, tags)
+    ops.sequence_score(em, tr, e, s, tags, ln)
     ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, ln, tags)
 
 
@@ -504,12 +492,12 @@ def test_mixed_devices_raise():
         crfkit.log_partition(em, tr.cpu(), ln, s, e)
     with pytest.raises(ValueError, match="lengths is on cpu"):
         crfkit.viterbi(em, tr, ln.cpu(), s, e)
-    for make in (lambda: ops.log_partition(em, tr.cpu(), s, e, ln),
-                 lambda: ops.viterbi(em, tr, s, e, ln.cpu()),
-                 lambda: ops.kbest_viterbi(em.cpu(), tr, s.cpu(), e.cpu(), ln.cpu(), 2),
-                 lambda: ops.sequence_score(em, tr, s, e, ln, torch.zeros(2, 1, 4, dtype=torch.long)),
-                 lambda: ops.log_partition_backward(torch.ones(2), em, tr, s, e, ln),
-                 lambda: ops.log_partition_with_marginals(em, tr, s.cpu(), e, ln),
+    for make in (lambda: ops.log_partition(em, tr.cpu(), e, ln, s),
+                 lambda: ops.viterbi(em, tr, e, ln.cpu(), s),
+                 lambda: ops.kbest_viterbi(em.cpu(), tr, e.cpu(), s.cpu(), 2, ln.cpu()),
+                 lambda: ops.sequence_score(em, tr, e, s, torch.zeros(2, 1, 4, dtype=torch.long), ln),
+                 lambda: ops.log_partition_backward(torch.ones(2), em, tr, e, ln, s),
+                 lambda: ops.log_partition_with_marginals(em, tr, e, ln, s.cpu()),
                  lambda: ops.log_partition_backward_from_marginals(
                      torch.ones(2), torch.zeros(2, 4, 3, device=em.device), torch.zeros(2, 3, 3, device=em.device), ln),
                  lambda: ops.sequence_score_backward(torch.ones(2, 1), em, ln, torch.zeros(2, 1, 4, dtype=torch.long))):

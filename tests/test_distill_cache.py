@@ -146,7 +146,7 @@ def test_round_trip_equals_direct_ops(tmp_path, marginals_dtype):
     kb_ok = crfkit.KBest(*(x[ok] for x in kb))
     batch_ok = cache.batch(torch.arange(45)[ok], pad_to=L, dtype=torch.float64)
     from_cache = structured.kbest_cross_entropy(student[ok], student_transitions, batch_ok.kbest, batch_ok.lengths)
-    kb_ok64 = crfkit.KBest(kb_ok.paths, kb_ok.scores.double(), kb_ok.log_probs.double())
+    kb_ok64 = crfkit.KBest(kb_ok.scores.double(), kb_ok.paths, kb_ok.log_probs.double())
     expected = structured.kbest_cross_entropy(student[ok], student_transitions, kb_ok64, lengths[ok])
     torch.testing.assert_close(from_cache, expected)
 

@@ -266,7 +266,7 @@ def test_linear_chain_crf_agrees_with_the_ops(backend):
     dist = crfkit.LinearChainCRF(emissions, transitions, lengths, start, end)
     assert torch.equal(dist.log_partition, crfkit.log_partition(emissions, transitions, lengths, start, end))
     assert torch.equal(dist.marginals, crfkit.marginals(emissions, transitions, lengths, start, end))
-    paths, scores = crfkit.viterbi(emissions, transitions, lengths, start, end)
+    scores, paths = crfkit.viterbi(emissions, transitions, lengths, start, end)
     assert torch.equal(dist.argmax, paths) and torch.equal(dist.max, scores)
     kb = dist.kbest(3)
     assert torch.equal(kb.paths, crfkit.kbest_viterbi(emissions, transitions, 3, lengths, start, end).paths)
@@ -290,7 +290,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="were the teacher's k-best computed with the same lengths"):
         distill.kbest_cross_entropy(emissions, transitions, kb, lengths=torch.tensor([3, 3]))
     with pytest.raises(ValueError, match="kb.log_probs"):
-        distill.kbest_cross_entropy(emissions, transitions, (kb.paths, kb.scores, kb.log_probs[:, :1]), lengths)
+        distill.kbest_cross_entropy(emissions, transitions, (kb.scores, kb.paths, kb.log_probs[:, :1]), lengths)
     with pytest.raises(ValueError, match="transitions must have shape"):
         distill.kbest_cross_entropy(emissions, transitions[:2, :2], kb, lengths)
     with pytest.raises(ValueError, match="weighting"):

@@ -35,7 +35,7 @@ def test_mask_and_lengths_agree(backend):
     mask = torch.arange(5) < ln.unsqueeze(1)
     tags = torch.randint(0, 3, (3, 5))
     torch.testing.assert_close(crf.nll(em, tags, mask=mask), crf.nll(em, tags, lengths=ln))
-    assert torch.equal(crf.decode(em, mask=mask)[0], crf.decode(em, lengths=ln)[0])
+    assert torch.equal(crf.decode(em, mask=mask).paths, crf.decode(em, lengths=ln).paths)
     with pytest.raises(ValueError, match="lengths or mask"):
         crf.nll(em, tags, lengths=ln, mask=mask)
 
@@ -47,7 +47,7 @@ def test_constraints_hold_in_decoding_kbest_and_marginals(backend):
     em = torch.randn(8, 10, 5) * 3
     em[:, :, [2, 4]] += 4.0  # I- tags look best everywhere; only constraints keep paths valid
     ln = torch.randint(1, 11, (8,))
-    paths, _ = crf.decode(em, ln)
+    _, paths = crf.decode(em, ln)
     best = crf.kbest(em, 10, ln)
     for b in range(8):
         n = int(ln[b])
@@ -87,7 +87,7 @@ def test_crf_learns_a_transition_pattern(backend):
         opt.step()
     # Half the sentences start with 0, half with 1: the best possible NLL is log 2.
     assert first > 5.0 and loss.item() < math.log(2) + 0.05
-    assert torch.equal(crf.decode(em)[0][:, 1:], 1 - crf.decode(em)[0][:, :-1])
+    assert torch.equal(crf.decode(em).paths[:, 1:], 1 - crf.decode(em).paths[:, :-1])
 
 
 def test_bad_construction():

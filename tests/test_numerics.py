@@ -70,7 +70,7 @@ def test_every_sequence_forbidden_gives_minus_inf_and_zero_gradients(backend):
     assert (grads[0][[0, 2]] == 0).all() and (mu[[0, 2]] == 0).all()
     assert (best.scores[[0, 2]] == NEG_INF).all() and (best.paths[[0, 2]] == -1).all()
     assert (best.log_probs[[0, 2]] == NEG_INF).all()
-    paths, scores = crfkit.viterbi(em, tr, ln, s, e)
+    scores, paths = crfkit.viterbi(em, tr, ln, s, e)
     assert (paths[[0, 2]] == -1).all() and (scores[[0, 2]] == NEG_INF).all()
 
 
@@ -115,7 +115,7 @@ def test_degenerate_sizes(backend):
     for B, L, T in [(0, 5, 3), (3, 0, 4), (0, 0, 2), (4, 7, 1)]:
         em, tr, ln, s, e = random_crf(B, L, T)
         log_z, grads, mu, best = everything(em, tr, ln, s, e, k=3)
-        paths, scores = crfkit.viterbi(em, tr, ln, s, e)
+        scores, paths = crfkit.viterbi(em, tr, ln, s, e)
         assert log_z.shape == (B,) and mu.shape == (B, L, T) and paths.shape == (B, L)
         assert best.paths.shape == (B, 3, L) and best.scores.shape == (B, 3)
         for b in range(B):

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import crfkit
+from crfkit.backends import op_table
 from conftest import check_compile_matches_eager, random_crf
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4)}
@@ -21,7 +22,7 @@ def all_outputs(emissions, transitions, lengths, start, end, k=4):
     em, tr, s, e = params
     log_z = crfkit.log_partition(em, tr, lengths, s, e)
     mu = crfkit.marginals(em.detach(), tr.detach(), lengths, s.detach(), e.detach())
-    paths, scores = crfkit.viterbi(em, tr, lengths, s, e)
+    scores, paths = crfkit.viterbi(em, tr, lengths, s, e)
     best = crfkit.kbest_viterbi(em, tr, k, lengths, s, e)
     gold = torch.randint(0, emissions.shape[2], emissions.shape[:2], generator=torch.Generator().manual_seed(1))
     seq = crfkit.sequence_score(em, tr, gold, lengths, s, e)
@@ -83,7 +84,7 @@ def test_gradient_of_log_partition_is_the_marginals(backend):
 
 def test_kbest_row0_is_viterbi_and_scores_are_path_scores(backend):
     em, tr, ln, s, e = random_crf(16, 30, 9, dtype=torch.float32, scale=2.0)
-    paths, scores = crfkit.viterbi(em, tr, ln, s, e)
+    scores, paths = crfkit.viterbi(em, tr, ln, s, e)
     best = crfkit.kbest_viterbi(em, tr, 7, ln, s, e)
     assert torch.equal(best.paths[:, 0], paths)
     assert torch.equal(best.scores[:, 0], scores)
@@ -96,25 +97,24 @@ def test_kbest_row0_is_viterbi_and_scores_are_path_scores(backend):
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 def test_opcheck_every_op():
     em, tr, ln, s, e = random_crf(3, 6, 4)
-    tags = torch.randint(0, 4, (3, 2, 6))
-    ops = torch.ops.crfkit
     req = [x.clone().requires_grad_() for x in (em, tr, s, e)]
-    cases = [
-        (ops.log_partition, (req[0], req[1], req[2], req[3], ln)),
-        (ops.marginals, (em, tr, s, e, ln)),
-        (ops.viterbi, (req[0], req[1], req[2], req[3], ln)),
-        (ops.kbest_viterbi, (req[0], req[1], req[2], req[3], ln, 5)),
-        (ops.sequence_score, (req[0], req[1], req[2], req[3], ln, tags)),
-        (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64), em, tr, s, e, ln)),
-        (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64), em, ln, tags)),
-        (ops.log_partition_with_marginals, (em, tr, s, e, ln)),
-        (ops.expected_transition_counts, (em, tr, s, e, ln)),
-        (ops.kbest_viterbi_with_log_probs, (em, tr, s, e, ln, 5)),
-    ]
-    _, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
-    cases.append((ops.log_partition_backward_from_marginals, (torch.ones(3, dtype=torch.float64), mu, counts, ln)))
-    for op, args in cases:
-        torch.library.opcheck(op, args)
+    cases = op_table.example_arguments(torch.ops.crfkit, req[0], req[1], ln, req[2], req[3],
+                                       tags=torch.randint(0, 4, (3, 2, 6)), k=5,
+                                       grad_log_z=torch.ones(3, dtype=torch.float64),
+                                       grad_scores=torch.ones(3, 2, dtype=torch.float64))
+    for name, args in cases.items():
+        torch.library.opcheck(getattr(torch.ops.crfkit, name), args)
+
+
+@pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
+def test_op_table_lists_every_registered_op():
+    # crfkit/backends/op_table.py is the one list of the ops that the fakes, the opcheck cases
+    # and the emulator's tools derive from: it must hold every op csrc/crfkit.cpp defines.
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("crfkit::")}
+    assert registered == set(op_table.OPS)
+    for name in op_table.OPS:
+        assert str(getattr(torch.ops.crfkit, name).default._schema) == op_table.schema("crfkit", name)
 
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
@@ -135,11 +135,11 @@ def test_kbest_with_log_probs_equals_the_separate_ops(threads, B, T, k, dtype):
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(em, tr, s, e, ln, k)
+        scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(em, tr, k, ln, s, e)
     finally:
         torch.set_num_threads(saved)
-    want_scores, want_paths = ops.kbest_viterbi(em, tr, s, e, ln, k)
-    want_log_probs = crfkit.reference.log_probs_from_scores(want_scores, ops.log_partition(em, tr, s, e, ln))
+    want_scores, want_paths = ops.kbest_viterbi(em, tr, k, ln, s, e)
+    want_log_probs = crfkit.reference.log_probs_from_scores(want_scores, ops.log_partition(em, tr, ln, s, e))
     assert torch.equal(scores, want_scores) and torch.equal(paths, want_paths)
     assert torch.equal(log_probs, want_log_probs)
     assert not log_probs.isnan().any()
@@ -163,15 +163,15 @@ def test_kbest_with_log_probs_rejects_what_the_separate_ops_reject(B):
     bad = em.clone()
     bad[B - 1, 0, 1] = math.nan
     with pytest.raises(ValueError, match=rf"emissions\[{B - 1}\] contains NaN or \+inf"):
-        ops.kbest_viterbi_with_log_probs(bad, tr, s, e, ln, 2)
+        ops.kbest_viterbi_with_log_probs(bad, tr, 2, ln, s, e)
     with pytest.raises(ValueError, match=r"lengths\[0\] = 5 is outside"):
-        ops.kbest_viterbi_with_log_probs(em, tr, s, e, torch.full((B,), 5), 2)
+        ops.kbest_viterbi_with_log_probs(em, tr, 2, torch.full((B,), 5), s, e)
     with pytest.raises(ValueError, match="k must be at least 1"):
-        ops.kbest_viterbi_with_log_probs(em, tr, s, e, ln, 0)
+        ops.kbest_viterbi_with_log_probs(em, tr, 0, ln, s, e)
     with pytest.raises(RuntimeError, match="not differentiable"):
-        ops.kbest_viterbi_with_log_probs(em.requires_grad_(), tr, s, e, ln, 2)
+        ops.kbest_viterbi_with_log_probs(em.requires_grad_(), tr, 2, ln, s, e)
     with torch.no_grad():
-        ops.kbest_viterbi_with_log_probs(em, tr, s, e, ln, 2)  # fine without gradient
+        ops.kbest_viterbi_with_log_probs(em, tr, 2, ln, s, e)  # fine without gradient
 
 
 def _hard_cases(B, scale):
@@ -195,23 +195,23 @@ def test_log_partition_with_marginals_equals_the_separate_ops(scale, B):
     # backward what the backward that reruns the forward gives, for any upstream gradient.
     em, tr, ln, s, e = _hard_cases(B, scale)
     ops = torch.ops.crfkit
-    log_z, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
-    assert torch.equal(log_z, ops.log_partition(em, tr, s, e, ln))  # bit for bit
+    log_z, mu, counts = ops.log_partition_with_marginals(em, tr, ln, s, e)
+    assert torch.equal(log_z, ops.log_partition(em, tr, ln, s, e))  # bit for bit
     assert log_z[2] == -math.inf and log_z[1] == 0  # sentence 1 has length 0
-    assert torch.equal(counts, ops.expected_transition_counts(em, tr, s, e, ln))
-    torch.testing.assert_close(mu, ops.marginals(em, tr, s, e, ln), rtol=1e-12, atol=1e-12)
+    assert torch.equal(counts, ops.expected_transition_counts(em, tr, ln, s, e))
+    torch.testing.assert_close(mu, ops.marginals(em, tr, ln, s, e), rtol=1e-12, atol=1e-12)
     assert (mu[2] == 0).all() and (counts[2] == 0).all() and (mu[1] == 0).all()
     grad = torch.randn(B, dtype=torch.float64)
     grad[4] = 0
     grad[3] = math.inf  # infinite upstream gradient: non-finite where used, 0 past the length
     from_marginals = ops.log_partition_backward_from_marginals(grad, mu, counts, ln)
-    rerun = ops.log_partition_backward(grad, em, tr, s, e, ln)
+    rerun = ops.log_partition_backward(grad, em, tr, ln, s, e)
     assert (from_marginals[0][3, ln[3]:] == 0).all()
     finite = grad.isfinite()
     torch.testing.assert_close(from_marginals[0][finite], rerun[0][finite], rtol=1e-12, atol=1e-12)
     grad[3] = 0
     from_marginals = ops.log_partition_backward_from_marginals(grad, mu, counts, ln)
-    rerun = ops.log_partition_backward(grad, em, tr, s, e, ln)
+    rerun = ops.log_partition_backward(grad, em, tr, ln, s, e)
     for got, want in zip(from_marginals, rerun):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(TypeError, match="transition_counts must have the dtype of marginals"):
@@ -273,8 +273,8 @@ def test_log_z_is_the_lane_value_when_only_the_lane_backward_fails():
     s, e = torch.randn(3, dtype=torch.float64, generator=g), torch.randn(3, dtype=torch.float64, generator=g)
     ln = torch.full((8,), 6)
     ops = torch.ops.crfkit
-    log_z, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, ln)
-    assert torch.equal(log_z, ops.log_partition(em, tr, s, e, ln))
+    log_z, mu, counts = ops.log_partition_with_marginals(em, tr, ln, s, e)
+    assert torch.equal(log_z, ops.log_partition(em, tr, ln, s, e))
     torch.testing.assert_close(mu, crfkit.reference.marginals(em, tr, ln, s, e), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(counts, crfkit.reference.expected_transition_counts(em, tr, ln, s, e),
                                rtol=1e-12, atol=1e-12)
@@ -292,12 +292,12 @@ def test_counts_without_transitions_are_zero_in_recycled_memory(dtype):
     lengths = torch.tensor([3] * 8 + [1, 0] * 8)
     ops = torch.ops.crfkit
     crfkit.release_cached_memory()
-    earlier = ops.log_partition_with_marginals(em, tr, s, e, torch.full((B,), L))
+    earlier = ops.log_partition_with_marginals(em, tr, torch.full((B,), L), s, e)
     for x in earlier:
         x.fill_(math.nan)
     del earlier, x  # their buffers are kept, NaN-filled
     assert crfkit.cached_memory() >= B * T * T * em.element_size()
-    _, mu, counts = ops.log_partition_with_marginals(em, tr, s, e, lengths)
+    _, mu, counts = ops.log_partition_with_marginals(em, tr, lengths, s, e)
     assert torch.equal(counts[8:], torch.zeros_like(counts[8:]))
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(counts, crfkit.reference.expected_transition_counts(em, tr, lengths, s, e), **tol)
@@ -315,13 +315,13 @@ def test_recycled_memory_leaves_no_trace(B):
     em, tr, ln, s, e = random_crf(B, 2000, 5)  # the marginals: over the 64 KiB recycled from
     ops = torch.ops.crfkit
     crfkit.release_cached_memory()
-    fresh = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    fresh = ops.log_partition_with_marginals(em, tr, ln, s, e)
     fresh_copies = [x.clone() for x in fresh]
     for x in fresh:
         x.fill_(math.nan)
     del fresh  # their buffers are kept, NaN-filled
     assert crfkit.cached_memory() >= em.numel() * 8
-    reused = ops.log_partition_with_marginals(em, tr, s, e, ln)
+    reused = ops.log_partition_with_marginals(em, tr, ln, s, e)
     for got, want in zip(reused, fresh_copies):
         assert torch.equal(got, want)
     grad = torch.randn(B, dtype=torch.float64)
@@ -407,7 +407,7 @@ def test_properties(B, L, T, k, seed, forbid):
             log_z = crfkit.log_partition(em, tr, ln, s, e)
             mu = crfkit.marginals(em, tr, ln, s, e)
             best = crfkit.kbest_viterbi(em, tr, k, ln, s, e)
-            paths, scores = crfkit.viterbi(em, tr, ln, s, e)
+            scores, paths = crfkit.viterbi(em, tr, ln, s, e)
         assert not torch.isnan(log_z).any() and not torch.isnan(mu).any() and not torch.isnan(best.log_probs).any()
         valid = torch.arange(L) < ln.unsqueeze(1)
         possible = torch.isfinite(log_z)
@@ -457,9 +457,9 @@ def test_decoders_with_ties_equal_the_reference_exactly(backend, monkeypatch, dt
     tr = torch.randint(-3, 4, (T, T), generator=gen).to(dtype)
     tr[0, T // 2] = -math.inf
     ln = torch.tensor([20, 1, 7, 0, 13])
-    paths, scores = crfkit.viterbi(em, tr, ln)
+    scores, paths = crfkit.viterbi(em, tr, ln)
     with crfkit.use_backend("reference"):
-        want_paths, want_scores = crfkit.viterbi(em, tr, ln)
+        want_scores, want_paths = crfkit.viterbi(em, tr, ln)
     assert torch.equal(paths, want_paths)
     assert torch.equal(scores, want_scores)
     best = crfkit.kbest_viterbi(em[:, :6], tr, 5, ln.clamp(max=6))
@@ -480,9 +480,9 @@ def test_viterbi_lane_groups_equal_the_reference_exactly(backend, monkeypatch, d
     # no allowed path at all (score -inf, path -1). Paths and scores must equal the reference's.
     monkeypatch.setenv("CRFKIT_VITERBI_LANES", {"lanes": "1", "per_sentence": "0", "auto": ""}[kernel])
     em, tr, ln, start, end = _lane_case(dtype, T, L=20, seed=100 + T)
-    paths, scores = crfkit.viterbi(em, tr, ln, start, end)
+    scores, paths = crfkit.viterbi(em, tr, ln, start, end)
     with crfkit.use_backend("reference"):
-        want_paths, want_scores = crfkit.viterbi(em, tr, ln, start, end)
+        want_scores, want_paths = crfkit.viterbi(em, tr, ln, start, end)
     assert torch.equal(paths, want_paths)
     assert torch.equal(scores, want_scores)
     assert scores[3] == -math.inf and (paths[3] == -1).all()

@@ -254,7 +254,7 @@ def test_objective_values(cache, slice_):
     lengths = batch["lengths"]
     emissions = student.emissions(batch)
     transitions, start, end = student.distribution_parameters()
-    kb = (batch["teacher_paths"], None, batch["teacher_log_probs"])
+    kb = (None, batch["teacher_paths"], batch["teacher_log_probs"])
     teacher = crfkit.LinearChainCRF(batch["teacher_emissions"], *teacher_crf[:1], lengths, *teacher_crf[1:])
     expected = {
         "hard": student.crf.nll(emissions, batch["tags"], lengths=lengths),

@@ -43,10 +43,11 @@ class CRFBackend(Protocol):
     The arguments arrive prepared by crfkit._arguments.prepare: emissions (B, L, T) contiguous
     float32 / float64; transitions (T, T), start (T,), end (T,) contiguous in the emissions'
     dtype and on their device (start / end zeros when the caller gave none); lengths (B,)
-    contiguous int64, in [0, L] unless the device type is in VALUES_CHECKED_ON_DEVICE. Note
-    the order: lengths comes before start and end, as in crfkit.functional; k and tags come
-    before lengths. Every result that holds scores is differentiable in emissions, transitions,
-    start and end.
+    contiguous int64, in [0, L] unless the device type is in VALUES_CHECKED_ON_DEVICE. The
+    order is the one of crfkit.functional and of the compiled ops' schemas
+    (crfkit/backends/op_table.py): emissions, transitions, then k or tags, then lengths, start,
+    end; decoders return scores before paths. Every result that holds scores is differentiable
+    in emissions, transitions, start and end.
     """
 
     VALUES_CHECKED_ON_DEVICE: Tuple[str, ...]
@@ -80,14 +81,14 @@ class CRFBackend(Protocol):
 
     def viterbi(self, emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor,
                 end: Tensor) -> Tuple[Tensor, Tensor]:
-        """viterbi(emissions, transitions, lengths, start, end) -> (paths (B, L) int64, -1 at
-        padded positions; scores (B,))."""
+        """viterbi(emissions, transitions, lengths, start, end) -> (scores (B,), paths (B, L)
+        int64, -1 at padded positions)."""
         ...
 
     def kbest_viterbi(self, emissions: Tensor, transitions: Tensor, k: int, lengths: Tensor, start: Tensor,
                       end: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """kbest_viterbi(emissions, transitions, k, lengths, start, end) -> (paths (B, k, L)
-        int64, scores (B, k), log_probs (B, k)); missing rows have path -1 and -inf scores."""
+        """kbest_viterbi(emissions, transitions, k, lengths, start, end) -> (scores (B, k),
+        paths (B, k, L) int64, log_probs (B, k)); missing rows have path -1 and -inf scores."""
         ...
 
     def sequence_score(self, emissions: Tensor, transitions: Tensor, tags: Tensor, lengths: Tensor,

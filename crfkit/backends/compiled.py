@@ -1,6 +1,7 @@
 """The compiled (C++ / CUDA) backend: loads crfkit._C and registers, for each op,
 a fake (meta) implementation so that torch.compile can trace it. The autograd formulas are
-registered in C++ (csrc/autograd.cpp), except the marginals' (below).
+registered in C++ (csrc/autograd.cpp), except the marginals' (below). The ops, their schemas
+and fakes are listed once, in crfkit/backends/op_table.py.
 
 The backward of every op is itself a registered op (log_partition_backward_from_marginals on
 the CPU and CUDA, log_partition_backward on a device without log_partition_with_marginals,
@@ -14,117 +15,14 @@ from torch import Tensor
 
 from .. import _C  # noqa: F401  (loading the library registers torch.ops.crfkit.*)
 from .. import reference
+from . import op_table
 
 ops = torch.ops.crfkit
 
-# The Python side below relies on these schemas (argument and output order). An extension built
-# from older sources (an editable install not rebuilt after a schema change) would otherwise
-# return, say, (paths, scores) where (scores, paths) is expected: refuse to load it instead.
-EXPECTED_SCHEMAS = {
-    "log_partition": ("crfkit::log_partition(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-                      "Tensor lengths) -> Tensor"),
-    "marginals": ("crfkit::marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-                  "Tensor lengths) -> Tensor"),
-    "log_partition_backward": ("crfkit::log_partition_backward(Tensor grad_log_z, Tensor emissions, "
-                               "Tensor transitions, Tensor start, Tensor end, Tensor lengths) "
-                               "-> (Tensor, Tensor, Tensor, Tensor)"),
-    "log_partition_with_marginals": ("crfkit::log_partition_with_marginals(Tensor emissions, Tensor transitions, "
-                                     "Tensor start, Tensor end, Tensor lengths) "
-                                     "-> (Tensor log_z, Tensor marginals, Tensor transition_counts)"),
-    "log_partition_backward_from_marginals": ("crfkit::log_partition_backward_from_marginals(Tensor grad_log_z, "
-                                              "Tensor marginals, Tensor transition_counts, Tensor lengths) "
-                                              "-> (Tensor, Tensor, Tensor, Tensor)"),
-    "expected_transition_counts": ("crfkit::expected_transition_counts(Tensor emissions, Tensor transitions, "
-                                   "Tensor start, Tensor end, Tensor lengths) -> Tensor"),
-    "viterbi": ("crfkit::viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-                "Tensor lengths) -> (Tensor scores, Tensor paths)"),
-    "kbest_viterbi": ("crfkit::kbest_viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-                      "Tensor lengths, int k) -> (Tensor scores, Tensor paths)"),
-    "kbest_viterbi_with_log_probs": ("crfkit::kbest_viterbi_with_log_probs(Tensor emissions, Tensor transitions, "
-                                     "Tensor start, Tensor end, Tensor lengths, int k) "
-                                     "-> (Tensor scores, Tensor paths, Tensor log_probs)"),
-    "sequence_score": ("crfkit::sequence_score(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
-                       "Tensor lengths, Tensor tags) -> Tensor"),
-    "sequence_score_backward": ("crfkit::sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor lengths, "
-                                "Tensor tags) -> (Tensor, Tensor, Tensor, Tensor)"),
-}
-
-
-def check_schemas(expected=EXPECTED_SCHEMAS) -> None:
-    """Raise ImportError unless every op is registered with the schema this module expects."""
-    for name, schema in expected.items():
-        found = str(getattr(ops, name).default._schema) if hasattr(ops, name) else "missing"
-        if found != schema:
-            raise ImportError(
-                f"crfkit._C is out of date: op {name} has schema {found!r}, expected {schema!r}; "
-                "rebuild it with `pip install --no-build-isolation -e .`"
-            )
-
-
-check_schemas()
-
-
-# ---- fake implementations: shapes and dtypes only ------------------------------------------
-@torch.library.register_fake("crfkit::log_partition")
-def _(emissions, transitions, start, end, lengths):
-    return emissions.new_empty(emissions.shape[0])
-
-
-@torch.library.register_fake("crfkit::marginals")
-def _(emissions, transitions, start, end, lengths):
-    return torch.empty_like(emissions)
-
-
-@torch.library.register_fake("crfkit::log_partition_backward")
-def _(grad_log_z, emissions, transitions, start, end, lengths):
-    return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
-
-
-@torch.library.register_fake("crfkit::log_partition_with_marginals")
-def _(emissions, transitions, start, end, lengths):
-    B, _L, T = emissions.shape
-    return emissions.new_empty(B), torch.empty_like(emissions), emissions.new_empty((B, T, T))
-
-
-@torch.library.register_fake("crfkit::log_partition_backward_from_marginals")
-def _(grad_log_z, marginals, transition_counts, lengths):
-    T = marginals.shape[2]
-    return torch.empty_like(marginals), marginals.new_empty((T, T)), marginals.new_empty(T), marginals.new_empty(T)
-
-
-@torch.library.register_fake("crfkit::expected_transition_counts")
-def _(emissions, transitions, start, end, lengths):
-    B, _L, T = emissions.shape
-    return emissions.new_empty((B, T, T))
-
-
-@torch.library.register_fake("crfkit::viterbi")
-def _(emissions, transitions, start, end, lengths):
-    B, L, _T = emissions.shape
-    return emissions.new_empty(B), emissions.new_empty((B, L), dtype=torch.long)
-
-
-@torch.library.register_fake("crfkit::kbest_viterbi")
-def _(emissions, transitions, start, end, lengths, k):
-    B, L, _T = emissions.shape
-    return emissions.new_empty((B, k)), emissions.new_empty((B, k, L), dtype=torch.long)
-
-
-@torch.library.register_fake("crfkit::kbest_viterbi_with_log_probs")
-def _(emissions, transitions, start, end, lengths, k):
-    B, L, _T = emissions.shape
-    return emissions.new_empty((B, k)), emissions.new_empty((B, k, L), dtype=torch.long), emissions.new_empty((B, k))
-
-
-@torch.library.register_fake("crfkit::sequence_score")
-def _(emissions, transitions, start, end, lengths, tags):
-    return emissions.new_empty(tags.shape[:2])
-
-
-@torch.library.register_fake("crfkit::sequence_score_backward")
-def _(grad_scores, emissions, lengths, tags):
-    T = emissions.shape[2]
-    return torch.empty_like(emissions), emissions.new_empty((T, T)), emissions.new_empty(T), emissions.new_empty(T)
+# Refuse an extension built from older sources (an editable install not rebuilt after a schema
+# change), which would otherwise be called with its arguments in another order.
+op_table.check_schemas()
+op_table.register_fakes()
 
 
 # ---- autograd ---------------------------------------------------------------------------------
@@ -138,12 +36,13 @@ def _save_crf_inputs(ctx, inputs, output):
 def _marginals_backward(ctx, grad_marginals):
     # The derivative of the marginals is a Hessian-vector product of log Z; it is taken through
     # the reference (autograd over its forward pass, twice). Correct, but not a fused kernel.
-    emissions, transitions, start, end, lengths = ctx.saved_tensors
+    emissions, transitions, lengths, start, end = ctx.saved_tensors
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (emissions, transitions, start, end)]
         mu = reference.marginals(inputs[0], inputs[1], lengths, inputs[2], inputs[3])
         grads = torch.autograd.grad(mu, inputs, grad_marginals, allow_unused=True)
-    return (*[torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)], None)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+    return grads[0], grads[1], None, grads[2], grads[3]  # the op's inputs: emissions, transitions, lengths, ...
 
 
 torch.library.register_autograd("crfkit::marginals", _marginals_backward, setup_context=_save_crf_inputs)
@@ -161,7 +60,7 @@ def _needs_grad(*tensors) -> bool:
 # emulator's tests swap in its own table). Looked up once here: torch.compile cannot trace the
 # dispatcher query itself.
 _KERNELS = {(name, key): torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit::{name}", key)
-            for name in EXPECTED_SCHEMAS for key in ("CPU", "CUDA")}
+            for name in op_table.OPS for key in ("CPU", "CUDA")}
 
 
 # The device types whose kernels check the values of lengths and tags themselves (on the device,
@@ -182,7 +81,7 @@ def _has_kernel(op_name: str, tensor: Tensor) -> bool:
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:
     # Without gradient: O(T) working memory per thread. A differentiable call on the CPU also
     # computes the marginals for its backward (csrc/autograd.cpp, LogPartition).
-    return ops.log_partition(emissions, transitions, start, end, lengths)
+    return ops.log_partition(emissions, transitions, lengths, start, end)
 
 
 def expected_transition_counts(emissions, transitions, lengths, start, end) -> Tensor:
@@ -195,11 +94,11 @@ def expected_transition_counts(emissions, transitions, lengths, start, end) -> T
 
             check_length_values(lengths, emissions.shape[1])
         return reference.expected_transition_counts(emissions, transitions, lengths, start, end)
-    return ops.expected_transition_counts(emissions, transitions, start, end, lengths)
+    return ops.expected_transition_counts(emissions, transitions, lengths, start, end)
 
 
 def marginals(emissions, transitions, lengths, start, end) -> Tensor:
-    return ops.marginals(emissions, transitions, start, end, lengths)
+    return ops.marginals(emissions, transitions, lengths, start, end)
 
 
 def marginals_and_transition_counts(emissions, transitions, lengths, start, end):
@@ -209,13 +108,12 @@ def marginals_and_transition_counts(emissions, transitions, lengths, start, end)
     if _needs_grad(emissions, transitions, start, end) or not _has_kernel("log_partition_with_marginals", emissions):
         return (marginals(emissions, transitions, lengths, start, end),
                 expected_transition_counts(emissions, transitions, lengths, start, end))
-    _, mu, counts = ops.log_partition_with_marginals(emissions, transitions, start, end, lengths)
+    _, mu, counts = ops.log_partition_with_marginals(emissions, transitions, lengths, start, end)
     return mu, counts
 
 
 def viterbi(emissions, transitions, lengths, start, end):
-    scores, paths = ops.viterbi(emissions, transitions, start, end, lengths)
-    return paths, scores
+    return ops.viterbi(emissions, transitions, lengths, start, end)
 
 
 def kbest_viterbi(emissions, transitions, k, lengths, start, end):
@@ -223,12 +121,11 @@ def kbest_viterbi(emissions, transitions, k, lengths, start, end):
     # when the batch is smaller than the threads); differentiable calls take the two
     # differentiable ops.
     if not _needs_grad(emissions, transitions, start, end) and _has_kernel("kbest_viterbi_with_log_probs", emissions):
-        scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(emissions, transitions, start, end, lengths, k)
-        return paths, scores, log_probs
-    scores, paths = ops.kbest_viterbi(emissions, transitions, start, end, lengths, k)
-    log_z = ops.log_partition(emissions, transitions, start, end, lengths)
-    return paths, scores, reference.log_probs_from_scores(scores, log_z)
+        return ops.kbest_viterbi_with_log_probs(emissions, transitions, k, lengths, start, end)
+    scores, paths = ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+    log_z = ops.log_partition(emissions, transitions, lengths, start, end)
+    return scores, paths, reference.log_probs_from_scores(scores, log_z)
 
 
 def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
-    return ops.sequence_score(emissions, transitions, start, end, lengths, tags)
+    return ops.sequence_score(emissions, transitions, tags, lengths, start, end)

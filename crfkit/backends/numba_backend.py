@@ -144,30 +144,32 @@ def _forward_backward(mode, emissions, transitions, start, end, lengths, *, grad
 
 def _through_reference(fn, saved, grad_output):
     """Gradients of <fn(emissions, transitions, lengths, start, end), grad_output> by autograd
-    over crfkit.reference: for higher-order derivatives. Under create_graph the saved inputs
+    over crfkit.reference, in the order of the inputs (emissions, transitions, None for
+    lengths, start, end): for higher-order derivatives. Under create_graph the saved inputs
     are used as they are, so that the result is differentiable again."""
-    emissions, transitions, start, end, lengths = saved
+    emissions, transitions, lengths, start, end = saved
     create_graph = torch.is_grad_enabled()
     with torch.enable_grad():
         inputs = [x if create_graph and x.requires_grad else x.detach().requires_grad_()
                   for x in (emissions, transitions, start, end)]
         out = fn(inputs[0], inputs[1], lengths, inputs[2], inputs[3])
         grads = torch.autograd.grad(out, inputs, grad_output, allow_unused=True, create_graph=create_graph)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+    return grads[0], grads[1], None, grads[2], grads[3]
 
 
 class _LogPartition(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, emissions, transitions, start, end, lengths):
+    def forward(ctx, emissions, transitions, lengths, start, end):
         _check(emissions, transitions, start, end, lengths)
-        keep = any(ctx.needs_input_grad[:4])
+        keep = any(ctx.needs_input_grad[i] for i in (0, 1, 3, 4))  # not lengths
         if keep:  # keep the alpha rows: the backward then needs no second forward pass
             B, L, T = emissions.shape
             rows = torch.empty((B, L, T), dtype=torch.float64)
             offsets = torch.empty((B, L), dtype=torch.float64)
             log_z = _forward_backward(kernels.MODE_LOG_Z_KEEP, emissions, transitions, start, end, lengths,
                                       rows=rows, offsets=offsets)[0]
-            ctx.save_for_backward(emissions, transitions, start, end, lengths)
+            ctx.save_for_backward(emissions, transitions, lengths, start, end)
             ctx.kept = (rows, offsets, log_z)
         else:
             log_z = _forward_backward(kernels.MODE_LOG_Z, emissions, transitions, start, end, lengths)[0]
@@ -177,37 +179,37 @@ class _LogPartition(torch.autograd.Function):
     def backward(ctx, grad_log_z):
         saved = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
-            return (*_through_reference(reference.log_partition, saved, grad_log_z), None)
-        emissions, transitions, start, end, lengths = saved
+            return _through_reference(reference.log_partition, saved, grad_log_z)
+        emissions, transitions, lengths, start, end = saved
         rows, offsets, log_z = ctx.kept
         grad_log_z = grad_log_z.to(torch.float64).contiguous()
         _, g_emissions, g_trans, g_start, g_end = _forward_backward(
             kernels.MODE_BACKWARD, emissions, transitions, start, end, lengths, grad_log_z=grad_log_z,
             rows=rows, offsets=offsets, log_z=log_z)
         dtype = emissions.dtype
-        return (g_emissions.to(dtype), g_trans.sum(0).to(dtype), g_start.sum(0).to(dtype),
-                g_end.sum(0).to(dtype), None)
+        return (g_emissions.to(dtype), g_trans.sum(0).to(dtype), None, g_start.sum(0).to(dtype),
+                g_end.sum(0).to(dtype))
 
 
 class _Marginals(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, emissions, transitions, start, end, lengths):
+    def forward(ctx, emissions, transitions, lengths, start, end):
         _check(emissions, transitions, start, end, lengths)
         mu = _forward_backward(kernels.MODE_MARGINALS, emissions, transitions, start, end, lengths)[1]
-        ctx.save_for_backward(emissions, transitions, start, end, lengths)
+        ctx.save_for_backward(emissions, transitions, lengths, start, end)
         return mu.to(emissions.dtype)
 
     @staticmethod
     def backward(ctx, grad_marginals):
         # A Hessian-vector product of log Z, taken through the reference (autograd twice), as
         # the compiled backend does.
-        return (*_through_reference(reference.marginals, ctx.saved_tensors, grad_marginals), None)
+        return _through_reference(reference.marginals, ctx.saved_tensors, grad_marginals)
 
 
 # ---- decoding and sequence scores ------------------------------------------------------------
 def _scatter_path_scores(grad_scores: Tensor, lengths: Tensor, paths: Tensor, shape, dtype):
     """Gradients of sum grad_scores[b, j] * score(paths[b, j]) for emissions, transitions,
-    start and end."""
+    start and end: (emissions, transitions, start, end)."""
     B, L, T = shape
     f64 = torch.float64  # accumulated in float64 (one compiled kernel), returned in `dtype`
     grad_emissions = torch.zeros((B, L, T), dtype=f64)
@@ -234,7 +236,7 @@ class _PathScores(torch.autograd.Function):
 
 class _Viterbi(_PathScores):
     @staticmethod
-    def forward(ctx, emissions, transitions, start, end, lengths):
+    def forward(ctx, emissions, transitions, lengths, start, end):
         _check(emissions, transitions, start, end, lengths)
         B, L, T = emissions.shape
         paths = torch.full((B, L), -1, dtype=torch.long)
@@ -249,8 +251,9 @@ class _Viterbi(_PathScores):
     @staticmethod
     def backward(ctx, grad_scores, _grad_paths):
         lengths, paths = ctx.saved_tensors
-        grads = _scatter_path_scores(grad_scores.unsqueeze(1), lengths, paths.unsqueeze(1), ctx.shape, ctx.dtype)
-        return (*grads, None)
+        g_emissions, g_trans, g_start, g_end = _scatter_path_scores(grad_scores.unsqueeze(1), lengths,
+                                                                    paths.unsqueeze(1), ctx.shape, ctx.dtype)
+        return g_emissions, g_trans, None, g_start, g_end
 
 
 def _num_sequences_capped(T: int, L: int, cap: int) -> int:
@@ -265,7 +268,7 @@ def _num_sequences_capped(T: int, L: int, cap: int) -> int:
 
 class _KBest(_PathScores):
     @staticmethod
-    def forward(ctx, emissions, transitions, start, end, lengths, k):
+    def forward(ctx, emissions, transitions, k, lengths, start, end):
         _check(emissions, transitions, start, end, lengths)
         B, L, T = emissions.shape
         paths = torch.full((B, k, L), -1, dtype=torch.long)
@@ -281,12 +284,13 @@ class _KBest(_PathScores):
     @staticmethod
     def backward(ctx, grad_scores, _grad_paths):
         lengths, paths = ctx.saved_tensors
-        return (*_scatter_path_scores(grad_scores, lengths, paths, ctx.shape, ctx.dtype), None, None)
+        g_emissions, g_trans, g_start, g_end = _scatter_path_scores(grad_scores, lengths, paths, ctx.shape, ctx.dtype)
+        return g_emissions, g_trans, None, None, g_start, g_end
 
 
 class _SequenceScore(_PathScores):
     @staticmethod
-    def forward(ctx, emissions, transitions, start, end, lengths, tags):
+    def forward(ctx, emissions, transitions, tags, lengths, start, end):
         _check(emissions, transitions, start, end, lengths)
         B, L, T = emissions.shape
         scores = torch.empty((B, tags.shape[1]), dtype=emissions.dtype)
@@ -304,7 +308,8 @@ class _SequenceScore(_PathScores):
     @staticmethod
     def backward(ctx, grad_scores):
         lengths, tags = ctx.saved_tensors
-        return (*_scatter_path_scores(grad_scores, lengths, tags, ctx.shape, ctx.dtype), None, None)
+        g_emissions, g_trans, g_start, g_end = _scatter_path_scores(grad_scores, lengths, tags, ctx.shape, ctx.dtype)
+        return g_emissions, g_trans, None, None, g_start, g_end
 
 
 # ---- the backend interface: crfkit.backends.CRFBackend ------------------------------------------
@@ -319,26 +324,25 @@ expected_transition_counts = reference.expected_transition_counts
 
 
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:
-    return _LogPartition.apply(emissions, transitions, start, end, lengths)
+    return _LogPartition.apply(emissions, transitions, lengths, start, end)
 
 
 def marginals(emissions, transitions, lengths, start, end) -> Tensor:
-    return _Marginals.apply(emissions, transitions, start, end, lengths)
+    return _Marginals.apply(emissions, transitions, lengths, start, end)
 
 
 def viterbi(emissions, transitions, lengths, start, end):
-    scores, paths = _Viterbi.apply(emissions, transitions, start, end, lengths)
-    return paths, scores
+    return _Viterbi.apply(emissions, transitions, lengths, start, end)
 
 
 def kbest_viterbi(emissions, transitions, k, lengths, start, end):
-    scores, paths = _KBest.apply(emissions, transitions, start, end, lengths, k)
+    scores, paths = _KBest.apply(emissions, transitions, k, lengths, start, end)
     log_z = log_partition(emissions, transitions, lengths, start, end)
-    return paths, scores, reference.log_probs_from_scores(scores, log_z)
+    return scores, paths, reference.log_probs_from_scores(scores, log_z)
 
 
 def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
-    return _SequenceScore.apply(emissions, transitions, start, end, lengths, tags.contiguous())
+    return _SequenceScore.apply(emissions, transitions, tags.contiguous(), lengths, start, end)
 
 
 def marginals_and_transition_counts(emissions, transitions, lengths, start, end):

@@ -222,10 +222,10 @@ class ConditionalRandomField(nn.Module):
         with torch.no_grad():  # decoding: nothing to differentiate
             logits, transitions, start, end = self._in_one_dtype(logits, *self._decoding_scores())
             if top_k is None:
-                paths, scores = crf_ops.viterbi(logits, transitions, lengths, start, end)
-                paths, scores = paths.unsqueeze(1), scores.unsqueeze(1)
+                scores, paths = crf_ops.viterbi(logits, transitions, lengths, start, end)
+                scores, paths = scores.unsqueeze(1), paths.unsqueeze(1)
             else:
-                paths, scores, _ = crf_ops.kbest_viterbi(logits, transitions, top_k, lengths, start, end)
+                scores, paths, _ = crf_ops.kbest_viterbi(logits, transitions, top_k, lengths, start, end)
         sentence_lengths = [logits.shape[1]] * logits.shape[0] if lengths is None else lengths.tolist()
         decodings = [
             [(path[:length], score) for path, score in zip(sentence_paths, sentence_scores)

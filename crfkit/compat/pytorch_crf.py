@@ -108,7 +108,7 @@ class CRF(nn.Module):
         emissions, _, lengths = self._batch_first(emissions, None, mask)
         with torch.no_grad():  # the paths are integers: nothing to differentiate
             transitions, start, end, emissions = self._scores(emissions)
-            paths, _ = crf_ops.viterbi(emissions, transitions, lengths, start, end)
+            paths = crf_ops.viterbi(emissions, transitions, lengths, start, end).paths
         rows = paths.tolist()
         if lengths is None:
             return rows

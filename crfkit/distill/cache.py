@@ -162,7 +162,7 @@ class CachedBatch(NamedTuple):
     """A padded batch of cached labels (B sentences, padded to length L).
 
     ids        (B,) int64
-    kbest      crfkit.KBest(paths (B, K, L) int64 with -1 padding, scores (B, K), log_probs (B, K)),
+    kbest      crfkit.KBest(scores (B, K), paths (B, K, L) int64 with -1 padding, log_probs (B, K)),
                what crfkit.kbest_viterbi returns for the same teacher outputs
     lengths    (B,) int64
     log_z      (B,)
@@ -876,7 +876,8 @@ class TeacherLabelCache:
         if dtype is not None:
             log_probs, scores, log_z = log_probs.to(dtype), scores.to(dtype), log_z.to(dtype)
         ids = torch.tensor([r.id for r in records], dtype=torch.long)
-        return CachedBatch(ids, KBest(paths, scores, log_probs), lengths, log_z, margs, emissions, hidden)
+        kbest = KBest(scores=scores, paths=paths, log_probs=log_probs)
+        return CachedBatch(ids, kbest, lengths, log_z, margs, emissions, hidden)
 
     def teacher_crf(self) -> tuple[Tensor, Tensor, Tensor]:
         """The teacher's (transitions (T, T), start (T,), end (T,)), float32, stored by a

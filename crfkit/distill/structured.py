@@ -17,7 +17,7 @@ p_sum = sum_j p_j (the mass of the candidate set), for teacher and student.
     exact KL    = KL(P_teacher || P_student)                                   crf_kl_divergence
 
 Shapes: student_emissions (B, L, T), student_transitions (T, T), lengths (B,), start / end (T,);
-the teacher's k-best `kb` is a crfkit.KBest (or any (paths, scores, log_probs) triple) with
+the teacher's k-best `kb` is a crfkit.KBest (or any (scores, paths, log_probs) triple) with
 paths (B, K, L) and log_probs (B, K), as crfkit.kbest_viterbi returns it.
 
 Reductions: 'mean' over the B sentences (the papers' 1/N sum; 0 for B = 0), 'sum', or 'none'
@@ -77,9 +77,9 @@ def _unpack_kbest(kb, B: int, L: int, device):
         paths, log_probs = kb.paths, kb.log_probs
     except AttributeError:
         if isinstance(kb, (tuple, list)) and len(kb) == 3:
-            paths, _, log_probs = kb
+            _, paths, log_probs = kb
         else:
-            raise TypeError("kb must be a crfkit.KBest (paths, scores, log_probs) as returned by "
+            raise TypeError("kb must be a crfkit.KBest (scores, paths, log_probs) as returned by "
                             f"crfkit.kbest_viterbi, got {type(kb).__name__}") from None
     if not isinstance(paths, Tensor) or paths.dim() != 3 or paths.is_floating_point():
         raise ValueError(f"kb.paths must be an integer tensor (batch, k, seq_len), got "

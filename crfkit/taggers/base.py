@@ -137,7 +137,7 @@ class CRFTagger(nn.Module):
 
     def decode(self, batch: Mapping[str, Tensor]) -> Tensor:
         """Viterbi paths (B, L) int64, -1 past each length."""
-        return self.crf.decode(self.emissions(batch), lengths=batch["lengths"])[0]
+        return self.crf.decode(self.emissions(batch), lengths=batch["lengths"]).paths
 
     def kbest(self, batch: Mapping[str, Tensor], k: int) -> KBest:
         """The k best paths with scores and log-probabilities (crfkit.kbest_viterbi)."""

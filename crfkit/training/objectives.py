@@ -240,7 +240,7 @@ class TaggingObjective(nn.Module):
             if name in _NEEDS_KBEST:
                 if teacher_paths is None:
                     raise ValueError(f"loss {name!r} needs the teacher's k best (a TaggingCollator with a cache)")
-                kb = (teacher_paths[:, :self.objective_config.k], None, teacher_log_probs[:, :self.objective_config.k])
+                kb = (None, teacher_paths[:, :self.objective_config.k], teacher_log_probs[:, :self.objective_config.k])
                 loss_fn = distill.fuzzy_loss if name == "fuzzy" else distill.kbest_cross_entropy
                 terms[name] = loss_fn(emissions, transitions, kb, lengths, start, end)
                 continue

@@ -89,7 +89,7 @@ class TaggerTrainer(transformers.Trainer):
             loss = tagger.crf.nll(emissions, tags, lengths=lengths).detach()
             paths = None
             if not prediction_loss_only:
-                paths = tagger.crf.decode(emissions, lengths=lengths)[0]
+                paths = tagger.crf.decode(emissions, lengths=lengths).paths
                 paths = paths.masked_fill(paths < 0, IGNORE_INDEX)
         return loss, paths, tags
 

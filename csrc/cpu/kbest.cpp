@@ -467,14 +467,14 @@ int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
 // scores (B, K), paths (B, K, L) int64: the K best distinct sequences per sentence, descending;
 // rows beyond the number of allowed sequences hold -1 / -inf.
 std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions_in,
-                                                     const at::Tensor& transitions_in,
-                                                     const at::Tensor& start_in, const at::Tensor& end_in,
-                                                     const at::Tensor& lengths_in, int64_t k) {
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+                                                     const at::Tensor& transitions_in, int64_t k,
+                                                     const at::Tensor& lengths_in, const at::Tensor& start_in,
+                                                     const at::Tensor& end_in) {
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   if (k == 1) {  // the 1-best is Viterbi, with the same tie rule: use the cheaper kernel
-    auto [best_scores, best_paths] = viterbi_cpu(emissions, transitions, start, end, lengths);
+    auto [best_scores, best_paths] = viterbi_cpu(emissions, transitions, lengths, start, end);
     return {best_scores.unsqueeze(1), best_paths.unsqueeze(1)};
   }
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);

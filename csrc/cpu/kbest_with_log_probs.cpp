@@ -23,23 +23,23 @@ namespace crfkit {
 namespace cpu {
 namespace {
 
-using Crf = const at::Tensor&;  // emissions, transitions, start, end, lengths
+using Crf = const at::Tensor&;
 using DecodeOutputs = std::tuple<at::Tensor, at::Tensor>;  // scores, paths
 
 // The CPU kernels of the two ops. Redispatch to the CPU key goes straight to them, from any
 // thread, with no autograd in between (this op records none: csrc/autograd.cpp).
-DecodeOutputs kbest_on_cpu(Crf emissions, Crf transitions, Crf start, Crf end, Crf lengths, int64_t k) {
+DecodeOutputs kbest_on_cpu(Crf emissions, Crf transitions, int64_t k, Crf lengths, Crf start, Crf end) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("crfkit::kbest_viterbi", "")
-                             .typed<DecodeOutputs(Crf, Crf, Crf, Crf, Crf, int64_t)>();
-  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), emissions, transitions, start, end, lengths, k);
+                             .typed<DecodeOutputs(Crf, Crf, int64_t, Crf, Crf, Crf)>();
+  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), emissions, transitions, k, lengths, start, end);
 }
 
-at::Tensor log_partition_on_cpu(Crf emissions, Crf transitions, Crf start, Crf end, Crf lengths) {
+at::Tensor log_partition_on_cpu(Crf emissions, Crf transitions, Crf lengths, Crf start, Crf end) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("crfkit::log_partition", "")
                              .typed<at::Tensor(Crf, Crf, Crf, Crf, Crf)>();
-  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), emissions, transitions, start, end, lengths);
+  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), emissions, transitions, lengths, start, end);
 }
 
 // log_probs (B, k) = scores - log Z, with log Z clamped to the lowest finite value first, so
@@ -62,16 +62,16 @@ at::Tensor log_probs_from_scores(const at::Tensor& scores, const at::Tensor& log
 
 // scores (B, k) and paths (B, k, L) as kbest_viterbi, log_probs (B, k) = scores - log Z.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cpu(Crf emissions_in, Crf transitions_in,
-                                                                                Crf start_in, Crf end_in,
-                                                                                Crf lengths_in, int64_t k) {
+                                                                                int64_t k, Crf lengths_in,
+                                                                                Crf start_in, Crf end_in) {
   // Checked once, before either kernel starts, so that a bad argument raises the same message
   // whichever task would have met it first.
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   at::Tensor scores, paths, log_z;
-  auto decode = [&] { std::tie(scores, paths) = kbest_on_cpu(emissions, transitions, start, end, lengths, k); };
-  auto partition = [&] { log_z = log_partition_on_cpu(emissions, transitions, start, end, lengths); };
+  auto decode = [&] { std::tie(scores, paths) = kbest_on_cpu(emissions, transitions, k, lengths, start, end); };
+  auto partition = [&] { log_z = log_partition_on_cpu(emissions, transitions, lengths, start, end); };
   // Fewer sentences than threads: neither kernel can use every thread, so give each its own.
   // (Inside the parallel region their own parallel loops run inline, on the task's thread.)
   // A sentence with NaN / +inf emissions makes both raise the same message.

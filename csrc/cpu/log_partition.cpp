@@ -146,7 +146,7 @@ inline double* lane_rows_workspace(int64_t size) {
 // does not have are null (start_out / end_out may be null in the pairwise ops too).
 template <typename scalar_t, Output kOut>
 void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& transitions,
-                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
+                            const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end,
                             const scalar_t* grad_log_z, scalar_t* log_z_out, scalar_t* emit_out,
                             scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out) {
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
@@ -300,13 +300,13 @@ void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& trans
 
 // log Z per sentence: (B,). Working memory O(T) per thread; nothing of size L is kept.
 at::Tensor log_partition_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                             const at::Tensor& start_in, const at::Tensor& end_in,
-                             const at::Tensor& lengths_in) {
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+                             const at::Tensor& lengths_in, const at::Tensor& start_in,
+                             const at::Tensor& end_in) {
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   auto log_z = at::empty({emissions.size(0)}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition", [&] {
-    forward_backward_batch<scalar_t, Output::kLogPartition>(emissions, transitions, start, end, lengths,
+    forward_backward_batch<scalar_t, Output::kLogPartition>(emissions, transitions, lengths, start, end,
                                                             nullptr, log_z.data_ptr<scalar_t>(), nullptr,
                                                             nullptr, nullptr, nullptr);
   });
@@ -315,12 +315,12 @@ at::Tensor log_partition_cpu(const at::Tensor& emissions_in, const at::Tensor& t
 
 // P(y_i = t | x): (B, L, T), zero at padded positions.
 at::Tensor marginals_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                         const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in) {
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+                         const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   auto marginals = at::empty_like(emissions);  // zeroed per sentence by the kernel
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals", [&] {
-    forward_backward_batch<scalar_t, Output::kMarginals>(emissions, transitions, start, end, lengths,
+    forward_backward_batch<scalar_t, Output::kMarginals>(emissions, transitions, lengths, start, end,
                                                          nullptr, nullptr, marginals.data_ptr<scalar_t>(),
                                                          nullptr, nullptr, nullptr);
   });
@@ -331,10 +331,10 @@ at::Tensor marginals_cpu(const at::Tensor& emissions_in, const at::Tensor& trans
 // transitions (T, T), start (T,) and end (T,): the marginals and pairwise marginals, weighted.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cpu(
     const at::Tensor& grad_log_z_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-    const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in) {
+    const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
   const at::Tensor grad_log_z = grad_log_z_in.contiguous();
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
   check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, emissions, "emissions");
   auto grad_emissions = at::empty_like(emissions);  // zeroed per sentence by the kernel
@@ -344,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   auto grad_end = at::zeros({B, T}, emissions.options());
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward", [&] {
     forward_backward_batch<scalar_t, Output::kBackward>(
-        emissions, transitions, start, end, lengths, grad_log_z.data_ptr<scalar_t>(), nullptr,
+        emissions, transitions, lengths, start, end, grad_log_z.data_ptr<scalar_t>(), nullptr,
         grad_emissions.data_ptr<scalar_t>(), grad_trans.data_ptr<scalar_t>(),
         grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>());
   });
@@ -358,10 +358,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
 // upstream gradient is then these scaled, and the forward recursion runs once per step, its
 // rows never leaving the cache (the backward is linear in the upstream gradient).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cpu(
-    const at::Tensor& emissions_in, const at::Tensor& transitions_in, const at::Tensor& start_in,
-    const at::Tensor& end_in, const at::Tensor& lengths_in) {
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+    const at::Tensor& emissions_in, const at::Tensor& transitions_in, const at::Tensor& lengths_in,
+    const at::Tensor& start_in, const at::Tensor& end_in) {
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
   auto log_z = at::empty({B}, emissions.options());
   // Recycled memory (recycled_memory.h): fresh blocks this size would page-fault on every step.
@@ -369,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cpu(
   auto counts = recycled_tensor({B, T, T}, emissions.scalar_type()).zero_();
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_with_marginals", [&] {
     forward_backward_batch<scalar_t, Output::kLogPartitionWithMarginals>(
-        emissions, transitions, start, end, lengths, nullptr, log_z.data_ptr<scalar_t>(),
+        emissions, transitions, lengths, start, end, nullptr, log_z.data_ptr<scalar_t>(),
         marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(), nullptr, nullptr);
   });
   return {log_z, marginals, counts};
@@ -433,9 +433,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
 // the transitions' gradient of log Z (grad_log_z = 1), left unreduced: the same scan as
 // log_partition_with_marginals, whose log Z and marginals are dropped.
 at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
-                                          const at::Tensor& start, const at::Tensor& end,
-                                          const at::Tensor& lengths) {
-  return std::get<2>(log_partition_with_marginals_cpu(emissions, transitions, start, end, lengths));
+                                          const at::Tensor& lengths, const at::Tensor& start,
+                                          const at::Tensor& end) {
+  return std::get<2>(log_partition_with_marginals_cpu(emissions, transitions, lengths, start, end));
 }
 
 }  // namespace

@@ -23,11 +23,11 @@ void check_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
 
 // (B, N): score of each sequence; 0 for a length-0 sentence.
 at::Tensor sequence_score_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                              const at::Tensor& start_in, const at::Tensor& end_in,
-                              const at::Tensor& lengths_in, const at::Tensor& tags_in) {
+                              const at::Tensor& tags_in, const at::Tensor& lengths_in,
+                              const at::Tensor& start_in, const at::Tensor& end_in) {
   const at::Tensor tags = tags_in.contiguous();
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   check_tags(tags, emissions);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const int64_t N = tags.size(1);
@@ -68,8 +68,8 @@ at::Tensor sequence_score_cpu(const at::Tensor& emissions_in, const at::Tensor& 
 // Gradients of sum_{b, j} grad_scores[b, j] * score(tags[b, j]). Rows whose first tag is -1
 // (k-best rows that hold no sequence) contribute nothing.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backward_cpu(
-    const at::Tensor& grad_scores_in, const at::Tensor& emissions, const at::Tensor& lengths_in,
-    const at::Tensor& tags_in) {
+    const at::Tensor& grad_scores_in, const at::Tensor& emissions, const at::Tensor& tags_in,
+    const at::Tensor& lengths_in) {
   // emissions only give the shape and dtype of the gradient; nothing of them is read.
   const at::Tensor grad_scores = grad_scores_in.contiguous();
   const at::Tensor lengths = lengths_in.contiguous();

@@ -68,10 +68,10 @@ scalar_t viterbi_sentence(const scalar_t* emit, const PaddedTransitions<scalar_t
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
 std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
                                                const at::Tensor& transitions_in,
-                                               const at::Tensor& start_in, const at::Tensor& end_in,
-                                               const at::Tensor& lengths_in) {
-  const auto [emissions, transitions, start, end, lengths] =
-      checked_cpu_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+                                               const at::Tensor& lengths_in, const at::Tensor& start_in,
+                                               const at::Tensor& end_in) {
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   auto paths = at::full({B, L}, -1, lengths.options());
   auto scores = at::empty({B}, emissions.options());

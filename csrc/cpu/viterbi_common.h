@@ -109,8 +109,8 @@ void column_argmax(const scalar_t* offsets, const scalar_t* rows, int64_t stride
 // scores (B,), paths (B, L) int64: the Viterbi op's CPU kernel (viterbi.cpp).
 std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
                                                const at::Tensor& transitions_in,
-                                               const at::Tensor& start_in, const at::Tensor& end_in,
-                                               const at::Tensor& lengths_in);
+                                               const at::Tensor& lengths_in, const at::Tensor& start_in,
+                                               const at::Tensor& end_in);
 
 }  // namespace cpu
 }  // namespace crfkit

@@ -101,11 +101,11 @@ at::Tensor launch_log_partition(const CrfArgs& a, Status& status);
 // ---- arguments -----------------------------------------------------------------------------
 // The CRF arguments of a CUDA op, dense and shape-checked (values are checked on the device).
 inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& transitions,
-                                 const at::Tensor& start, const at::Tensor& end,
-                                 const at::Tensor& lengths) {
-  CrfArgs a{emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
-            lengths.contiguous()};
-  check_crf_inputs(a.emissions, a.transitions, a.start, a.end, a.lengths);
+                                 const at::Tensor& lengths, const at::Tensor& start,
+                                 const at::Tensor& end) {
+  CrfArgs a{emissions.contiguous(), transitions.contiguous(), lengths.contiguous(), start.contiguous(),
+            end.contiguous()};
+  check_crf_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
   TORCH_CHECK(a.emissions.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got emissions on ",
               a.emissions.device());
   return a;
@@ -115,9 +115,9 @@ inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& 
 // device, runs launch(a, status) (which queues the op's kernels), then raises from the status
 // words (one read back to the host, which waits for the kernels) and returns launch's outputs.
 template <typename Launch>
-auto checked_launch(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                    const at::Tensor& end, const at::Tensor& lengths, Launch&& launch) {
-  const CrfArgs a = checked_cuda_args(emissions, transitions, start, end, lengths);
+auto checked_launch(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
+                    const at::Tensor& start, const at::Tensor& end, Launch&& launch) {
+  const CrfArgs a = checked_cuda_args(emissions, transitions, lengths, start, end);
   const c10::cuda::CUDAGuard guard(a.emissions.device());
   Status status(a.emissions);
   launch_validate_inputs(a.lengths, a.emissions.size(1), a.transitions, a.start, a.end, status);

@@ -438,9 +438,9 @@ std::tuple<at::Tensor, at::Tensor> launch_kbest_viterbi(const CrfArgs& a, int64_
 }
 
 std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
-                                                      const at::Tensor& start, const at::Tensor& end,
-                                                      const at::Tensor& lengths, int64_t k) {
-  return checked_launch(emissions, transitions, start, end, lengths,
+                                                      int64_t k, const at::Tensor& lengths,
+                                                      const at::Tensor& start, const at::Tensor& end) {
+  return checked_launch(emissions, transitions, lengths, start, end,
                         [&](const CrfArgs& a, Status& status) { return launch_kbest_viterbi(a, k, status); });
 }
 
@@ -449,9 +449,9 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emission
 // kernels and the subtraction queued on the stream, then one status read, where the two ops
 // called in turn read theirs twice.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cuda(
-    const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start, const at::Tensor& end,
-    const at::Tensor& lengths, int64_t k) {
-  return checked_launch(emissions, transitions, start, end, lengths, [&](const CrfArgs& a, Status& status) {
+    const at::Tensor& emissions, const at::Tensor& transitions, int64_t k, const at::Tensor& lengths,
+    const at::Tensor& start, const at::Tensor& end) {
+  return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
     auto [scores, paths] = launch_kbest_viterbi(a, k, status);
     const at::Tensor log_z = launch_log_partition(a, status);
     const double lowest = a.emissions.scalar_type() == at::kFloat ? std::numeric_limits<float>::lowest()

@@ -937,9 +937,9 @@ FbOutputs dispatch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log
 // The body of the forward-backward ops below: checks and validates the arguments, launches
 // (dispatch_forward_backward) and raises from the status words (checked_launch, common.cuh).
 template <Output kOut>
-FbOutputs forward_backward_op(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& grad_log_z = {}) {
-  return checked_launch(emissions, transitions, start, end, lengths, [&](const CrfArgs& a, Status& status) {
+FbOutputs forward_backward_op(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
+                              const at::Tensor& start, const at::Tensor& end, const at::Tensor& grad_log_z = {}) {
+  return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
     return dispatch_forward_backward<kOut>(a, grad_log_z, status);
   });
 }
@@ -955,23 +955,23 @@ at::Tensor launch_log_partition(const CrfArgs& a, Status& status) {
 namespace {
 
 // log Z per sentence: (B,).
-at::Tensor log_partition_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                              const at::Tensor& end, const at::Tensor& lengths) {
-  return forward_backward_op<Output::kLogPartition>(emissions, transitions, start, end, lengths).log_z;
+at::Tensor log_partition_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
+                              const at::Tensor& start, const at::Tensor& end) {
+  return forward_backward_op<Output::kLogPartition>(emissions, transitions, lengths, start, end).log_z;
 }
 
 // P(y_i = t | x): (B, L, T), zero at padded positions.
-at::Tensor marginals_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                          const at::Tensor& end, const at::Tensor& lengths) {
-  return forward_backward_op<Output::kMarginals>(emissions, transitions, start, end, lengths).rows;
+at::Tensor marginals_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
+                          const at::Tensor& start, const at::Tensor& end) {
+  return forward_backward_op<Output::kMarginals>(emissions, transitions, lengths, start, end).rows;
 }
 
 // Gradients of sum_b grad_log_z[b] * log Z[b] with respect to emissions (B, L, T),
 // transitions (T, T), start (T,) and end (T,).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cuda(
     const at::Tensor& grad_log_z, const at::Tensor& emissions, const at::Tensor& transitions,
-    const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
-  FbOutputs out = forward_backward_op<Output::kBackward>(emissions, transitions, start, end, lengths, grad_log_z);
+    const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+  FbOutputs out = forward_backward_op<Output::kBackward>(emissions, transitions, lengths, start, end, grad_log_z);
   return {out.rows, out.grad_transitions, out.grad_start, out.grad_end};
 }
 
@@ -979,17 +979,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
 // expected transition counts (B, T, T). One forward-backward pass, as on the CPU
 // (csrc/cpu/log_partition.cpp, log_partition_with_marginals_cpu).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cuda(
-    const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start, const at::Tensor& end,
-    const at::Tensor& lengths) {
-  FbOutputs out = forward_backward_op<Output::kWithMarginals>(emissions, transitions, start, end, lengths);
+    const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths, const at::Tensor& start,
+    const at::Tensor& end) {
+  FbOutputs out = forward_backward_op<Output::kWithMarginals>(emissions, transitions, lengths, start, end);
   return {out.log_z, out.rows, out.counts};
 }
 
 // E[number of s -> t transitions] per sentence: (B, T, T).
 at::Tensor expected_transition_counts_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
-                                           const at::Tensor& start, const at::Tensor& end,
-                                           const at::Tensor& lengths) {
-  return forward_backward_op<Output::kWithMarginals>(emissions, transitions, start, end, lengths).counts;
+                                           const at::Tensor& lengths, const at::Tensor& start,
+                                           const at::Tensor& end) {
+  return forward_backward_op<Output::kWithMarginals>(emissions, transitions, lengths, start, end).counts;
 }
 
 // ---- the backward from saved marginals ----------------------------------------------------------

@@ -89,9 +89,9 @@ __global__ void sequence_score_backward_kernel(const scalar_t* grad_scores, cons
 
 // (B, N): score of each sequence; 0 for a length-0 sentence.
 at::Tensor sequence_score_cuda(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                               const at::Tensor& start_in, const at::Tensor& end_in, const at::Tensor& lengths_in,
-                               const at::Tensor& tags_in) {
-  const CrfArgs a = checked_cuda_args(emissions_in, transitions_in, start_in, end_in, lengths_in);
+                               const at::Tensor& tags_in, const at::Tensor& lengths_in, const at::Tensor& start_in,
+                               const at::Tensor& end_in) {
+  const CrfArgs a = checked_cuda_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const at::Tensor tags = tags_in.contiguous();
   check_tags(tags, a.emissions);
   const c10::cuda::CUDAGuard guard(a.emissions.device());
@@ -118,8 +118,8 @@ at::Tensor sequence_score_cuda(const at::Tensor& emissions_in, const at::Tensor&
 // Gradients of sum_{b, j} grad_scores[b, j] * score(tags[b, j]) with respect to emissions
 // (B, L, T), transitions (T, T), start (T,) and end (T,).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backward_cuda(
-    const at::Tensor& grad_scores_in, const at::Tensor& emissions, const at::Tensor& lengths_in,
-    const at::Tensor& tags_in) {
+    const at::Tensor& grad_scores_in, const at::Tensor& emissions, const at::Tensor& tags_in,
+    const at::Tensor& lengths_in) {
   // emissions only give the shape, dtype and device of the gradient; nothing of them is read.
   const at::Tensor grad_scores = grad_scores_in.contiguous();
   const at::Tensor lengths = lengths_in.contiguous();

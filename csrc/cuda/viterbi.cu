@@ -137,9 +137,9 @@ std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& stat
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
-                                                const at::Tensor& start, const at::Tensor& end,
-                                                const at::Tensor& lengths) {
-  return checked_launch(emissions, transitions, start, end, lengths,
+                                                const at::Tensor& lengths, const at::Tensor& start,
+                                                const at::Tensor& end) {
+  return checked_launch(emissions, transitions, lengths, start, end,
                         [](const CrfArgs& a, Status& status) { return launch_viterbi(a, status); });
 }
 

@@ -51,15 +51,12 @@ def inputs():
                 yield f"T={T} {dtype} {kind}", emissions, transitions, start, end, lengths
 
 
-# Every op of csrc/crfkit.cpp (tests/test_cuda_compile.py holds this list to the op schemas).
-OPS = ("log_partition", "marginals", "log_partition_with_marginals", "log_partition_backward",
-       "log_partition_backward_from_marginals", "expected_transition_counts", "viterbi", "kbest_viterbi",
-       "kbest_viterbi_with_log_probs", "sequence_score", "sequence_score_backward")
-
-
 def dump(library: str, out: str) -> None:
-    """Run every op the library has on inputs(); save {case / op: outputs} to out."""
+    """Run every op of crfkit.backends.op_table the library has on inputs(); save
+    {case / op: outputs} to out. (k-best runs with k = 1, 5 and 40.)"""
     import torch
+
+    from crfkit.backends import op_table
 
     torch.ops.load_library(library)
     emu = torch.ops.crfkit_emu
@@ -70,24 +67,13 @@ def dump(library: str, out: str) -> None:
         grad = torch.randn(B, generator=g, dtype=em.dtype)
         tags = torch.randint(0, T, (B, 3, L), generator=g)
         grad_scores = torch.randn(B, 3, generator=g, dtype=em.dtype)  # every draw before any op runs
-        calls = {
-            "log_partition": lambda: emu.log_partition(em, tr, st, en, ln),
-            "marginals": lambda: emu.marginals(em, tr, st, en, ln),
-            "log_partition_with_marginals": lambda: emu.log_partition_with_marginals(em, tr, st, en, ln),
-            "log_partition_backward": lambda: emu.log_partition_backward(grad, em, tr, st, en, ln),
-            "log_partition_backward_from_marginals": lambda: emu.log_partition_backward_from_marginals(
-                grad, *emu.log_partition_with_marginals(em, tr, st, en, ln)[1:], ln),
-            "expected_transition_counts": lambda: emu.expected_transition_counts(em, tr, st, en, ln),
-            "viterbi": lambda: emu.viterbi(em, tr, st, en, ln),
-            "kbest_viterbi": lambda: [emu.kbest_viterbi(em, tr, st, en, ln, k) for k in (1, 5, 40)],
-            "kbest_viterbi_with_log_probs": lambda: emu.kbest_viterbi_with_log_probs(em, tr, st, en, ln, 5),
-            "sequence_score": lambda: emu.sequence_score(em, tr, st, en, ln, tags),
-            "sequence_score_backward": lambda: emu.sequence_score_backward(grad_scores, em, ln, tags),
-        }
-        assert set(calls) == set(OPS)
-        for op in OPS:
-            if hasattr(emu, op):  # an older tree may lack an op
-                results[f"{name} / {op}"] = calls[op]()
+        for k in (1, 5, 40):
+            calls = op_table.example_arguments(emu, em, tr, ln, st, en, tags=tags, k=k, grad_log_z=grad,
+                                               grad_scores=grad_scores)
+            for op, arguments in calls.items():
+                with_k = op.startswith("kbest")
+                if (k == 5 or with_k) and hasattr(emu, op):  # an older tree may lack an op
+                    results[f"{name} / {op}" + (f" k={k}" if with_k else "")] = getattr(emu, op)(*arguments)
     torch.save(results, out)
 
 
@@ -100,7 +86,7 @@ ATOMIC_SUMS = {"sequence_score_backward": (1, 2, 3)}  # grad transitions, start,
 def _same(key: str, this, other) -> bool:
     import torch
 
-    atomic = ATOMIC_SUMS.get(key.rsplit(" / ", 1)[-1], ())
+    atomic = ATOMIC_SUMS.get(key.rsplit(" / ", 1)[-1].split(" ")[0], ())
     for index, (a, b) in enumerate(zip(_flat(this), _flat(other), strict=True)):
         if index in atomic:
             tolerance = 1e-5 if a.dtype == torch.float32 else 1e-12
@@ -124,7 +110,11 @@ def build_and_dump(tree: Path, build_dir: Path, out: Path) -> None:
     if built.returncode != 0:
         sys.exit(f"emulator build of {tree} failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}")
     library = built.stdout.strip().splitlines()[-1]
-    subprocess.run([sys.executable, __file__, "--dump", library, str(out)], env=env, check=True)
+    # Each version dumps with its own compare.py and crfkit package, so that each calls its ops
+    # the way its own schemas say.
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, str(tree / RELATIVE / "compare.py"), "--dump", library, str(out)], env=env,
+                   check=True, cwd=tree)
 
 
 def main(argv=None) -> int:

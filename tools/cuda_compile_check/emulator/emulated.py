@@ -5,7 +5,7 @@
     with emulated_kernels():     # crfkit's compiled backend now calls crfkit_emu (CPU tensors)
         crfkit.log_partition(...)
 
-The fake (meta) registrations mirror crfkit.backends.compiled's. The autograd formulas of the
+The fake (meta) implementations are crfkit.backends.op_table's, registered for crfkit_emu. The autograd formulas of the
 crfkit ops live in C++ (csrc/autograd.cpp, registered for crfkit:: only), so the crfkit_emu ops
 get the same formulas here in Python: each backward calls the emulated backward kernel
 (log_partition_backward_from_marginals, sequence_score_backward); the marginals take
@@ -29,33 +29,9 @@ _LOADED: Optional[str] = None
 
 def _register_python_side() -> None:
     from crfkit.backends import compiled as c
+    from crfkit.backends import op_table
 
-    def fake(name, fn):
-        torch.library.register_fake(f"crfkit_emu::{name}")(fn)
-
-    # The same shapes as compiled.py's fake implementations.
-    fake("log_partition", lambda em, tr, s, e, ln: em.new_empty(em.shape[0]))
-    fake("marginals", lambda em, tr, s, e, ln: torch.empty_like(em))
-    fake("log_partition_backward", lambda g, em, tr, s, e, ln: (torch.empty_like(em), torch.empty_like(tr),
-                                                               torch.empty_like(s), torch.empty_like(e)))
-    fake("log_partition_with_marginals", lambda em, tr, s, e, ln: (
-        em.new_empty(em.shape[0]), torch.empty_like(em), em.new_empty((em.shape[0], em.shape[2], em.shape[2]))))
-    fake("log_partition_backward_from_marginals", lambda g, mu, counts, ln: (
-        torch.empty_like(mu), mu.new_empty((mu.shape[2], mu.shape[2])), mu.new_empty(mu.shape[2]),
-        mu.new_empty(mu.shape[2])))
-    fake("expected_transition_counts",
-         lambda em, tr, s, e, ln: em.new_empty((em.shape[0], em.shape[2], em.shape[2])))
-    fake("viterbi", lambda em, tr, s, e, ln: (em.new_empty(em.shape[0]),
-                                              em.new_empty(em.shape[:2], dtype=torch.long)))
-    fake("kbest_viterbi", lambda em, tr, s, e, ln, k: (em.new_empty((em.shape[0], k)),
-                                                       em.new_empty((em.shape[0], k, em.shape[1]), dtype=torch.long)))
-    fake("kbest_viterbi_with_log_probs", lambda em, tr, s, e, ln, k: (
-        em.new_empty((em.shape[0], k)), em.new_empty((em.shape[0], k, em.shape[1]), dtype=torch.long),
-        em.new_empty((em.shape[0], k))))
-    fake("sequence_score", lambda em, tr, s, e, ln, tags: em.new_empty(tags.shape[:2]))
-    fake("sequence_score_backward", lambda g, em, ln, tags: (torch.empty_like(em),
-                                                             em.new_empty((em.shape[2], em.shape[2])),
-                                                             em.new_empty(em.shape[2]), em.new_empty(em.shape[2])))
+    op_table.register_fakes("crfkit_emu")  # the same shapes as the crfkit ops'
     emu = torch.ops.crfkit_emu
 
     # log Z: as csrc/autograd.cpp does where the device has a log_partition_with_marginals kernel
@@ -64,28 +40,34 @@ def _register_python_side() -> None:
     # forward, so the emulated forward runs log Z and then log_partition_with_marginals; the
     # values are the same (the GPU runs the second only).
     def save_marginals(ctx, inputs, output):
-        emissions, transitions, start, end, lengths = inputs
+        emissions, transitions, lengths, start, end = inputs
         with torch.no_grad():
             _, marginals, counts = emu.log_partition_with_marginals(
-                emissions.detach(), transitions.detach(), start.detach(), end.detach(), lengths)
+                emissions.detach(), transitions.detach(), lengths, start.detach(), end.detach())
         ctx.save_for_backward(lengths, marginals, counts)
 
     def log_partition_backward(ctx, grad_log_z):
         lengths, marginals, counts = ctx.saved_tensors
-        grads = emu.log_partition_backward_from_marginals(grad_log_z.contiguous(), marginals, counts, lengths)
-        return (*grads, None)
+        g = emu.log_partition_backward_from_marginals(grad_log_z.contiguous(), marginals, counts, lengths)
+        return g[0], g[1], None, g[2], g[3]  # inputs: emissions, transitions, lengths, start, end
 
-    # Decoders and sequence_score: their scores are sums of the scores the paths use.
-    def save_paths(ctx, inputs, output):  # decoders: output = (scores, paths)
-        ctx.save_for_backward(inputs[0], inputs[4], output[1])
+    # Decoders and sequence_score: their scores are sums of the scores the paths use. Inputs:
+    # viterbi (emissions, transitions, lengths, start, end); kbest_viterbi and sequence_score
+    # (emissions, transitions, k or tags, lengths, start, end).
+    def save_viterbi_paths(ctx, inputs, output):  # output = (scores, paths)
+        ctx.save_for_backward(inputs[0], inputs[2], output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    def save_kbest_paths(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[3], output[1])
         ctx.mark_non_differentiable(output[1])
 
     def save_tags(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0], inputs[4], inputs[5])
+        ctx.save_for_backward(inputs[0], inputs[3], inputs[2])
 
     def path_score_grads(grad_scores, emissions, lengths, tags, undefined):
-        grads = emu.sequence_score_backward(grad_scores.contiguous(), emissions, lengths, tags)
-        return (*grads, *[None] * undefined)
+        g = emu.sequence_score_backward(grad_scores.contiguous(), emissions, tags, lengths)
+        return (g[0], g[1], *[None] * undefined, g[2], g[3])
 
     def viterbi_backward(ctx, grad_scores, grad_paths):
         emissions, lengths, paths = ctx.saved_tensors  # paths (B, L)
@@ -102,8 +84,8 @@ def _register_python_side() -> None:
     reg = torch.library.register_autograd
     reg("crfkit_emu::log_partition", log_partition_backward, setup_context=save_marginals)
     reg("crfkit_emu::marginals", c._marginals_backward, setup_context=c._save_crf_inputs)
-    reg("crfkit_emu::viterbi", viterbi_backward, setup_context=save_paths)
-    reg("crfkit_emu::kbest_viterbi", kbest_backward, setup_context=save_paths)
+    reg("crfkit_emu::viterbi", viterbi_backward, setup_context=save_viterbi_paths)
+    reg("crfkit_emu::kbest_viterbi", kbest_backward, setup_context=save_kbest_paths)
     reg("crfkit_emu::sequence_score", sequence_score_backward, setup_context=save_tags)
 
 

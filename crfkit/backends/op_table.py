@@ -1,0 +1,142 @@
+"""The compiled ops, listed once: every other list of them is derived from OPS.
+
+csrc/crfkit.cpp defines the schemas (the C++ kernels register against them). This table holds
+what the Python side needs of each op, and the users of the list derive theirs from it:
+
+- crfkit.backends.compiled checks the loaded extension's schemas against OPS (an extension built
+  from older sources is refused instead of being called with arguments in another order) and
+  registers each op's fake (meta) implementation;
+- the CUDA emulator (tools/cuda_compile_check/emulator) registers the same fakes for its own
+  namespace, and its compare tool runs every op of example_arguments();
+- tests/test_parity.py and tests/test_cuda.py run torch.library.opcheck over example_arguments().
+
+Argument order, the same in every schema and in crfkit.functional: emissions, transitions, then k
+or tags where the op has one, then lengths, start, end. Backward ops take the upstream gradient
+first and return the gradients of (emissions, transitions, start, end). Decoders return
+(scores, paths), values first as torch.topk does.
+
+Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,); lengths (B,)
+int64; tags (B, N, L) int64.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Op(NamedTuple):
+    schema: str  # as torch prints it, without the "namespace::name" prefix
+    fake: Callable  # shapes and dtypes of the outputs, from the arguments' (torch.library.register_fake)
+
+
+_CRF = "Tensor emissions, Tensor transitions, Tensor lengths, Tensor start, Tensor end"
+_GRADS = "(Tensor, Tensor, Tensor, Tensor)"  # of emissions, transitions, start, end
+
+
+def _grads_like(emissions: Tensor):
+    T = emissions.shape[2]
+    return torch.empty_like(emissions), emissions.new_empty((T, T)), emissions.new_empty(T), emissions.new_empty(T)
+
+
+def _counts_like(emissions: Tensor) -> Tensor:
+    B, _L, T = emissions.shape
+    return emissions.new_empty((B, T, T))
+
+
+OPS: Dict[str, Op] = {
+    "log_partition": Op(
+        f"({_CRF}) -> Tensor",
+        lambda emissions, transitions, lengths, start, end: emissions.new_empty(emissions.shape[0])),
+    "marginals": Op(
+        f"({_CRF}) -> Tensor",
+        lambda emissions, transitions, lengths, start, end: torch.empty_like(emissions)),
+    "log_partition_backward": Op(
+        f"(Tensor grad_log_z, {_CRF}) -> {_GRADS}",
+        lambda grad_log_z, emissions, transitions, lengths, start, end: _grads_like(emissions)),
+    # log Z with its gradients for grad_log_z = 1 (a differentiable log Z: csrc/autograd.cpp).
+    "log_partition_with_marginals": Op(
+        f"({_CRF}) -> (Tensor log_z, Tensor marginals, Tensor transition_counts)",
+        lambda emissions, transitions, lengths, start, end: (
+            emissions.new_empty(emissions.shape[0]), torch.empty_like(emissions), _counts_like(emissions))),
+    "log_partition_backward_from_marginals": Op(
+        f"(Tensor grad_log_z, Tensor marginals, Tensor transition_counts, Tensor lengths) -> {_GRADS}",
+        lambda grad_log_z, marginals, transition_counts, lengths: _grads_like(marginals)),
+    "expected_transition_counts": Op(
+        f"({_CRF}) -> Tensor",
+        lambda emissions, transitions, lengths, start, end: _counts_like(emissions)),
+    "viterbi": Op(
+        f"({_CRF}) -> (Tensor scores, Tensor paths)",
+        lambda emissions, transitions, lengths, start, end: (
+            emissions.new_empty(emissions.shape[0]), emissions.new_empty(emissions.shape[:2], dtype=torch.long))),
+    "kbest_viterbi": Op(
+        "(Tensor emissions, Tensor transitions, int k, Tensor lengths, Tensor start, Tensor end) "
+        "-> (Tensor scores, Tensor paths)",
+        lambda emissions, transitions, k, lengths, start, end: (
+            emissions.new_empty((emissions.shape[0], k)),
+            emissions.new_empty((emissions.shape[0], k, emissions.shape[1]), dtype=torch.long))),
+    # kbest_viterbi's outputs and scores - log Z from one call; not differentiable.
+    "kbest_viterbi_with_log_probs": Op(
+        "(Tensor emissions, Tensor transitions, int k, Tensor lengths, Tensor start, Tensor end) "
+        "-> (Tensor scores, Tensor paths, Tensor log_probs)",
+        lambda emissions, transitions, k, lengths, start, end: (
+            emissions.new_empty((emissions.shape[0], k)),
+            emissions.new_empty((emissions.shape[0], k, emissions.shape[1]), dtype=torch.long),
+            emissions.new_empty((emissions.shape[0], k)))),
+    "sequence_score": Op(
+        "(Tensor emissions, Tensor transitions, Tensor tags, Tensor lengths, Tensor start, Tensor end) -> Tensor",
+        lambda emissions, transitions, tags, lengths, start, end: emissions.new_empty(tags.shape[:2])),
+    "sequence_score_backward": Op(
+        f"(Tensor grad_scores, Tensor emissions, Tensor tags, Tensor lengths) -> {_GRADS}",
+        lambda grad_scores, emissions, tags, lengths: _grads_like(emissions)),
+}
+
+
+def schema(namespace: str, name: str) -> str:
+    """The full schema of op `name` in `namespace`, as str(torch.ops.<namespace>.<name>.default._schema)."""
+    return f"{namespace}::{name}{OPS[name].schema}"
+
+
+def check_schemas(namespace: str = "crfkit") -> None:
+    """Raise ImportError unless every op of OPS is registered in `namespace` with its schema."""
+    ops = getattr(torch.ops, namespace)
+    for name in OPS:
+        found = str(getattr(ops, name).default._schema) if hasattr(ops, name) else "missing"
+        if found != schema(namespace, name):
+            raise ImportError(
+                f"crfkit._C is out of date: op {name} has schema {found!r}, expected "
+                f"{schema(namespace, name)!r}; rebuild it with `pip install --no-build-isolation -e .`")
+
+
+def register_fakes(namespace: str = "crfkit") -> None:
+    """Register every op's fake implementation for `namespace` (torch.compile traces with them)."""
+    for name, op in OPS.items():
+        torch.library.register_fake(f"{namespace}::{name}")(op.fake)
+
+
+def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor,
+                      *, tags: Tensor, k: int, grad_log_z: Tensor, grad_scores: Tensor) -> Dict[str, tuple]:
+    """{op name: arguments} that call every op of OPS once on these CRF arguments (tags (B, N, L),
+    grad_log_z (B,), grad_scores (B, N)); `ops` is the op namespace (torch.ops.crfkit or the
+    emulator's), used to make the inputs of log_partition_backward_from_marginals. Score tensors
+    that require grad stay so, for the ops with a derivative."""
+    crf = (emissions, transitions, lengths, start, end)
+    plain = tuple(x.detach() for x in (emissions, transitions)) + (lengths,) + tuple(x.detach() for x in (start, end))
+    with torch.no_grad():
+        _, marginals, counts = ops.log_partition_with_marginals(*plain)
+    arguments = {
+        "log_partition": crf,
+        "marginals": plain,
+        "log_partition_backward": (grad_log_z, *plain),
+        "log_partition_with_marginals": plain,
+        "log_partition_backward_from_marginals": (grad_log_z, marginals, counts, lengths),
+        "expected_transition_counts": plain,
+        "viterbi": crf,
+        "kbest_viterbi": (emissions, transitions, k, lengths, start, end),
+        "kbest_viterbi_with_log_probs": (plain[0], plain[1], k, lengths, plain[3], plain[4]),
+        "sequence_score": (emissions, transitions, tags, lengths, start, end),
+        "sequence_score_backward": (grad_scores, plain[0], tags, lengths),
+    }
+    assert arguments.keys() == OPS.keys(), "example_arguments must call every op of OPS"
+    return arguments
