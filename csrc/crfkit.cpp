@@ -42,6 +42,12 @@ TORCH_LIBRARY(crfkit, m) {
         "Tensor lengths) -> Tensor");
   m.def("marginals(Tensor emissions, Tensor transitions, Tensor start, Tensor end, "
         "Tensor lengths) -> Tensor");
+  // The marginals' vector-Jacobian product for an upstream gradient grad_marginals (B, L, T):
+  // the gradients for (emissions, transitions, start, end), a Hessian-vector product of log Z
+  // (csrc/cpu/marginals_backward.cpp). Arguments in the order every schema moves to:
+  // (emissions, transitions, lengths, start, end). CPU kernel only; not differentiable.
+  m.def("marginals_backward(Tensor grad_marginals, Tensor emissions, Tensor transitions, "
+        "Tensor lengths, Tensor start, Tensor end) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
         "Tensor start, Tensor end, Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
   // log Z (B,) with its gradients for grad_log_z = 1: the marginals (B, L, T) and the expected

@@ -70,8 +70,9 @@ def test_gradcheck_float64(backend):
     # k-best log-probs: piecewise smooth; the random inputs are far from any tie.
     assert torch.autograd.gradcheck(
         lambda a, b, c, d: crfkit.kbest_viterbi(a, b, 4, ln, c, d).log_probs.clamp(min=-1e3), params)
-    # marginals are differentiable too (second derivatives of log Z).
-    assert torch.autograd.gradcheck(lambda a, b: crfkit.marginals(a, b, ln, s.detach(), e.detach()), params[:2])
+    # marginals are differentiable too (second derivatives of log Z: in the compiled backend on the
+    # CPU the marginals_backward kernel, tests/test_marginals_backward.py), in all four inputs.
+    assert torch.autograd.gradcheck(lambda a, b, c, d: crfkit.marginals(a, b, ln, c, d), params)
 
 
 def test_gradient_of_log_partition_is_the_marginals(backend):
@@ -106,6 +107,8 @@ def test_opcheck_every_op():
         (ops.kbest_viterbi, (req[0], req[1], req[2], req[3], ln, 5)),
         (ops.sequence_score, (req[0], req[1], req[2], req[3], ln, tags)),
         (ops.log_partition_backward, (torch.ones(3, dtype=torch.float64), em, tr, s, e, ln)),
+        # not differentiable (a third derivative of log Z): inputs that do not require grad
+        (ops.marginals_backward, (torch.randn(3, 6, 4, dtype=torch.float64), em, tr, ln, s, e)),
         (ops.sequence_score_backward, (torch.ones(3, 2, dtype=torch.float64), em, ln, tags)),
         (ops.log_partition_with_marginals, (em, tr, s, e, ln)),
         (ops.expected_transition_counts, (em, tr, s, e, ln)),
