@@ -9,7 +9,9 @@
 // costs the C++ autograd node only.
 //
 // The marginals keep their Python formula (crfkit/backends/compiled.py): their derivative is a
-// Hessian-vector product of log Z, taken through the reference implementation.
+// Hessian-vector product of log Z, the op marginals_backward where the device has a kernel for
+// it (the CPU), else taken through the reference implementation. marginals_backward itself has
+// no derivative: its outputs raise when differentiated (marginals_backward_autograd below).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -160,15 +162,17 @@ NodeHandle make_node(Args&&... args) {
   }
 }
 
-EmitTransStartEndGrads once_differentiable(EmitTransStartEndGrads grads, const variable_list& inputs) {
+constexpr const char* kLogZOnce =
+    "crfkit: the gradient of log Z is differentiable once only; for second derivatives use "
+    "the reference backend (crfkit.use_backend(\"reference\"))";
+
+EmitTransStartEndGrads once_differentiable(EmitTransStartEndGrads grads, const variable_list& inputs,
+                                           const char* message = kLogZOnce) {
   if (!at::GradMode::is_enabled()) return grads;
   torch::autograd::tensor_list outputs = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
                                           std::get<3>(grads)};
-  auto error_node = [](torch::autograd::edge_list&& edges) {
-    return make_node<torch::autograd::Error>(
-        "crfkit: the gradient of log Z is differentiable once only; for second derivatives use "
-        "the reference backend (crfkit.use_backend(\"reference\"))",
-        std::move(edges));
+  auto error_node = [message](torch::autograd::edge_list&& edges) {
+    return make_node<torch::autograd::Error>(message, std::move(edges));
   };
   const variable_list out = torch::autograd::wrap_outputs(inputs, std::move(outputs), error_node);
   return {out[0], out[1], out[2], out[3]};
@@ -279,6 +283,27 @@ at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor
                                         emissions, transitions, tags, lengths, start, end);
 }
 
+// ---- the marginals' backward ------------------------------------------------------------------
+// marginals_backward (the marginals' vector-Jacobian product, a second derivative of log Z) has
+// no derivative of its own: a third one is not needed. As for the gradient of log Z above, when
+// a call is recorded (the marginals differentiated with create_graph=True, or the op called on
+// tensors that require grad) its outputs get a node that raises as soon as a derivative passes
+// through it, instead of a silently missing one.
+EmitTransStartEndGrads marginals_backward_autograd(const at::Tensor& grad_marginals, const at::Tensor& emissions,
+                                                   const at::Tensor& transitions, const at::Tensor& lengths,
+                                                   const at::Tensor& start, const at::Tensor& end) {
+  static const auto op = op_handle<EmitTransStartEndGrads(Crf, Crf, Crf, Crf, Crf, Crf)>("crfkit::marginals_backward");
+  EmitTransStartEndGrads grads;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    grads = op.call(grad_marginals, emissions, transitions, lengths, start, end);
+  }
+  return once_differentiable(
+      std::move(grads), {grad_marginals, emissions, transitions, start, end},
+      "crfkit: the gradient of the marginals (marginals_backward) is not differentiable; for third "
+      "derivatives of log Z use the reference backend (crfkit.use_backend(\"reference\"))");
+}
+
 // kbest_viterbi_with_log_probs has no derivative: a call that would record one raises instead of
 // returning outputs that silently carry no gradient.
 using KBestLogProbsOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // scores, paths, log_probs
@@ -302,6 +327,7 @@ TORCH_LIBRARY_IMPL(crfkit, Autograd, m) {
   m.impl("viterbi", &viterbi_autograd);
   m.impl("kbest_viterbi", &kbest_viterbi_autograd);
   m.impl("kbest_viterbi_with_log_probs", &kbest_viterbi_with_log_probs_autograd);
+  m.impl("marginals_backward", &marginals_backward_autograd);
   m.impl("sequence_score", &sequence_score_autograd);
 }
 

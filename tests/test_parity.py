@@ -71,8 +71,9 @@ def test_gradcheck_float64(backend):
     # k-best log-probs: piecewise smooth; the random inputs are far from any tie.
     assert torch.autograd.gradcheck(
         lambda a, b, c, d: crfkit.kbest_viterbi(a, b, 4, ln, c, d).log_probs.clamp(min=-1e3), params)
-    # marginals are differentiable too (second derivatives of log Z).
-    assert torch.autograd.gradcheck(lambda a, b: crfkit.marginals(a, b, ln, s.detach(), e.detach()), params[:2])
+    # marginals are differentiable too (second derivatives of log Z: in the compiled backend on the
+    # CPU the marginals_backward kernel, tests/test_marginals_backward.py), in all four inputs.
+    assert torch.autograd.gradcheck(lambda a, b, c, d: crfkit.marginals(a, b, ln, c, d), params)
 
 
 def test_gradient_of_log_partition_is_the_marginals(backend):
@@ -101,7 +102,8 @@ def test_opcheck_every_op():
     cases = op_table.example_arguments(torch.ops.crfkit, req[0], req[1], ln, req[2], req[3],
                                        tags=torch.randint(0, 4, (3, 2, 6)), k=5,
                                        grad_log_z=torch.ones(3, dtype=torch.float64),
-                                       grad_scores=torch.ones(3, 2, dtype=torch.float64))
+                                       grad_scores=torch.ones(3, 2, dtype=torch.float64),
+                                       grad_marginals=torch.randn(3, 6, 4, dtype=torch.float64))
     for name, args in cases.items():
         torch.library.opcheck(getattr(torch.ops.crfkit, name), args)
 

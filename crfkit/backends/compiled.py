@@ -5,8 +5,9 @@ and fakes are listed once, in crfkit/backends/op_table.py.
 
 The backward of every op is itself a registered op (log_partition_backward_from_marginals on
 the CPU and CUDA, log_partition_backward on a device without log_partition_with_marginals,
-sequence_score_backward), as PyTorch recommends for custom kernels. Importing this module
-raises ImportError when the extension is not built; crfkit.backends then falls back.
+sequence_score_backward, marginals_backward on the CPU), as PyTorch recommends for custom
+kernels. Importing this module raises ImportError when the extension is not built;
+crfkit.backends then falls back.
 """
 from __future__ import annotations
 
@@ -28,15 +29,26 @@ op_table.register_fakes()
 # ---- autograd ---------------------------------------------------------------------------------
 # The formulas of log_partition, viterbi, kbest_viterbi and sequence_score
 # are registered in C++ (csrc/autograd.cpp), so that a call does not pass through Python's
-# autograd wrapper. The marginals' formula stays here: it differentiates the reference.
+# autograd wrapper. The marginals' formula stays here: it picks the analytic kernel
+# (marginals_backward) where the device has one, else differentiates the reference.
 def _save_crf_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:5])
 
 
 def _marginals_backward(ctx, grad_marginals):
-    # The derivative of the marginals is a Hessian-vector product of log Z; it is taken through
-    # the reference (autograd over its forward pass, twice). Correct, but not a fused kernel.
+    """Gradients of the marginals op's inputs (emissions, transitions, lengths, start, end).
+
+    The derivative of the marginals is a Hessian-vector product of log Z. On the CPU it is the
+    analytic kernel marginals_backward (csrc/cpu/marginals_backward.cpp: the tangent of the
+    forward-backward in the direction of grad_marginals, one pass, in double). That op has no
+    derivative of its own: differentiating its result again (a third derivative of log Z)
+    raises. On CUDA, which has no kernel for it, the derivative is taken through the reference
+    (autograd over its forward pass, twice), which can be differentiated again.
+    """
     emissions, transitions, lengths, start, end = ctx.saved_tensors
+    if _has_kernel("marginals_backward", emissions):
+        g = ops.marginals_backward(grad_marginals, emissions, transitions, lengths, start, end)
+        return g[0], g[1], None, g[2], g[3]
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (emissions, transitions, start, end)]
         mu = reference.marginals(inputs[0], inputs[1], lengths, inputs[2], inputs[3])

@@ -202,7 +202,7 @@ class _Marginals(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_marginals):
         # A Hessian-vector product of log Z, taken through the reference (autograd twice), as
-        # the compiled backend does.
+        # the compiled backend does on CUDA (on the CPU it has a kernel, marginals_backward).
         return _through_reference(reference.marginals, ctx.saved_tensors, grad_marginals)
 
 

@@ -52,6 +52,10 @@ OPS: Dict[str, Op] = {
     "marginals": Op(
         f"({_CRF}) -> Tensor",
         lambda emissions, transitions, lengths, start, end: torch.empty_like(emissions)),
+    # The marginals' vector-Jacobian product (their autograd formula on the CPU); not differentiable.
+    "marginals_backward": Op(
+        f"(Tensor grad_marginals, {_CRF}) -> {_GRADS}",
+        lambda grad_marginals, emissions, transitions, lengths, start, end: _grads_like(emissions)),
     "log_partition_backward": Op(
         f"(Tensor grad_log_z, {_CRF}) -> {_GRADS}",
         lambda grad_log_z, emissions, transitions, lengths, start, end: _grads_like(emissions)),
@@ -115,12 +119,20 @@ def register_fakes(namespace: str = "crfkit") -> None:
         torch.library.register_fake(f"{namespace}::{name}")(op.fake)
 
 
+def has_kernel(namespace: str, name: str, dispatch_key: str) -> bool:
+    """Whether op `name` of `namespace` has a kernel for dispatch_key ("CPU", "CUDA"):
+    marginals_backward has none on CUDA."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", dispatch_key)
+
+
 def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor,
-                      *, tags: Tensor, k: int, grad_log_z: Tensor, grad_scores: Tensor) -> Dict[str, tuple]:
+                      *, tags: Tensor, k: int, grad_log_z: Tensor, grad_scores: Tensor,
+                      grad_marginals: Tensor) -> Dict[str, tuple]:
     """{op name: arguments} that call every op of OPS once on these CRF arguments (tags (B, N, L),
-    grad_log_z (B,), grad_scores (B, N)); `ops` is the op namespace (torch.ops.crfkit or the
-    emulator's), used to make the inputs of log_partition_backward_from_marginals. Score tensors
-    that require grad stay so, for the ops with a derivative."""
+    grad_log_z (B,), grad_scores (B, N), grad_marginals (B, L, T)); `ops` is the op namespace
+    (torch.ops.crfkit or the emulator's), used to make the inputs of
+    log_partition_backward_from_marginals. Score tensors that require grad stay so, for the ops
+    with a derivative."""
     crf = (emissions, transitions, lengths, start, end)
     plain = tuple(x.detach() for x in (emissions, transitions)) + (lengths,) + tuple(x.detach() for x in (start, end))
     with torch.no_grad():
@@ -128,6 +140,7 @@ def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tens
     arguments = {
         "log_partition": crf,
         "marginals": plain,
+        "marginals_backward": (grad_marginals, *plain),
         "log_partition_backward": (grad_log_z, *plain),
         "log_partition_with_marginals": plain,
         "log_partition_backward_from_marginals": (grad_log_z, marginals, counts, lengths),

@@ -66,13 +66,15 @@ def dump(library: str, out: str) -> None:
         B, L, T = em.shape
         grad = torch.randn(B, generator=g, dtype=em.dtype)
         tags = torch.randint(0, T, (B, 3, L), generator=g)
-        grad_scores = torch.randn(B, 3, generator=g, dtype=em.dtype)  # every draw before any op runs
+        grad_scores = torch.randn(B, 3, generator=g, dtype=em.dtype)
+        grad_marginals = torch.randn(em.shape, generator=g, dtype=em.dtype)  # every draw before any op runs
         for k in (1, 5, 40):
             calls = op_table.example_arguments(emu, em, tr, ln, st, en, tags=tags, k=k, grad_log_z=grad,
-                                               grad_scores=grad_scores)
+                                               grad_scores=grad_scores, grad_marginals=grad_marginals)
             for op, arguments in calls.items():
                 with_k = op.startswith("kbest")
-                if (k == 5 or with_k) and hasattr(emu, op):  # an older tree may lack an op
+                # an older tree may lack an op; one without a CUDA kernel has no emulated kernel
+                if (k == 5 or with_k) and hasattr(emu, op) and op_table.has_kernel("crfkit_emu", op, "CPU"):
                     results[f"{name} / {op}" + (f" k={k}" if with_k else "")] = getattr(emu, op)(*arguments)
     torch.save(results, out)
 
