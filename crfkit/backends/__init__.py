@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import types
+import warnings
 from typing import Dict, Protocol, Tuple, runtime_checkable
 
 from torch import Tensor
 
-from .. import reference
+from .. import _extension, reference
 
 
 @runtime_checkable
@@ -103,11 +105,21 @@ _available: Dict[str, types.ModuleType] = {"reference": reference}
 _unavailable: Dict[str, str] = {}
 
 try:
+    # First crfkit._C itself (crfkit/_extension.py): its error says why it cannot be used (not
+    # built, built for another torch or Python) and it warns when a built one is not used. The
+    # plain `from .. import _C` in compiled.py would report a missing extension as a circular
+    # import.
+    _extension.load()
     from . import compiled
 
     _available["compiled"] = compiled
 except Exception as error:  # ImportError, or an ABI mismatch (OSError / undefined symbol)
     _unavailable["compiled"] = f"{type(error).__name__}: {error}"
+    if "crfkit._C" in sys.modules and sys.modules["crfkit._C"] is not None:
+        # The extension loaded, but the compiled backend did not (an extension older than
+        # compiled.py: its op schemas differ): as loud as an extension that fails to load.
+        warnings.warn(f"crfkit: the compiled kernels are not used: {_unavailable['compiled']}", RuntimeWarning,
+                      stacklevel=2)
 
 _IMPORTED_ON_FIRST_NEED = {"numba": ".numba_backend"}
 _PREFERENCE = ("compiled", "numba", "reference")
@@ -144,6 +156,8 @@ def _initial_choice():
             skipped = [f"{_DESCRIPTION[other]} is not available: {_unavailable.get(other, '?')}"
                        for other in _PREFERENCE[: _PREFERENCE.index(name)]]
             why = "; ".join(skipped) if skipped else f"{_DESCRIPTION[name]} loaded"
+            if name == "compiled" and _extension.version_note:
+                why += f" ({_extension.version_note})"
             return name, why
     raise AssertionError("the reference backend is always available")
 

@@ -159,7 +159,10 @@ void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& trans
   constexpr bool writes_log_z = kOut == Output::kLogPartition || kOut == Output::kLogPartitionWithMarginals;
   constexpr bool keep_rows = kOut != Output::kLogPartition;
   constexpr bool pairwise = kOut == Output::kBackward || kOut == Output::kLogPartitionWithMarginals;
-  constexpr bool unit_gradient = kOut == Output::kMarginals || kOut == Output::kLogPartitionWithMarginals;
+  // Only kBackward has an upstream gradient; the other outputs are for a gradient of 1 or have
+  // none, and their grad_log_z is null: read it only through this flag (a read of it in a mode
+  // without it is undefined behaviour that -O3 hides by dropping the dead load).
+  constexpr bool has_upstream_gradient = kOut == Output::kBackward;
   const int64_t rows = keep_rows ? std::max<int64_t>(L, 1) : 2;
   std::vector<char> bad(B, 0);
 
@@ -203,7 +206,7 @@ void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& trans
           log_z_out[b] = static_cast<scalar_t>(log_z[j]);
           has_log_z[b] = 1;
         }
-        g[j] = unit_gradient ? 1.0 : static_cast<double>(grad_log_z[b]);
+        g[j] = has_upstream_gradient ? static_cast<double>(grad_log_z[b]) : 1.0;
       }
       if constexpr (keep_rows) {
         const LaneMask failed = lanes_backward<scalar_t, pairwise>(tables, group, work, rows_a, rows_w, g,
@@ -273,7 +276,7 @@ void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& trans
       if constexpr (keep_rows) {
         // Every sequence forbidden: log Z = -inf and all gradients / marginals stay 0.
         if (log_z == kNegInfD) continue;
-        const scalar_t g = unit_gradient ? scalar_t(1) : grad_log_z[b];
+        const scalar_t g = has_upstream_gradient ? grad_log_z[b] : scalar_t(1);
         if (g == 0) continue;
         scalar_t* grad_emit_b = emit_out + b * L * T;
         scalar_t* grad_start_b = start_out != nullptr ? start_out + b * T : nullptr;
