@@ -13,6 +13,7 @@ import importlib
 
 from . import constraints, reference
 from .backends import backend_info, cached_memory, release_cached_memory, set_backend, use_backend
+from .backends.deferred_errors import check_errors, deferred_errors
 from .distribution import LinearChainCRF
 from .functional import (
     BestPath,
@@ -45,7 +46,9 @@ __all__ = [
     "LinearChainCRF",
     "backend_info",
     "cached_memory",
+    "check_errors",
     "constraints",
+    "deferred_errors",
     "distill",
     "expected_transition_counts",
     "kbest_viterbi",

@@ -177,9 +177,9 @@ def test_integer_scores_with_ties_decode_identically(dtype, B, L, T, k):
     assert torch.equal(got["kbest_paths"][:, 0], got["viterbi_paths"])
 
 
-# k-best has two CUDA kernels (csrc/cuda/kbest.cu): kbest_kernel (a lane per tag, the default)
-# and kbest_per_tag_kernel (a block per sentence, for small batches; opt-in through
-# CRFKIT_CUDA_KBEST_KERNEL until it has been timed on a GPU). Each must give the CPU's paths and
+# k-best has two CUDA kernels (csrc/cuda/kbest.cu): kbest_kernel (a lane per tag) and
+# kbest_per_tag_kernel (a block per sentence), the latter chosen by default for small batches
+# (CRFKIT_CUDA_KBEST_KERNEL=auto; the tests force each). Each must give the CPU's paths and
 # scores bit for bit. Shapes: T = 1, K above the number of sequences, 16 and 32 lanes per tag
 # (T = 9, 17, 32: blocks of 160, 544 and 1024 threads), empty and length-1 sentences,
 # backpointers in shared memory and (L T K > 48 KiB; 16-bit codes at T K = 272) in the global
@@ -198,7 +198,7 @@ def test_both_kbest_kernels_decode_like_the_cpu(B, L, T, k, dtype, scores, kerne
     if scores == "forbidden":
         inputs = forbid(inputs, seed=B + L + T)
     em, tr, ln, s, e = inputs
-    want_scores, want_paths = torch.ops.crfkit.kbest_viterbi(em, tr, e, s, k, ln)
+    want_scores, want_paths = torch.ops.crfkit.kbest_viterbi(em, tr, k, ln, s, e)
     monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", kernel)
     em, tr, ln, s, e = to(DEVICE, inputs)
     got_scores, got_paths = device_ops().kbest_viterbi(em, tr, k, ln, s, e)
@@ -215,13 +215,13 @@ def test_kbest_with_log_probs_is_the_separate_ops(dtype, B, L, T, k):
     inputs = forbid(random_crf(B, L, T, dtype=dtype, scale=2.0), seed=B + L + T)
     em, tr, ln, s, e = to(DEVICE, inputs)
     ops = device_ops()
-    scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(em, tr, e, s, k, ln)
-    want_scores, want_paths = ops.kbest_viterbi(em, tr, e, s, k, ln)
-    want_log_probs = crfkit.reference.log_probs_from_scores(want_scores, ops.log_partition(em, tr, e, ln, s))
+    scores, paths, log_probs = ops.kbest_viterbi_with_log_probs(em, tr, k, ln, s, e)
+    want_scores, want_paths = ops.kbest_viterbi(em, tr, k, ln, s, e)
+    want_log_probs = crfkit.reference.log_probs_from_scores(want_scores, ops.log_partition(em, tr, ln, s, e))
     assert torch.equal(scores, want_scores) and torch.equal(paths, want_paths)
     assert torch.equal(log_probs, want_log_probs) and not log_probs.isnan().any()
     cem, ctr, cln, cs, ce = inputs  # on the CPU
-    cpu_scores, cpu_paths, cpu_log_probs = torch.ops.crfkit.kbest_viterbi_with_log_probs(cem, ctr, ce, cs, k, cln)
+    cpu_scores, cpu_paths, cpu_log_probs = torch.ops.crfkit.kbest_viterbi_with_log_probs(cem, ctr, k, cln, cs, ce)
     assert torch.equal(scores.cpu(), cpu_scores) and torch.equal(paths.cpu(), cpu_paths)
     torch.testing.assert_close(log_probs.cpu(), cpu_log_probs, **TOL[dtype])
     with on_device():
@@ -298,7 +298,7 @@ def test_log_partition_with_marginals_and_its_backward_match_cpu(dtype, B, L, T,
 def test_backward_from_marginals_checks_its_arguments():
     em, tr, ln, s, e = _good()
     ops = device_ops()
-    _, mu, counts = ops.log_partition_with_marginals(em, tr, e, ln, s)
+    _, mu, counts = ops.log_partition_with_marginals(em, tr, ln, s, e)
     g = torch.ones(2, device=DEVICE)
     # Beyond the lengths the emissions' gradient is exactly 0, even for an infinite upstream gradient.
     infinite = torch.tensor([math.inf, 1.0], device=DEVICE)
@@ -326,7 +326,7 @@ def test_large_scores_take_the_exact_fallback(dtype):
 def test_results_are_deterministic():
     em, tr, ln, s, e = to(DEVICE, random_crf(64, 40, 9, dtype=torch.float32, scale=2.0))
     ops = device_ops()
-    runs = [ops.log_partition_backward(torch.ones(64, device=DEVICE), em, tr, e, ln, s) for _ in range(2)]
+    runs = [ops.log_partition_backward(torch.ones(64, device=DEVICE), em, tr, ln, s, e) for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -337,10 +337,10 @@ def test_non_contiguous_and_expanded_inputs():
     tr_t = tr.t().contiguous().t()
     assert not em_t.is_contiguous() and not tr_t.is_contiguous()
     ops = device_ops()
-    torch.testing.assert_close(ops.log_partition(em_t, tr_t, e, ln, s), ops.log_partition(em, tr, e, ln, s))
-    assert torch.equal(ops.viterbi(em_t, tr_t, e, ln, s)[1], ops.viterbi(em, tr, e, ln, s)[1])
+    torch.testing.assert_close(ops.log_partition(em_t, tr_t, ln, s, e), ops.log_partition(em, tr, ln, s, e))
+    assert torch.equal(ops.viterbi(em_t, tr_t, ln, s, e)[1], ops.viterbi(em, tr, ln, s, e)[1])
     expanded = em[:1].expand(5, 6, 5)
-    out = ops.log_partition(expanded, tr, e, torch.full((5,), 6, device=DEVICE), s)
+    out = ops.log_partition(expanded, tr, torch.full((5,), 6, device=DEVICE), s, e)
     assert torch.equal(out, out[:1].expand(5))
 
 
@@ -476,15 +476,15 @@ def test_bad_tags_raise():
     tags = torch.zeros(2, 1, 4, dtype=torch.long, device=DEVICE)
     tags[1, 0, 1] = 7  # within sentence 1 (length 2)
     with pytest.raises(ValueError, match=r"tags\[1, 0, 1\] = 7 is not a tag index in \[0, 3\)"):
-        ops.sequence_score(em, tr, e, s, tags, ln)
+        ops.sequence_score(em, tr, tags, ln, s, e)
     with on_device(), pytest.raises(ValueError, match=r"tags\[1, 0, 1\] = 7 is not a tag index in \[0, 3\)"):
         crfkit.sequence_score(em, tr, tags[:, 0], ln, s, e)  # the front end leaves the tags to the kernel
     with pytest.raises(ValueError, match="is not a tag index"):
-        ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, ln, tags)
+        ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, tags, ln)
     tags[1, 0, 1] = 0
     tags[1, 0, 3] = -100  # padding: ignored
-    ops.sequence_score(em, tr, e, s, tags, ln)
-    ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, ln, tags)
+    ops.sequence_score(em, tr, tags, ln, s, e)
+    ops.sequence_score_backward(torch.ones(2, 1, device=DEVICE), em, tags, ln)
 
 
 @pytest.mark.skipif(EMULATED, reason="needs a CUDA device beside the CPU")
@@ -495,14 +495,150 @@ def test_mixed_devices_raise():
         crfkit.log_partition(em, tr.cpu(), ln, s, e)
     with pytest.raises(ValueError, match="lengths is on cpu"):
         crfkit.viterbi(em, tr, ln.cpu(), s, e)
-    for make in (lambda: ops.log_partition(em, tr.cpu(), e, ln, s),
-                 lambda: ops.viterbi(em, tr, e, ln.cpu(), s),
-                 lambda: ops.kbest_viterbi(em.cpu(), tr, e.cpu(), s.cpu(), 2, ln.cpu()),
-                 lambda: ops.sequence_score(em, tr, e, s, torch.zeros(2, 1, 4, dtype=torch.long), ln),
-                 lambda: ops.log_partition_backward(torch.ones(2), em, tr, e, ln, s),
-                 lambda: ops.log_partition_with_marginals(em, tr, e, ln, s.cpu()),
+    for make in (lambda: ops.log_partition(em, tr.cpu(), ln, s, e),
+                 lambda: ops.viterbi(em, tr, ln.cpu(), s, e),
+                 lambda: ops.kbest_viterbi(em.cpu(), tr, 2, ln.cpu(), s.cpu(), e.cpu()),
+                 lambda: ops.sequence_score(em, tr, torch.zeros(2, 1, 4, dtype=torch.long), ln, s, e),
+                 lambda: ops.log_partition_backward(torch.ones(2), em, tr, ln, s, e),
+                 lambda: ops.log_partition_with_marginals(em, tr, ln, s.cpu(), e),
                  lambda: ops.log_partition_backward_from_marginals(
                      torch.ones(2), torch.zeros(2, 4, 3, device=em.device), torch.zeros(2, 3, 3, device=em.device), ln),
-                 lambda: ops.sequence_score_backward(torch.ones(2, 1), em, ln, torch.zeros(2, 1, 4, dtype=torch.long))):
+                 lambda: ops.sequence_score_backward(torch.ones(2, 1), em, torch.zeros(2, 1, 4, dtype=torch.long), ln)):
         with pytest.raises(RuntimeError, match="device"):
             make()
+
+
+# ---- deferred errors and CUDA graphs (crfkit/backends/deferred_errors.py) ----------------------
+@pytest.fixture
+def checked_mode():
+    """Each test starts and ends in checked mode with nothing recorded."""
+    crfkit.deferred_errors(False)
+    crfkit.check_errors()
+    yield
+    crfkit.deferred_errors(False)
+    with contextlib.suppress(ValueError):
+        crfkit.check_errors()
+
+
+@pytest.mark.parametrize("op", RAW)
+def test_deferred_mode_records_bad_input_until_check_errors(op, checked_mode):
+    em, tr, _, s, e = _good()
+    bad = torch.tensor([4, 5], device=DEVICE)
+    with crfkit.deferred_errors():
+        assert crfkit.backends.deferred_errors.is_deferred()
+        RAW[op](em, tr, bad, s, e)  # no exception: nothing is read back
+        with pytest.raises(ValueError, match=r"lengths\[1\] was outside \[0, seq_len\]"):
+            crfkit.check_errors()
+        crfkit.check_errors()  # the check cleared the record
+        RAW[op](em, _put(tr, (0, 1), math.nan), torch.tensor([4, 2], device=DEVICE), s, e)
+    assert not crfkit.backends.deferred_errors.is_deferred()  # the block restored checked mode
+    with pytest.raises(ValueError, match=r"transitions contained NaN or \+inf"):
+        crfkit.check_errors()
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 5 is outside"):  # checked again
+        RAW[op](em, tr, bad, s, e)
+
+
+def test_deferred_mode_as_a_call_and_its_values(checked_mode):
+    em, tr, ln, s, e = _good()
+    want = [RAW[op](em, tr, ln, s, e) for op in RAW]
+    crfkit.deferred_errors()  # as a call: stays on
+    try:
+        got = [RAW[op](em, tr, ln, s, e) for op in RAW]
+        tags = torch.zeros(2, 1, 4, dtype=torch.long, device=DEVICE)
+        tags[1, 0, 1] = 7
+        device_ops().sequence_score(em, tr, tags, ln, s, e)
+        with pytest.raises(ValueError, match=r"a tag was not a tag index in \[0, num_tags\) \(flat index 5 of tags\)"):
+            crfkit.check_errors()
+        device_ops().log_partition(_put(em, (1, 0, 2), math.nan), tr, ln, s, e)
+        with pytest.raises(ValueError, match=r"emissions\[1\] contained NaN or \+inf"):
+            crfkit.check_errors()
+    finally:
+        crfkit.deferred_errors(False)
+    for a, b in zip(want, got):  # the same kernels, only the error words differ
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y)
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        crfkit.deferred_errors("yes")
+
+
+def _step_inputs(seed):
+    """Inputs of a CUDA-graph test: float32 (B, L, T) = (6, 10, 5), ragged lengths."""
+    em, tr, ln, s, e = random_crf(6, 10, 5, dtype=torch.float32, scale=2.0, seed=seed)
+    return to(DEVICE, (em, tr, ln, s, e))
+
+
+@pytest.mark.skipif(EMULATED, reason="CUDA graphs need a GPU")
+def test_no_host_synchronisation_in_deferred_mode(checked_mode):
+    # torch's sync debug mode raises on any copy to the host that waits for the GPU.
+    em, tr, ln, s, e = _step_inputs(1)
+    tags = torch.zeros(6, 10, dtype=torch.long, device=DEVICE)
+    params = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+    for op in RAW:  # warm-up: lazy initialisation may synchronise
+        RAW[op](em, tr, ln, s, e)
+    with crfkit.deferred_errors():
+        crfkit.log_partition(*params[:2], ln, *params[2:])  # makes the persistent words
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with crfkit.deferred_errors(False), pytest.raises(RuntimeError, match="synchroniz"):
+                RAW["log_partition"](em, tr, ln, s, e)  # checked mode: the status read is seen
+            for op in RAW:
+                RAW[op](em, tr, ln, s, e)
+            loss = (crfkit.log_partition(*params[:2], ln, *params[2:])
+                    - crfkit.sequence_score(params[0], params[1], tags, ln, params[2], params[3])).sum()
+            loss.backward()
+            crfkit.viterbi(em, tr, ln, s, e)
+            crfkit.kbest_viterbi(em, tr, 3, ln, s, e)
+            crfkit.marginals(em, tr, ln, s, e)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    crfkit.check_errors()
+
+
+@pytest.mark.skipif(EMULATED, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("op", RAW)
+def test_every_op_captures_in_a_cuda_graph(op, checked_mode):
+    static = _step_inputs(2)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        RAW[op](*static)  # warm-up on a side stream, as torch.cuda.graph needs
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # checked mode: deferred automatically while capturing
+        out = RAW[op](*static)
+    fresh = _step_inputs(3)
+    for x, y in zip(static, fresh):
+        x.copy_(y)
+    graph.replay()
+    want = RAW[op](*fresh)
+    for x, y in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    crfkit.check_errors()
+    static[2].copy_(torch.tensor([10, 11, 0, 3, 4, 5], device=DEVICE))  # lengths[1] > L: seen at the check
+    graph.replay()
+    with pytest.raises(ValueError, match=r"lengths\[1\] was outside"):
+        crfkit.check_errors()
+
+
+@pytest.mark.skipif(EMULATED, reason="CUDA graphs need a GPU")
+def test_a_training_step_captures_in_a_cuda_graph(checked_mode):
+    # Forward and backward of the CRF loss, as torch.cuda.make_graphed_callables runs them.
+    em, tr, ln, s, e = _step_inputs(4)
+    tags = torch.randint(0, 5, (6, 10), device=DEVICE)
+
+    def nll(emissions, transitions, start, end):
+        return (crfkit.log_partition(emissions, transitions, ln, start, end)
+                - crfkit.sequence_score(emissions, transitions, tags, ln, start, end)).sum()
+
+    module = torch.cuda.make_graphed_callables(nll, tuple(x.clone().requires_grad_() for x in (em, tr, s, e)))
+    inputs = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+    loss = module(*inputs)
+    loss.backward()
+    want_inputs = [x.clone().requires_grad_() for x in (em, tr, s, e)]
+    want = nll(*want_inputs)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    for x, y in zip(inputs, want_inputs):
+        torch.testing.assert_close(x.grad, y.grad)
+    crfkit.check_errors()

@@ -3,7 +3,8 @@
 # lent for minutes: few, full calls). Run from the repository root on a machine with a CUDA GPU:
 #
 #     bash tools/gpu_checks.sh [STAGES]      # STAGES: comma list of env,build,test,sanitize,
-#                                            # kbest_ab,bench (default: all, in that order)
+#                                            # kbest_ab,bench,host,train_step,ab (default: all but ab,
+#                                            # in that order)
 #
 # Each stage is time-boxed so the whole run ends inside one device call (10 minutes); a stage
 # that fails or runs out of time is reported and the next one still runs. Logs and results go to
@@ -13,13 +14,19 @@
 #   BENCH_ARGS                arguments for benchmarks/bench_gpu.py (default --quick)
 #   BUDGET_S                  seconds the whole run may take (default 560)
 #   KBEST_AB_SHAPES           shapes of the kbest_ab stage (default 1x128x9,32x512x9,256x128x9,1024x128x9)
+#   KBEST_AB_ROUNDS, KBEST_AB_KS, KBEST_AB_KERNELS  rounds, K values and kernels of the kbest_ab
+#                             stage (default 3; 5 15; per_sentence per_tag)
+#   AB_OLD                    the ab stage: a source tree of other CUDA kernels with its crfkit._C
+#                             built (e.g. .scratch/old, built beside this one); profile_gpu.py
+#                             times both builds alternately, AB_ROUNDS times (default 2), on
+#                             AB_SHAPES (default 1x128x9,256x128x9,32x512x9,1024x128x37)
 # Peer libraries for the benchmark: wheels in .whl/ (and pure packages in .whl/pure/) are put
 # on PYTHONPATH first, as the device tool's README describes; without them the peers are
 # reported "not installed".
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-STAGES=${1:-env,build,test,sanitize,kbest_ab,bench}
+STAGES=${1:-env,build,test,sanitize,kbest_ab,bench,host,train_step}
 BUDGET_S=${BUDGET_S:-560}
 START=$(date +%s)
 PY=${PYTHON:-python3}
@@ -86,7 +93,7 @@ fi
 
 if has test; then
     # shellcheck disable=SC2086
-    stage test 55 $PY -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_cuda.py ${GPU_TEST_ARGS:-}
+    stage test 40 $PY -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_cuda.py ${GPU_TEST_ARGS:-}
     tail -25 "$OUT/test.log"
     grep -E "passed|failed" "$OUT/test.log" | tail -1 >>"$SUMMARY"
 fi
@@ -94,7 +101,7 @@ fi
 if has sanitize; then
     # memcheck over the CUDA tests (torch.compile excluded: it only adds host-side compilation).
     # The python under the sanitizer is slow to start; the tool's report goes to the log.
-    stage sanitize 45 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+    stage sanitize 35 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
         $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "not compile" ${GPU_TEST_ARGS:-}
     tail -15 "$OUT/sanitize.log"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -2 >>"$SUMMARY"
@@ -104,10 +111,12 @@ if has kbest_ab; then
     # The two CUDA k-best kernels (csrc/cuda/kbest.cu, CRFKIT_CUDA_KBEST_KERNEL) on the same
     # build, alternating, K = 5 and 15, three rounds: the numbers that set the `auto` rule.
     # (`stage` runs its command under timeout, so the loop is a bash -c script, not a function.)
-    stage kbest_ab 30 env PY="$PY" SHAPES="${KBEST_AB_SHAPES:-1x128x9,32x512x9,256x128x9,1024x128x9}" bash -c '
-        for round in 1 2 3; do
-            for kernel in per_sentence per_tag; do
-                for k in 5 15; do
+    stage kbest_ab 25 env PY="$PY" SHAPES="${KBEST_AB_SHAPES:-1x128x9,32x512x9,256x128x9,1024x128x9}" \
+        ROUNDS="${KBEST_AB_ROUNDS:-3}" KS="${KBEST_AB_KS:-5 15}" \
+        KERNELS="${KBEST_AB_KERNELS:-per_sentence per_tag}" bash -c '
+        for round in $(seq "$ROUNDS"); do
+            for kernel in $KERNELS; do
+                for k in $KS; do
                     echo "== round $round, $kernel, K = $k"
                     CRFKIT_CUDA_KBEST_KERNEL=$kernel $PY benchmarks/profile_gpu.py --ops kbest --k "$k" \
                         --shapes "$SHAPES" | grep "^|"
@@ -119,8 +128,34 @@ fi
 
 if has bench; then
     # shellcheck disable=SC2086
-    stage bench 95 $PY benchmarks/bench_gpu.py ${BENCH_ARGS:---quick} --out "$OUT/gpu_bench"
+    stage bench 45 $PY benchmarks/bench_gpu.py ${BENCH_ARGS:---quick} --out "$OUT/gpu_bench"
     tail -40 "$OUT/bench.log"
+fi
+
+if has host; then
+    # The host's cost per call, checked and deferred error mode (benchmarks/profile_gpu_host.py).
+    stage host 30 $PY benchmarks/profile_gpu_host.py --out "$OUT/gpu_host"
+    tail -24 "$OUT/host.log"
+fi
+
+if has train_step; then
+    # A BERT-base + CRF training step with crfkit (checked and deferred) and the peers' CRFs.
+    stage train_step 90 $PY benchmarks/bench_gpu_training_step.py --out "$OUT/gpu_training_step"
+    tail -12 "$OUT/train_step.log"
+fi
+
+if has ab; then
+    # This tree's kernels against AB_OLD's (both built), profile_gpu.py of this tree, alternating.
+    stage ab 95 env PY="$PY" OLD="${AB_OLD:?the ab stage needs AB_OLD}" ROUNDS="${AB_ROUNDS:-2}" \
+        SHAPES="${AB_SHAPES:-1x128x9,256x128x9,32x512x9,1024x128x37}" bash -c '
+        for round in $(seq "$ROUNDS"); do
+            for side in old new; do
+                tree=$PWD; [ $side = old ] && tree=$(cd "$OLD" && pwd)
+                echo "== round $round, $side ($tree)"
+                PYTHONPATH=$tree $PY benchmarks/profile_gpu.py --shapes "$SHAPES" | grep "^|"
+            done
+        done'
+    tail -60 "$OUT/ab.log"
 fi
 
 echo "==== summary ($(( $(date +%s) - START )) s)"

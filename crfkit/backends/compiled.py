@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import _C  # noqa: F401  (loading the library registers torch.ops.crfkit.*)
 from .. import reference
-from . import op_table
+from . import deferred_errors, op_table
 
 ops = torch.ops.crfkit
 
@@ -24,6 +24,7 @@ ops = torch.ops.crfkit
 # change), which would otherwise be called with its arguments in another order.
 op_table.check_schemas()
 op_table.register_fakes()
+deferred_errors.add_library(_C.__file__)  # the CUDA kernels' error mode (no-op without CUDA)
 
 
 # ---- autograd ---------------------------------------------------------------------------------

@@ -2,6 +2,10 @@
 // words into the CPU kernels' error messages (see common.cuh).
 #include "common.cuh"
 
+#include <atomic>
+#include <map>
+#include <mutex>
+
 namespace crfkit {
 namespace cuda {
 namespace {
@@ -80,9 +84,35 @@ void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengt
   });
 }
 
+// ---- checked and deferred modes -----------------------------------------------------------
+namespace {
+
+std::atomic<bool> deferred_mode{false};
+
+// The persistent words of deferred mode, one set per device, made on first use. (Made during a
+// capture, their fill is part of the graph and clears them at each replay; a warm-up call
+// before capturing, which CUDA graphs need anyway, makes them outside.)
+std::mutex deferred_mutex;
+std::map<int, at::Tensor> deferred_words;
+
+at::Tensor deferred_words_for(const at::Tensor& like) {
+  const std::lock_guard<std::mutex> lock(deferred_mutex);
+  at::Tensor& words = deferred_words[like.device().index()];
+  if (!words.defined()) words = at::full({kNumStatusWords}, kStatusClear, like.options().dtype(at::kLong));
+  return words;
+}
+
+}  // namespace
+
+Status::Status(const at::Tensor& like)
+    : deferred_(deferred_mode.load(std::memory_order_relaxed) ||
+                c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None),
+      words_(deferred_ ? deferred_words_for(like)
+                       : at::full({kNumStatusWords}, kStatusClear, like.options().dtype(at::kLong))) {}
+
 void Status::raise_if_bad(const at::Tensor& lengths, int64_t max_len, const at::Tensor& tags,
                           int64_t num_tags) const {
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
+  if (deferred_) return;
   const at::Tensor host = words_.to(at::kCPU);  // waits for the kernels of this op
   const int64_t* word = host.data_ptr<int64_t>();
   if (word[kBadLength] != kStatusClear) {
@@ -109,3 +139,41 @@ void Status::raise_if_bad(const at::Tensor& lengths, int64_t max_len, const at::
 
 }  // namespace cuda
 }  // namespace crfkit
+
+// The mode switch and the check, as C functions: crfkit/backends/deferred_errors.py reaches them
+// with ctypes in crfkit._C and, the same way, in the CUDA emulator's library (which has no
+// Python module of its own). The messages are made there.
+extern "C" {
+
+// Sets deferred mode on (1) or off (0); returns the previous mode.
+__attribute__((visibility("default"))) int crfkit_cuda_set_deferred_errors(int enabled) {
+  return crfkit::cuda::deferred_mode.exchange(enabled != 0) ? 1 : 0;
+}
+
+// Reads the deferred words of every device (waiting for each), clears them, and copies the words
+// of the first device that recorded an error to out[0..5] and its index to *device. Returns 1 if
+// an error was recorded, 0 if none, -1 if the read itself failed (a CUDA error).
+__attribute__((visibility("default"))) int crfkit_cuda_take_deferred_errors(long long* out, int* device) {
+  using namespace crfkit::cuda;
+  try {
+    const std::lock_guard<std::mutex> lock(deferred_mutex);
+    int found = 0;
+    for (auto& [index, words] : deferred_words) {
+      const at::Tensor host = words.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+      words.fill_(kStatusClear);
+      const int64_t* word = host.data_ptr<int64_t>();
+      bool bad = false;
+      for (int i = 0; i < kNumStatusWords; ++i) bad = bad || word[i] != kStatusClear;
+      if (bad && !found) {
+        for (int i = 0; i < kNumStatusWords; ++i) out[i] = word[i];
+        *device = index;
+        found = 1;
+      }
+    }
+    return found;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+}  // extern "C"

@@ -64,23 +64,29 @@ __device__ __forceinline__ void report(long long* status, StatusWord word, int64
   atomicMin(status + word, static_cast<long long>(index));
 }
 
-// Device-side error reporting of one op: allocate, let the kernels fill, then raise.
+// Device-side error reporting of one op: the words the kernels fill, then the check.
+//
+// Two modes. Checked (the default): a fresh set of words per call, read back after the launch
+// (one wait for the GPU), raising at once. Deferred (crfkit.deferred_errors(), and always while
+// a CUDA graph is being captured, where nothing can be read back): the kernels report into one
+// persistent set of words per device, nothing is copied to the host, and crfkit.check_errors()
+// raises what was recorded since the last check. A deferred call on bad input returns
+// meaningless values (the kernels stay memory-safe) until that check.
 class Status {
  public:
-  explicit Status(const at::Tensor& like)
-      : words_(at::full({kNumStatusWords}, kStatusClear, like.options().dtype(at::kLong))) {}
+  explicit Status(const at::Tensor& like);
 
   long long* data() { return reinterpret_cast<long long*>(words_.data_ptr<int64_t>()); }
 
-  // Copies the words to the host (one synchronisation) and raises the first error in the order
-  // the CPU kernels check: lengths, transitions, start, end, tags, emissions. While a CUDA graph
-  // is being captured nothing can be read back; the checks are skipped then (the kernels stay
-  // memory-safe on bad data, the results are just meaningless).
+  // Checked mode: copies the words to the host (one synchronisation) and raises the first error
+  // in the order the CPU kernels check: lengths, transitions, start, end, tags, emissions.
+  // Deferred mode: returns at once.
   // `lengths` / `tags` (may be undefined) give the values quoted in the messages.
   void raise_if_bad(const at::Tensor& lengths, int64_t max_len, const at::Tensor& tags = {},
                     int64_t num_tags = 0) const;
 
  private:
+  bool deferred_;
   at::Tensor words_;
 };
 

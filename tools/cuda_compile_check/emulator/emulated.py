@@ -98,6 +98,9 @@ def load(sanitize: Optional[str] = None) -> str:
     if _LOADED is None:
         _LOADED = _build.build(sanitize=sanitize)
         _register_python_side()
+        from crfkit.backends import deferred_errors
+
+        deferred_errors.add_library(_LOADED)  # crfkit.deferred_errors / check_errors reach it too
     return _LOADED
 
 
