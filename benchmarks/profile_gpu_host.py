@@ -78,7 +78,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import crfkit
 
+    command = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     lines = [f"# Host cost of a crfkit call on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
+             f"- command: `{command}`", "",
              "| op | B | L | T | mode | call us | host us (GPU busy) | GPU still busy |",
              "|---|---|---|---|---|---|---|---|"]
     for shape in args.shapes.split(","):

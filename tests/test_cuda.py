@@ -177,9 +177,9 @@ def test_integer_scores_with_ties_decode_identically(dtype, B, L, T, k):
     assert torch.equal(got["kbest_paths"][:, 0], got["viterbi_paths"])
 
 
-# k-best has two CUDA kernels (csrc/cuda/kbest.cu): kbest_kernel (a lane per tag) and
-# kbest_per_tag_kernel (a block per sentence), the latter chosen by default for small batches
-# (CRFKIT_CUDA_KBEST_KERNEL=auto; the tests force each). Each must give the CPU's paths and
+# k-best has two CUDA kernels (csrc/cuda/kbest.cu): kbest_kernel (a lane per tag, the default)
+# and kbest_per_tag_kernel (a block per sentence; CRFKIT_CUDA_KBEST_KERNEL=per_tag, or auto for
+# small batches and K <= 5; the tests force each). Each must give the CPU's paths and
 # scores bit for bit. Shapes: T = 1, K above the number of sequences, 16 and 32 lanes per tag
 # (T = 9, 17, 32: blocks of 160, 544 and 1024 threads), empty and length-1 sentences,
 # backpointers in shared memory and (L T K > 48 KiB; 16-bit codes at T K = 272) in the global

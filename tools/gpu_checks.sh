@@ -11,7 +11,8 @@
 # $OUT (the device tool's folder; ./gpu_out elsewhere). Environment:
 #   CRFKIT_PREBUILT=path.so   use this build of crfkit._C instead of building (same torch only)
 #   GPU_TEST_ARGS             extra pytest arguments for the test stage (e.g. -k kbest)
-#   BENCH_ARGS                arguments for benchmarks/bench_gpu.py (default --quick)
+#   BENCH_ARGS, BENCH_SHARE   arguments for benchmarks/bench_gpu.py (default --quick); its share of
+#                             the time left (percent, default 45)
 #   BUDGET_S                  seconds the whole run may take (default 560)
 #   KBEST_AB_SHAPES           shapes of the kbest_ab stage (default 1x128x9,32x512x9,256x128x9,1024x128x9)
 #   KBEST_AB_ROUNDS, KBEST_AB_KS, KBEST_AB_KERNELS  rounds, K values and kernels of the kbest_ab
@@ -128,7 +129,7 @@ fi
 
 if has bench; then
     # shellcheck disable=SC2086
-    stage bench 45 $PY benchmarks/bench_gpu.py ${BENCH_ARGS:---quick} --out "$OUT/gpu_bench"
+    stage bench "${BENCH_SHARE:-45}" $PY benchmarks/bench_gpu.py ${BENCH_ARGS:---quick} --out "$OUT/gpu_bench"
     tail -40 "$OUT/bench.log"
 fi
 

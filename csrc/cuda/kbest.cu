@@ -357,14 +357,13 @@ int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
 }
 
 // Which k-best kernel runs: CRFKIT_CUDA_KBEST_KERNEL =
-//   per_sentence  kbest_kernel (the default for now);
+//   per_sentence  (the default) kbest_kernel always;
 //   per_tag       kbest_per_tag_kernel wherever it applies (launch_kbest_per_tag), else kbest_kernel;
-//   auto          kbest_per_tag_kernel where it applies and the batch fits in one wave of its
-//                 blocks (every sentence's block resident at once), else kbest_kernel.
-// kbest_per_tag_kernel passed the tests in the CPU emulator (tools/cuda_compile_check/emulator)
-// but has not yet run or been timed on a GPU, so it is opt-in until it has; `auto` is the rule
-// meant to become the default then (the one-wave threshold is itself a guess to be set from
-// those timings). Tests run both kernels on the same inputs.
+//   auto          kbest_per_tag_kernel where it applies, K <= 5 and the batch is small (at most
+//                 two sentences per multiprocessor), else kbest_kernel.
+// Timed on a GPU (benchmarks/results/gpu_nvidia_h200_notes.md), the per-tag kernel is a few
+// percent faster only in auto's cases and clearly slower elsewhere (large batches, larger K),
+// so it is not the default. Tests run both kernels on the same inputs.
 enum class KbestKernel { kPerSentence, kPerTag, kAuto };
 
 KbestKernel kbest_kernel_choice() {
@@ -378,7 +377,7 @@ KbestKernel kbest_kernel_choice() {
 
 // Launches kbest_per_tag_kernel and returns true, or returns false (nothing launched) where it
 // does not apply (T > 32: a group per tag would not fit in a block; lists too large for shared
-// memory) or, unless `forced`, where the batch needs more than one wave of its blocks.
+// memory) or, unless `forced`, outside auto's cases (K <= 5, at most two sentences per multiprocessor).
 template <typename scalar_t, typename bp_t>
 bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced, at::Tensor& scores,
                           at::Tensor& paths, Status& status) {
@@ -386,6 +385,13 @@ bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced
   const PerTagPlan plan = per_tag_plan<scalar_t, bp_t>(T, K, L);
   if (T > kWarpSize || plan.backpointers > kSharedBudget) return false;
   if (B == 0) return true;
+  if (!forced) {
+    if (K > 5) return false;
+    int device = 0, multiprocessors = 1;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    if (B > 2 * (int64_t)multiprocessors) return false;
+  }
   const auto kernel = kbest_per_tag_kernel<scalar_t, bp_t>;
   SharedPlan one_sentence_per_block;
   one_sentence_per_block.threads = plan.threads;
