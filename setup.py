@@ -127,6 +127,9 @@ if os.environ.get("CRFKIT_NO_EXTENSION", "0") != "1":
         )
     extension.cpu_kernel_copies = [(level, kernel_sources, flags) for level, flags in levels]
     extension.cpu_shared_only_flags = shared_arch_flags + dispatch_flags
+    # Relink when a kernel file or a header changed (setuptools looks at sources and depends
+    # only; the kernel files are not the extension's sources, and ninja recompiles what changed).
+    extension.depends = kernel_sources + sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/cuda/*.cuh"))
     ext_modules = [extension]
     cmdclass = {"build_ext": with_cpu_kernel_copies(BuildExtension).with_options(use_ninja=True)}
 

@@ -149,3 +149,31 @@ def test_no_code_outside_the_avx_copies_needs_more_than_baseline_x86_64():
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     counts = json.loads(re.search(r"copy of the CPU kernels: (\{.*\})", result.stdout)[1].replace("'", '"'))
     assert min(counts[level] for level in LEVELS) > 0
+
+
+# Older CPUs, emulated: user-mode QEMU runs the interpreter on a CPU model without AVX-512
+# (Haswell) or without AVX2 (Sandy Bridge; older models stop in numpy's own baseline check).
+# Opt-in (pytest -m slow), minutes under emulation; needs qemu-x86_64 (Debian: qemu-user).
+_SMOKE = """
+import torch, crfkit
+g = torch.Generator().manual_seed(0)
+em, tr = torch.randn(4, 12, 7, generator=g), torch.randn(7, 7, generator=g)
+best = crfkit.kbest_viterbi(em, tr, k=3)
+with crfkit.use_backend("reference"):
+    ref = crfkit.kbest_viterbi(em, tr, k=3)
+assert torch.equal(best.paths, ref.paths)
+torch.testing.assert_close(best.log_probs, ref.log_probs)
+print(crfkit.backend_info()["cpu_isa"])
+"""
+
+
+@pytest.mark.slow
+@needs_dispatch_build
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-x86_64 (qemu-user)")
+@pytest.mark.parametrize("cpu,level", [("Haswell-noTSX", "avx2"), ("SandyBridge", "baseline")])
+def test_an_older_cpu_runs_its_level(cpu, level):
+    env = {k: v for k, v in os.environ.items() if k != "CRFKIT_CPU_ISA"}
+    result = subprocess.run(["qemu-x86_64", "-cpu", cpu, sys.executable, "-c", _SMOKE], capture_output=True,
+                            text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]  # 132: SIGILL, an instruction the CPU lacks
+    assert result.stdout.split()[-1] == level
