@@ -4,6 +4,9 @@
 #include <cstdint>
 
 namespace crfkit {
+#ifdef CRFKIT_CPU_ISA  // a copy of the CPU kernels (csrc/cpu/isa.h): functions of its own
+inline namespace CRFKIT_CPU_ISA {
+#endif
 
 // Backpointers are stored in the smallest unsigned type that holds every code
 // (code = predecessor tag * K + predecessor rank < num_codes = T * K): calls f with a value of
@@ -19,4 +22,7 @@ void dispatch_backpointer_type(int64_t num_codes, F&& f) {
   }
 }
 
+#ifdef CRFKIT_CPU_ISA
+}  // namespace CRFKIT_CPU_ISA
+#endif
 }  // namespace crfkit

@@ -12,6 +12,9 @@
 #include <c10/util/Exception.h>
 
 namespace crfkit {
+#ifdef CRFKIT_CPU_ISA  // a copy of the CPU kernels (csrc/cpu/isa.h): functions of its own
+inline namespace CRFKIT_CPU_ISA {
+#endif
 
 // emissions (B, L, T), float32 or float64 (the dtypes the kernels are built for).
 inline void check_emissions_argument(const at::Tensor& emissions) {
@@ -167,4 +170,7 @@ inline CrfArgs checked_cpu_args(const at::Tensor& emissions, const at::Tensor& t
   return a;
 }
 
+#ifdef CRFKIT_CPU_ISA
+}  // namespace CRFKIT_CPU_ISA
+#endif
 }  // namespace crfkit

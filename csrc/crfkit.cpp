@@ -1,12 +1,14 @@
-// The crfkit operator library: one schema per op, nothing else. The kernels register
-// themselves per device in csrc/cpu/*.cpp (and csrc/cuda/*.cu), the autograd formulas in
-// csrc/autograd.cpp, the fake (meta) implementations from Python in crfkit/backends/compiled.py.
+// The crfkit operator library: one schema per op, nothing else. The CPU kernels are registered
+// by csrc/cpu/dispatch.cpp (the copy for this CPU's instruction set), the CUDA kernels by
+// csrc/cuda/*.cu, the autograd formulas in csrc/autograd.cpp, the fake (meta) implementations
+// from Python in crfkit/backends/compiled.py.
 //
 // Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,);
 // lengths (B,) int64; tags (B, N, L) int64.
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/dispatch.h"
 #include "cpu/recycled_memory.h"
 
 namespace {
@@ -22,16 +24,20 @@ PyObject* cached_memory(PyObject*, PyObject*) {
   return PyLong_FromLongLong(crfkit::cpu::recycled_memory_bytes());
 }
 
+// crfkit._C.cpu_isa() -> str: the copy of the CPU kernels in use (csrc/cpu/dispatch.h).
+PyObject* cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(crfkit::cpu::cpu_isa_in_use()); }
+
 PyMethodDef methods[] = {
     {"release_cached_memory", release_cached_memory, METH_NOARGS, "Free crfkit's cached CPU buffers."},
     {"cached_memory", cached_memory, METH_NOARGS, "Bytes of CPU buffers crfkit keeps between calls."},
+    {"cpu_isa", cpu_isa, METH_NOARGS, "The instruction set of the CPU kernels in use."},
     {nullptr, nullptr, 0, nullptr},
 };
 
 }  // namespace
 
 // Importing crfkit._C loads this library and so registers the ops; the module has two functions
-// for the memory crfkit keeps between calls.
+// for the memory crfkit keeps between calls and one that names the CPU kernels' instruction set.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);

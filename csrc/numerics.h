@@ -12,6 +12,9 @@
 #endif
 
 namespace crfkit {
+#ifdef CRFKIT_CPU_ISA  // a copy of the CPU kernels (csrc/cpu/isa.h): functions of its own
+inline namespace CRFKIT_CPU_ISA {
+#endif
 
 // The smallest trusted probability-space sum. The log-space recursions factor
 // logsumexp_s(alpha[s] + trans[s, t]) into a max plus the log of a sum of terms <= 1; a sum of
@@ -36,4 +39,7 @@ CRFKIT_HOST_DEVICE constexpr float pairwise_fast_bound<float>() { return 20.0f; 
 template <>
 CRFKIT_HOST_DEVICE constexpr double pairwise_fast_bound<double>() { return 600.0; }
 
+#ifdef CRFKIT_CPU_ISA
+}  // namespace CRFKIT_CPU_ISA
+#endif
 }  // namespace crfkit

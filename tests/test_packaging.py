@@ -3,10 +3,12 @@ and CUDA source inside), and a downstream project that lists "crfkit" as a depen
 it from that sdist and calls crfkit.kbest_viterbi with the compiled backend.
 
 The venv sees the installed torch (--system-site-packages) and builds without isolation, as the
-README tells users to, so nothing is downloaded. Compiling takes about 4 minutes on 2 cores.
+README tells users to, so nothing is downloaded. It builds what a user gets, the portable build
+(CRFKIT_ARCH=dispatch: the CPU kernels for x86-64, AVX2 and AVX-512), about 12 minutes on 2 cores.
 """
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -61,7 +63,8 @@ def test_downstream_project_installs_crfkit_from_the_sdist(sdist, tmp_path):
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], timeout=300)
     python = str(venv / "bin" / "python")
     pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--no-build-isolation"]
-    env = dict(os.environ, MAX_JOBS="2", CRFKIT_ARCH="none", PIP_NO_INPUT="1")
+    env = dict(os.environ, MAX_JOBS="2", CRFKIT_ARCH="dispatch", PIP_NO_INPUT="1")
+    env.pop("CRFKIT_CPU_ISA", None)
     env.pop("PYTHONPATH", None)
     # crfkit from the sdist into the venv (the checkout's editable install stays outside it)
     _run([*pip, "--no-deps", "--ignore-installed", "--find-links", str(sdist.parent), "crfkit"], env=env, timeout=1800,
@@ -96,12 +99,15 @@ def test_downstream_project_installs_crfkit_from_the_sdist(sdist, tmp_path):
         from crfkit import _extension
         print(json.dumps({"file": crfkit.__file__, "backend": crfkit.backend_info()["backend"],
                           "built_with_torch": _extension.built_with_torch(),
+                          "cpu_isa": crfkit.backend_info()["cpu_isa"],
                           "paths": best.paths.tolist(), "log_probs": best.log_probs.tolist()}))
         """)
     result = __import__("json").loads(_run([python, "-c", probe], env=env, timeout=300, cwd=tmp_path).splitlines()[-1])
     assert result["file"].startswith(str(venv)), "the venv imported the checkout, not the installed sdist"
     assert result["backend"] == "compiled"
     assert result["built_with_torch"] == torch.__version__  # recorded in the wheel by its own build
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert result["cpu_isa"] in ("baseline", "avx2", "avx512"), result["cpu_isa"]
     generator = torch.Generator().manual_seed(0)
     emissions = torch.randn(2, 5, 4, generator=generator, dtype=torch.float64)
     transitions = torch.randn(4, 4, generator=generator, dtype=torch.float64)

@@ -47,9 +47,11 @@ PYTHON=${PYTHON:-python3}
 CXX_FOR_RUNTIMES=${CXX:-c++}
 TESTS=(tests/test_parity.py tests/test_brute_force.py tests/test_numerics.py tests/test_bad_input.py)
 out=build/$mode
-# Another CRFKIT_ARCH (e.g. none: the 16-byte vector paths) gets its own folder, so that switching
-# back and forth does not recompile everything each time.
-if [ -n "${CRFKIT_ARCH:-}" ] && [ "$CRFKIT_ARCH" != native ]; then out=build/$mode-$CRFKIT_ARCH; fi
+# One copy of the kernels, for this CPU (the dispatch build compiles three: slower, and the
+# sanitizers see the same code). Another CRFKIT_ARCH (e.g. none: the 16-byte vector paths) gets
+# its own folder, so that switching back and forth does not recompile everything each time.
+export CRFKIT_ARCH=${CRFKIT_ARCH:-native}
+if [ "$CRFKIT_ARCH" != native ]; then out=build/$mode-$CRFKIT_ARCH; fi
 
 echo "== tools/sanitize.sh: $mode build in $out (MAX_JOBS=${MAX_JOBS:-all cores})"
 start=$(date +%s)

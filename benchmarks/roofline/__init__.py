@@ -51,7 +51,10 @@ def _probe():
     if _PROBE is None:
         from torch.utils.cpp_extension import load
 
+        # This machine's rates: its own -march, also when crfkit is a dispatch build (whose
+        # kernels run at the best level this CPU has).
         arch = os.environ.get("CRFKIT_ARCH", "native")
+        arch = "native" if arch == "dispatch" else arch
         flags = ["-O3", "-std=c++20", "-fopenmp"] + ([f"-march={arch}"] if arch != "none" else [])
         _PROBE = load(name="crfkit_roofline_probe", sources=[str(HERE / "probe.cpp")],
                       extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)

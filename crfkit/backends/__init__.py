@@ -179,20 +179,29 @@ def backend_info() -> dict:
     """Which implementation runs crfkit's ops and why, e.g.
 
     {'backend': 'compiled', 'reason': 'the compiled extension loaded',
-     'available': ('compiled', 'numba', 'reference'), 'unavailable': {}, 'cuda_kernels': False}
+     'available': ('compiled', 'numba', 'reference'), 'unavailable': {}, 'cuda_kernels': False,
+     'cpu_isa': 'avx512'}
+
+    cpu_isa: the copy of the C++ CPU kernels in use (crfkit._C.cpu_isa(); None without the
+    extension): 'baseline', 'avx2' or 'avx512' in the default build, 'march=native' in a
+    CRFKIT_ARCH=native build (setup.py).
     """
     usable = available()  # first: it records why a backend loaded on first need is unusable
-    cuda = False
+    cuda, cpu_isa = False, None
     if "compiled" in _available:
         import torch
 
+        from .. import _C
+
         cuda = torch._C._dispatch_has_kernel_for_dispatch_key("crfkit::log_partition", "CUDA")
+        cpu_isa = _C.cpu_isa() if hasattr(_C, "cpu_isa") else None  # None: built before it existed
     return {
         "backend": _current,
         "reason": _reason,
         "available": usable,
         "unavailable": dict(_unavailable),
         "cuda_kernels": cuda,
+        "cpu_isa": cpu_isa,
     }
 
 

@@ -11,8 +11,11 @@
 #include <bit>
 #include <cstdint>
 
+#include "isa.h"
+
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 
 // Real is double (Int = int64_t) or a vector of doubles (Int = the matching int64 vector, for the
 // batch-lane kernels of prob_lanes.h): one body, so that both compute the same bits.
@@ -48,5 +51,6 @@ inline Real exp_nonpositive_generic(Real x) {
 
 inline double exp_nonpositive(double x) { return exp_nonpositive_generic<double, int64_t>(x); }
 
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

@@ -28,6 +28,7 @@
 
 #include "../backpointers.h"
 #include "../checks.h"
+#include "isa.h"
 #include "kbest_lanes.h"
 #include "lanes.h"
 #include "log_space.h"
@@ -35,6 +36,7 @@
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 namespace {
 
 // Select the K best of T sorted lists (the final choice over last tags): list s holds lists[s * K + r] (descending in r) and
@@ -464,6 +466,8 @@ int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
   return std::min(count, cap);
 }
 
+}  // namespace
+
 // scores (B, K), paths (B, K, L) int64: the K best distinct sequences per sentence, descending;
 // rows beyond the number of allowed sequences hold -1 / -inf.
 std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions_in,
@@ -523,11 +527,6 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
   return {scores, paths};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
-  m.impl("kbest_viterbi", &kbest_viterbi_cpu);
-}
-
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

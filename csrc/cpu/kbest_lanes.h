@@ -63,12 +63,14 @@
 #endif
 
 #include "../backpointers.h"
+#include "isa.h"
 #include "lanes.h"
 #include "log_space.h"
 #include "viterbi_lanes.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 
 // v[j] = base[index[j]] for every lane j (index in elements of scalar_t). (The masked form with
 // every lane on: GCC 12's unmasked one warns of an uninitialised source.)
@@ -633,5 +635,6 @@ void kbest_lanes(const LanePlan& plan, const scalar_t* emissions, const scalar_t
   });
 }
 
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

@@ -18,9 +18,11 @@
 #include <tuple>
 
 #include "../checks.h"
+#include "isa.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 namespace {
 
 using Crf = const at::Tensor&;
@@ -60,6 +62,8 @@ at::Tensor log_probs_from_scores(const at::Tensor& scores, const at::Tensor& log
   return log_probs;
 }
 
+}  // namespace
+
 // scores (B, k) and paths (B, k, L) as kbest_viterbi, log_probs (B, k) = scores - log Z.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cpu(Crf emissions_in, Crf transitions_in,
                                                                                 int64_t k, Crf lengths_in,
@@ -86,11 +90,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cpu(
   return {scores, paths, log_probs_from_scores(scores, log_z)};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
-  m.impl("kbest_viterbi_with_log_probs", &kbest_viterbi_with_log_probs_cpu);
-}
-
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

@@ -19,8 +19,11 @@
 #include <utility>
 #include <vector>
 
+#include "isa.h"
+
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 
 template <typename scalar_t>
 struct Lanes {
@@ -219,5 +222,6 @@ inline void lanes_to_rows(const typename Lanes<lane_t>::Vector* lanes, const int
   }
 }
 
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "../checks.h"
+#include "isa.h"
 #include "log_space.h"
 #include "prob_lanes.h"
 #include "prob_space.h"
@@ -21,6 +22,7 @@
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 namespace {
 
 constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
@@ -301,6 +303,8 @@ void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& trans
   raise_if_bad_emissions(bad);
 }
 
+}  // namespace
+
 // log Z per sentence: (B,). Working memory O(T) per thread; nothing of size L is kept.
 at::Tensor log_partition_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
                              const at::Tensor& lengths_in, const at::Tensor& start_in,
@@ -441,16 +445,6 @@ at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions, const at:
   return std::get<2>(log_partition_with_marginals_cpu(emissions, transitions, lengths, start, end));
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
-  m.impl("log_partition", &log_partition_cpu);
-  m.impl("log_partition_with_marginals", &log_partition_with_marginals_cpu);
-  m.impl("log_partition_backward_from_marginals", &log_partition_backward_from_marginals_cpu);
-  m.impl("marginals", &marginals_cpu);
-  m.impl("log_partition_backward", &log_partition_backward_cpu);
-  m.impl("expected_transition_counts", &expected_transition_counts_cpu);
-}
-
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

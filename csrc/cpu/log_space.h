@@ -18,9 +18,11 @@
 #include <vector>
 
 #include "../numerics.h"  // trusted_sum_min, pairwise_fast_bound
+#include "isa.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 
 template <typename scalar_t>
 constexpr scalar_t neg_inf() {
@@ -138,5 +140,6 @@ inline double normalise(scalar_t* x, int64_t n) {
   return static_cast<double>(m);
 }
 
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

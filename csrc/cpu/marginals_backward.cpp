@@ -53,10 +53,12 @@
 #include <vector>
 
 #include "../checks.h"
+#include "isa.h"
 #include "log_space.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 namespace {
 
 // sx = sum_m e[m] x[m] and sy = sum_m e[m] y[m], in one pass over e. The sums may be reassociated
@@ -247,6 +249,8 @@ void sentence_backward(int64_t n, int64_t T, const double* trans, const double* 
   }
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cpu(
     const at::Tensor& grad_marginals_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
     const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
@@ -299,11 +303,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cp
   return {grad_emissions, trans_acc.sum(0).to(dtype), start_acc.sum(0).to(dtype), end_acc.sum(0).to(dtype)};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
-  m.impl("marginals_backward", &marginals_backward_cpu);
-}
-
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

@@ -26,10 +26,12 @@
 #endif
 
 #include "fast_exp.h"
+#include "isa.h"
 #include "prob_space.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 
 constexpr int64_t kGroup = kLanes;  // sentences per lane vector (8 doubles with AVX-512, 4 with AVX2)
 constexpr int64_t kMaxLaneTags = 64;  // above this the per-sentence kernel is as fast
@@ -493,5 +495,6 @@ __attribute__((noinline)) LaneMask lanes_backward(const ProbTables& tab, const L
   return failed;
 }
 
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

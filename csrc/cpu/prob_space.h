@@ -28,10 +28,12 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "isa.h"
 #include "lanes.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 
 constexpr double kMinScaled = 0x1p-150;  // e^-104: the dynamic range kept per position
 
@@ -355,5 +357,6 @@ bool prob_backward(const ProbTables& tab, int64_t n, const double* a_rows, const
   return true;
 }
 
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

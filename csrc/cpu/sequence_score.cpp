@@ -8,9 +8,11 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "isa.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 namespace {
 
 // Raises unless every tag of row (b, j) within its length is in [0, T).
@@ -20,6 +22,8 @@ void check_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
                 " is not a tag index in [0, ", T, ")");
   }
 }
+
+}  // namespace
 
 // (B, N): score of each sequence; 0 for a length-0 sentence.
 at::Tensor sequence_score_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
@@ -118,12 +122,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backwa
   return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
-  m.impl("sequence_score", &sequence_score_cpu);
-  m.impl("sequence_score_backward", &sequence_score_backward_cpu);
-}
-
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

@@ -21,6 +21,7 @@
 
 #include "../backpointers.h"
 #include "../checks.h"
+#include "isa.h"
 #include "lanes.h"
 #include "log_space.h"
 #include "viterbi_common.h"
@@ -28,6 +29,7 @@
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 namespace {
 
 // Viterbi for one sentence of length n >= 1. Writes path[0 .. n) and returns the best score.
@@ -117,9 +119,6 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
   return {scores, paths};
 }
 
-TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
-  m.impl("viterbi", &viterbi_cpu);
-}
-
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

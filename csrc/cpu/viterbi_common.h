@@ -12,11 +12,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "isa.h"
 #include "lanes.h"
 #include "log_space.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 
 // The transitions with each row padded to whole lane vectors (-inf in the padding, so padded
 // lanes never win a max), for the in-register column argmax below.
@@ -112,5 +114,6 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
                                                const at::Tensor& lengths_in, const at::Tensor& start_in,
                                                const at::Tensor& end_in);
 
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit

@@ -29,11 +29,13 @@
 #include <immintrin.h>
 #endif
 
+#include "isa.h"
 #include "lanes.h"
 #include "log_space.h"
 
 namespace crfkit {
 namespace cpu {
+inline namespace CRFKIT_CPU_ISA {
 
 // How many tags one register block updates at once: each tag needs two vector registers (running
 // max and arg max) for the whole loop over predecessors. AVX-512 has 32 of them (one per
@@ -413,5 +415,6 @@ void viterbi_lanes(const LanePlan& plan, const scalar_t* emissions, const scalar
       });
 }
 
+}  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu
 }  // namespace crfkit
