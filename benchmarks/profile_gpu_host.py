@@ -16,12 +16,14 @@ Prints a Markdown table and writes it to <out>.md when --out is given.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_gpu import wall_ms  # noqa: E402  (one synchronised call, median)
 
 
 def calls(B, L, T, device):
@@ -43,17 +45,6 @@ def calls(B, L, T, device):
         "viterbi": lambda: crfkit.viterbi(em, tr, ln),
         "kbest_k5": lambda: crfkit.kbest_viterbi(em, tr, 5, ln),
     }
-
-
-def call_us(fn, repeats=50):
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - begin) * 1e6)
-    return statistics.median(times)
 
 
 def host_us(fn, n):
@@ -90,7 +81,7 @@ def main(argv=None) -> int:
                 with crfkit.deferred_errors(mode == "deferred"):
                     for _ in range(5):
                         fn()  # warm-up
-                    whole = call_us(fn)
+                    whole = wall_ms(fn, repeats=50) * 1e3
                     host, busy = host_us(fn, args.calls)
                 crfkit.check_errors()
                 lines.append(f"| {name} | {B} | {L} | {T} | {mode} | {whole:.1f} | {host:.1f} | "
