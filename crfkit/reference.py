@@ -216,3 +216,21 @@ def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=N
         scores = scores + end[last]
         scores = torch.where((lengths == 0).unsqueeze(1), torch.zeros_like(scores), scores)
     return scores.squeeze(1) if squeeze else scores
+
+
+def gradients_by_autograd(fn, inputs, grad_output: Tensor):
+    """Gradients of <fn(emissions, transitions, lengths, start, end), grad_output> for
+    inputs = (emissions, transitions, lengths, start, end), by autograd over fn (a function of
+    this module), in the order of the inputs with None for lengths. The backends' derivative
+    where they have no kernel of their own (the marginals' on CUDA, higher orders in numba).
+    Under create_graph (grad mode on inside a backward) the inputs that require grad are used as
+    they are, so that the result can be differentiated again."""
+    emissions, transitions, lengths, start, end = inputs
+    create_graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        params = [x if create_graph and x.requires_grad else x.detach().requires_grad_()
+                  for x in (emissions, transitions, start, end)]
+        out = fn(params[0], params[1], lengths, params[2], params[3])
+        grads = torch.autograd.grad(out, params, grad_output, allow_unused=True, create_graph=create_graph)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, params)]
+    return grads[0], grads[1], None, grads[2], grads[3]

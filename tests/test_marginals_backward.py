@@ -278,6 +278,22 @@ def test_the_reference_path_remains_for_devices_without_the_kernel(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_the_reference_path_can_be_differentiated_again(monkeypatch):
+    # Without the kernel (CUDA), the marginals' derivative is autograd over the reference
+    # (reference.gradients_by_autograd), so a third derivative of log Z exists there.
+    from crfkit.backends import compiled
+
+    monkeypatch.setitem(compiled._KERNELS, ("marginals_backward", "CPU"), False)
+    em, tr, ln, s, e = random_crf(3, 5, 3)
+
+    def marginals(em, tr, s, e):
+        with crfkit.use_backend("compiled"):
+            return crfkit.marginals(em, tr, ln, s, e)
+
+    params = tuple(x.clone().requires_grad_() for x in (em, tr, s, e))
+    assert torch.autograd.gradgradcheck(marginals, params)
+
+
 def test_a_third_derivative_raises():
     em, tr, ln, s, e = random_crf(3, 5, 3)
     params = [x.clone().requires_grad_() for x in (em, tr, s, e)]

@@ -43,19 +43,14 @@ def _marginals_backward(ctx, grad_marginals):
     analytic kernel marginals_backward (csrc/cpu/marginals_backward.cpp: the tangent of the
     forward-backward in the direction of grad_marginals, one pass, in double). That op has no
     derivative of its own: differentiating its result again (a third derivative of log Z)
-    raises. On CUDA, which has no kernel for it, the derivative is taken through the reference
-    (autograd over its forward pass, twice), which can be differentiated again.
+    raises. On CUDA, which has no kernel for it, the derivative is taken by autograd over the
+    reference's marginals (reference.gradients_by_autograd), which can be differentiated again.
     """
     emissions, transitions, lengths, start, end = ctx.saved_tensors
     if _has_kernel("marginals_backward", emissions):
         g = ops.marginals_backward(grad_marginals, emissions, transitions, lengths, start, end)
         return g[0], g[1], None, g[2], g[3]
-    with torch.enable_grad():
-        inputs = [x.detach().requires_grad_() for x in (emissions, transitions, start, end)]
-        mu = reference.marginals(inputs[0], inputs[1], lengths, inputs[2], inputs[3])
-        grads = torch.autograd.grad(mu, inputs, grad_marginals, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
-    return grads[0], grads[1], None, grads[2], grads[3]  # the op's inputs: emissions, transitions, lengths, ...
+    return reference.gradients_by_autograd(reference.marginals, ctx.saved_tensors, grad_marginals)
 
 
 torch.library.register_autograd("crfkit::marginals", _marginals_backward, setup_context=_save_crf_inputs)

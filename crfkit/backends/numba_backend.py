@@ -142,22 +142,6 @@ def _forward_backward(mode, emissions, transitions, start, end, lengths, *, grad
     return log_z, grad_emissions, grad_trans, grad_start, grad_end
 
 
-def _through_reference(fn, saved, grad_output):
-    """Gradients of <fn(emissions, transitions, lengths, start, end), grad_output> by autograd
-    over crfkit.reference, in the order of the inputs (emissions, transitions, None for
-    lengths, start, end): for higher-order derivatives. Under create_graph the saved inputs
-    are used as they are, so that the result is differentiable again."""
-    emissions, transitions, lengths, start, end = saved
-    create_graph = torch.is_grad_enabled()
-    with torch.enable_grad():
-        inputs = [x if create_graph and x.requires_grad else x.detach().requires_grad_()
-                  for x in (emissions, transitions, start, end)]
-        out = fn(inputs[0], inputs[1], lengths, inputs[2], inputs[3])
-        grads = torch.autograd.grad(out, inputs, grad_output, allow_unused=True, create_graph=create_graph)
-    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
-    return grads[0], grads[1], None, grads[2], grads[3]
-
-
 class _LogPartition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, emissions, transitions, lengths, start, end):
@@ -179,7 +163,7 @@ class _LogPartition(torch.autograd.Function):
     def backward(ctx, grad_log_z):
         saved = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
-            return _through_reference(reference.log_partition, saved, grad_log_z)
+            return reference.gradients_by_autograd(reference.log_partition, saved, grad_log_z)
         emissions, transitions, lengths, start, end = saved
         rows, offsets, log_z = ctx.kept
         grad_log_z = grad_log_z.to(torch.float64).contiguous()
@@ -203,7 +187,7 @@ class _Marginals(torch.autograd.Function):
     def backward(ctx, grad_marginals):
         # A Hessian-vector product of log Z, taken through the reference (autograd twice), as
         # the compiled backend does on CUDA (on the CPU it has a kernel, marginals_backward).
-        return _through_reference(reference.marginals, ctx.saved_tensors, grad_marginals)
+        return reference.gradients_by_autograd(reference.marginals, ctx.saved_tensors, grad_marginals)
 
 
 # ---- decoding and sequence scores ------------------------------------------------------------
