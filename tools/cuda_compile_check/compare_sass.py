@@ -13,8 +13,9 @@ Each tree's FILE is compiled by one nvcc process with the flags of check.py (thi
 into an object holding the cubins of every --arch; `cuobjdump -sass` disassembles them (it needs
 nvdisasm on PATH or in NVDISASM_PATH; both come with a full toolkit, or from the
 nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels). Compared per arch and function: every
-instruction with its encoding (control bits included), addresses dropped. The one normalisation:
-the name nvcc gives an anonymous namespace (_GLOBAL__N__<hash>_..._<file>_<hash>) depends on the
+instruction with its encoding (control bits included), addresses dropped and runs of blanks
+made one (cuobjdump pads to the widest address of the file). The other normalisation: the name
+nvcc gives an anonymous namespace (_GLOBAL__N__<hash>_..._<file>_<hash>) depends on the
 source's path, so it is replaced by _GLOBAL__N_ in every name. Registers and stack size come from
 `cuobjdump -res-usage`; STL / LDL counts the local-memory (spill) stores and loads in the code.
 
@@ -99,7 +100,7 @@ def split_functions(text: str) -> Sass:
             function = line.split(":", 1)[1].strip()
             result.setdefault(arch or "?", {})[function] = []
         elif function is not None and line:
-            result[arch or "?"][function].append(ADDRESS.sub("", raw).rstrip())
+            result[arch or "?"][function].append(" ".join(ADDRESS.sub("", raw).split()))
     return result
 
 
