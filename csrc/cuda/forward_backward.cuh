@@ -66,6 +66,51 @@ __device__ scalar_t pairwise_column(int t, int T, scalar_t v_t, scalar_t shift, 
   return sum;
 }
 
+// The group's accumulators start at zero: the lane's columns t of the transitions, and its start
+// and end entries.
+template <typename scalar_t>
+__device__ __forceinline__ void zero_own_accumulators(scalar_t* acc, int T, int G, int lane) {
+  for (int t = lane; t < T; t += G) {
+    for (int s = 0; s < T; ++s) acc[s * T + t] = 0;
+    acc[T * T + t] = 0;
+    acc[T * T + T + t] = 0;
+  }
+}
+
+// The lane's columns t of a sentence's transition counts, from the group's accumulator in shared
+// memory, which they leave at zero for the next sentence.
+template <typename scalar_t>
+__device__ __forceinline__ void move_own_counts(scalar_t* out, scalar_t* acc, int T, int G, int lane) {
+  for (int t = lane; t < T; t += G) {
+    for (int s = 0; s < T; ++s) {
+      out[s * T + t] = acc[s * T + t];
+      acc[s * T + t] = 0;
+    }
+  }
+}
+
+// The lane's entries of the group's accumulators (columns t of the transitions, start[t],
+// end[t]) to its slice of the partial sums.
+template <typename scalar_t>
+__device__ __forceinline__ void store_own_accumulators(scalar_t* out, const scalar_t* acc, int T, int G, int lane) {
+  for (int t = lane; t < T; t += G) {
+    for (int s = 0; s < T; ++s) out[s * T + t] = acc[s * T + t];
+    out[T * T + t] = acc[T * T + t];
+    out[T * T + T + t] = acc[T * T + T + t];
+  }
+}
+
+// One group of G lanes per sentence; the grid is persistent (a group takes sentences first,
+// first + the grid's groups, ...). Per sentence: the forward pass (alpha rows), log Z
+// (finish_forward), and for the ops that need it the backward pass (marginals, pairwise
+// marginals); a group's gradients go out at the end.
+//
+// The time loops stay in this body on purpose: moving the forward or the backward pass, or one
+// of their per-tag steps (the factored column sum, the marginals, the pairwise terms, the beta
+// row), into __forceinline__ functions changed the sm_90 machine code of some instantiations
+// (ptxas allocated registers differently, with more spills in places), and an earlier split of
+// this kind ran slower on a GPU. Check such a change with tools/cuda_compile_check/compare_sass.py:
+// the SASS of every instantiation should stay identical.
 template <typename scalar_t, Output kOut, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(const FbParams<scalar_t> p) {
   constexpr bool kKeepRows = kOut != Output::kLogPartition;
@@ -96,11 +141,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
     } else {
       acc = reinterpret_cast<scalar_t*>(cursor + group * p.accumulator_bytes);
       cursor += groups_per_block * p.accumulator_bytes;
-      for (int t = lane; t < T; t += G) {
-        for (int s = 0; s < T; ++s) acc[s * T + t] = 0;
-        acc[T * T + t] = 0;
-        acc[T * T + T + t] = 0;
-      }
+      zero_own_accumulators(acc, T, G, lane);
     }
   }
   const scalar_t* tables = stage_table<kAllShared>(cursor, p.plan.tables_in_shared, p.tables, table_elements(T));
@@ -358,22 +399,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
       __syncwarp();  // everyone done reading vbuf, qbuf, pbuf, alpha_prev of this step
     }
     if (kCountsPerSentence && acc_in_shared && has_sentence) {  // own columns to the sentence's counts
-      scalar_t* out = p.counts + b * T * T;
-      for (int t = lane; t < T; t += G) {
-        for (int s = 0; s < T; ++s) {
-          out[s * T + t] = acc[s * T + t];
-          acc[s * T + t] = 0;
-        }
-      }
+      move_own_counts(p.counts + b * T * T, acc, T, G, lane);
     }
   }
   if (kOut == Output::kBackward && acc_in_shared) {  // own entries to the group's slice
-    scalar_t* out = p.partials + slot * accumulator_elements;
-    for (int t = lane; t < T; t += G) {
-      for (int s = 0; s < T; ++s) out[s * T + t] = acc[s * T + t];
-      out[T * T + t] = acc[T * T + t];
-      out[T * T + T + t] = acc[T * T + T + t];
-    }
+    store_own_accumulators(p.partials + slot * accumulator_elements, acc, T, G, lane);
   }
 }
 

@@ -1,8 +1,12 @@
 // CUDA kernels: log partition (forward algorithm), marginals and the analytic backward of
 // log Z (forward-backward), one fused kernel per op with the whole time loop inside.
 //
-// Two kernels: for T <= 32 (float; 16 in double) register_forward_backward_kernel, with every
-// per-position value in registers; otherwise forward_backward_kernel, described here.
+// Two kernels: for T <= 32 (float; 16 in double) register_forward_backward_kernel
+// (forward_backward_registers.cuh), with every per-position value in registers; otherwise
+// forward_backward_kernel (forward_backward.cuh), described here. What they share (the op's
+// outputs, the transition tables, the launch parameters, the end of the forward pass) is in
+// forward_backward_common.cuh; this file holds the launches, the ops and the backward from
+// saved marginals.
 // Layout: one group of G lanes per sentence (common.cuh); lane l owns tags l, l + G, ...
 // Per position and tag the forward step is the factored log-space step of the CPU kernels
 // (csrc/cpu/log_space.h):
