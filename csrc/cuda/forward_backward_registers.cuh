@@ -352,7 +352,6 @@ __device__ __forceinline__ void store_accumulators(scalar_t* out, const scalar_t
 template <typename scalar_t, Output kOut, int kLanes>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward_kernel(const FbParams<scalar_t> p) {
   constexpr bool kKeepRows = kOut != Output::kLogPartition;
-  constexpr bool kPairwise = kOut == Output::kBackward || kOut == Output::kWithMarginals;
   constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
   const int T = p.num_tags;
   const int lane = threadIdx.x % kLanes;
