@@ -130,30 +130,6 @@ __device__ __forceinline__ scalar_t register_forward_pass(const scalar_t* emit, 
   return a;
 }
 
-// The marginal of the lane's tag at position i: exp(alpha + beta - log Z), normalised over
-// tags (as the CPU kernels; the sum is 1 up to rounding) and weighted by g. The known shift
-// keeps every term <= 1; should the sum come out unusable (an extreme shift), the max-shifted
-// form is used instead. Every lane of the warp must call it.
-template <typename scalar_t, int kLanes>
-__device__ __forceinline__ scalar_t register_marginal(bool own, bool active, scalar_t alpha_i, scalar_t beta,
-                                                      double offset_i, double beta_offset, double log_z,
-                                                      scalar_t g) {
-  const scalar_t kNegInf = neg_inf<scalar_t>();
-  const scalar_t shift_i = static_cast<scalar_t>(offset_i + beta_offset - log_z);
-  scalar_t mu = own && active ? exp_(alpha_i + beta + shift_i) : scalar_t(0);
-  const scalar_t total = group_sum(mu, kLanes);
-  const bool unusable = active && !(total >= trusted_sum_min<scalar_t>() && total <= scalar_t(2 * kLanes));
-  mu *= g / total;
-  if (__any_sync(kFullMask, unusable)) {
-    const scalar_t u = own ? alpha_i + beta : kNegInf;
-    const scalar_t u_max = group_max(u, kLanes);
-    const scalar_t x = own && u_max != kNegInf ? exp_(u - u_max) : scalar_t(0);
-    const scalar_t x_total = group_sum(x, kLanes);
-    if (unusable) mu = u_max == kNegInf ? scalar_t(0) : x * (g / x_total);
-  }
-  return mu;
-}
-
 // beta_{i-1}[lane] = logsumexp_t(trans[lane, t] + v[t]), v = emit_i + beta_i, factored with the
 // shift max_t emit_i[t] (v - shift <= 0 since beta <= 0); exact (group_exact_lse) where the
 // factored sum is too small to trust. Not yet normalised. Every lane of the warp must call it.
