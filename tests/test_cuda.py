@@ -295,6 +295,66 @@ def test_log_partition_with_marginals_and_its_backward_match_cpu(dtype, B, L, T,
     assert torch.equal(counts, got[2])
 
 
+# The parallel-in-time path (csrc/cuda/forward_backward_chunked.cuh), forced on: chunk lengths
+# from 1 (every chunk a position) to more than some sentences, lengths that end inside a chunk,
+# chunks beyond a sentence, 8 / 16 / 32 lanes, forbidden transitions and a sentence with every
+# sequence forbidden, and scores large enough for the exact fallbacks.
+CHUNKED_SHAPES = [(5, 20, 9), (3, 33, 5), (4, 17, 16), (2, 24, 32), (6, 9, 1), (1, 64, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize("B,L,T", CHUNKED_SHAPES)
+@pytest.mark.parametrize("scores", ["random", "forbidden", "large"])
+def test_time_chunked_forward_backward_matches_cpu(dtype, chunk, B, L, T, scores, monkeypatch):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=300.0 if scores == "large" else 2.0)
+    if scores == "forbidden":
+        inputs = forbid(inputs, seed=B + L + T)
+    grad = torch.linspace(-1.0, 2.0, B, dtype=dtype)
+    grad[min(1, B - 1)] = 0
+    cpu = torch.ops.crfkit
+    em, tr, ln, s, e = inputs
+    want = [cpu.log_partition(em, tr, ln, s, e), cpu.marginals(em, tr, ln, s, e),
+            cpu.log_partition_backward(grad, em, tr, ln, s, e), cpu.log_partition_with_marginals(em, tr, ln, s, e),
+            cpu.expected_transition_counts(em, tr, ln, s, e)]
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", str(chunk))
+    ops = device_ops()
+    em, tr, ln, s, e = to(DEVICE, inputs)
+    got = [ops.log_partition(em, tr, ln, s, e), ops.marginals(em, tr, ln, s, e),
+           ops.log_partition_backward(grad.to(DEVICE), em, tr, ln, s, e),
+           ops.log_partition_with_marginals(em, tr, ln, s, e), ops.expected_transition_counts(em, tr, ln, s, e)]
+    for name, a, b in zip(("log_z", "marginals", "backward", "with_marginals", "counts"), got, want):
+        for i, (x, y) in enumerate(zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,))):
+            assert not torch.isnan(x).any(), (name, i)
+            torch.testing.assert_close(x.cpu(), y, **TOL[dtype], msg=f"{name}[{i}]")
+    assert torch.equal(got[3][2], got[4]) and torch.equal(got[3][1], got[1])
+
+
+def test_time_chunked_path_checks_the_emissions_and_ignores_what_lies_beyond(monkeypatch):
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", "2")
+    em, tr, ln, s, e = _good()
+    for op in ("log_partition", "marginals", "log_partition_backward", "log_partition_with_marginals"):
+        for _, mutate, pattern in BAD_VALUES[:2]:  # NaN at position 0 (chunk 0), +inf at position 3 (chunk 1)
+            with pytest.raises(ValueError, match=pattern):
+                RAW[op](*mutate(em, tr, ln, s, e))
+        clean, dirty = RAW[op](em, tr, ln, s, e), RAW[op](_put(em, (1, 3, 0), math.nan), tr, ln, s, e)
+        for a, b in zip(clean if isinstance(clean, tuple) else (clean,), dirty if isinstance(dirty, tuple) else (dirty,)):
+            assert torch.equal(a, b), op
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("CRFKIT_CUDA_TIME_PARALLEL", "sometimes", "must be auto, always or never"),
+    ("CRFKIT_CUDA_TIME_CHUNK", "0", "must be a positive integer"),
+    ("CRFKIT_CUDA_TIME_CHUNK", "ten", "must be a positive integer")])
+def test_time_parallel_settings_must_be_valid(name, value, message, monkeypatch):
+    monkeypatch.setenv(name, value)
+    em, tr, ln, s, e = _good()
+    with pytest.raises(ValueError, match=f"{name} {message}"):
+        device_ops().log_partition(em, tr, ln, s, e)
+
+
 def test_backward_from_marginals_checks_its_arguments():
     em, tr, ln, s, e = _good()
     ops = device_ops()

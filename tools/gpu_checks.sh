@@ -145,6 +145,29 @@ if has train_step; then
     tail -12 "$OUT/train_step.log"
 fi
 
+if has test_chunked; then
+    # The whole CUDA suite with every log Z / marginals call on the parallel-in-time path.
+    # shellcheck disable=SC2086
+    stage test_chunked 40 env CRFKIT_CUDA_TIME_PARALLEL=always $PY -m pytest -q -rfE --tb=short \
+        -p no:cacheprovider tests/test_cuda.py ${GPU_TEST_ARGS:-}
+    tail -25 "$OUT/test_chunked.log"
+    grep -E "passed|failed" "$OUT/test_chunked.log" | tail -1 >>"$SUMMARY"
+fi
+
+if has time_parallel; then
+    # Sequential against chunked (parallel in time) log Z / marginals, and torch-struct.
+    # shellcheck disable=SC2086
+    stage time_parallel "${TIME_PARALLEL_SHARE:-60}" $PY benchmarks/bench_gpu_time_parallel.py ${TIME_PARALLEL_ARGS:-} \
+        --out "$OUT/gpu_time_parallel"
+    tail -40 "$OUT/time_parallel.log"
+fi
+
+if has host_trace; then
+    # Where the host's time of a log Z forward + backward goes (torch.profiler, CPU side).
+    stage host_trace 30 $PY benchmarks/profile_gpu_host.py --trace --shapes 1x128x9
+    tail -60 "$OUT/host_trace.log"
+fi
+
 if has ab; then
     # This tree's kernels against AB_OLD's (both built), profile_gpu.py of this tree, alternating.
     stage ab 95 env PY="$PY" OLD="${AB_OLD:?the ab stage needs AB_OLD}" ROUNDS="${AB_ROUNDS:-2}" \
