@@ -10,7 +10,8 @@
 # that fails or runs out of time is reported and the next one still runs. Logs and results go to
 # $OUT (the device tool's folder; ./gpu_out elsewhere). Environment:
 #   CRFKIT_PREBUILT=path.so   use this build of crfkit._C instead of building (same torch only)
-#   GPU_TEST_ARGS             extra pytest arguments for the test stage (e.g. -k kbest)
+#   GPU_TEST_ARGS             extra pytest arguments for the test stages (e.g. -k kbest)
+#   SANITIZE_K                the sanitize stage's -k expression (default: not compile)
 #   BENCH_ARGS, BENCH_SHARE   arguments for benchmarks/bench_gpu.py (default --quick); its share of
 #                             the time left (percent, default 45)
 #   BUDGET_S                  seconds the whole run may take (default 560)
@@ -103,7 +104,8 @@ if has sanitize; then
     # memcheck over the CUDA tests (torch.compile excluded: it only adds host-side compilation).
     # The python under the sanitizer is slow to start; the tool's report goes to the log.
     stage sanitize 35 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
-        $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "not compile" ${GPU_TEST_ARGS:-}
+        $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "${SANITIZE_K:-not compile}" \
+        ${GPU_TEST_ARGS:-}
     tail -15 "$OUT/sanitize.log"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -2 >>"$SUMMARY"
 fi
