@@ -10,6 +10,12 @@ sequential kernels), =always for each chunk length of --chunks (0: the default, 
 and =auto (what users get), and torch-struct's LinearChainCRF where it is installed (its
 forward + backward: the partition's gradient; its marginals). Each crfkit mode is checked
 against the sequential kernels first. Prints a Markdown table; --out writes <out>.md / .json.
+
+--graphs adds a second table: the same calls captured in a CUDA graph and replayed (median ms of
+one replay), i.e. the device time without the host's per-call cost (launches, allocations,
+the autograd engine), as a user of CUDA graphs or torch.compile(mode="reduce-overhead") sees it.
+crfkit's ops capture (deferred error mode is automatic during a capture); a peer that does not
+capture is reported as failed.
 """
 from __future__ import annotations
 
@@ -90,6 +96,49 @@ def with_mode(mode, chunk, fn):
     return call
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (after warm-up on a side stream); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def graph_table(shapes, min_time):
+    lines = ["", "## Replayed CUDA graphs (device time)", "",
+             "| op | B | L | T | sequential | chunked (auto) | torch-struct | chunked vs torch-struct |",
+             "|---|---|---|---|---|---|---|---|"]
+    records = []
+    for shape in shapes:
+        B, L, T = (int(v) for v in shape.split("x"))
+        em, tr, ln = inputs(B, L, T)
+        ours, theirs = crfkit_calls(em, tr, ln), torch_struct_calls(em, tr, ln)
+        for op, fn in ours.items():
+            row = {"op": op, "B": B, "L": L, "T": T, "graph_ms": {}}
+            for mode in ("never", "auto"):
+                os.environ["CRFKIT_CUDA_TIME_PARALLEL"] = mode  # read while capturing
+                row["graph_ms"][mode] = median_ms(graphed(fn), min_time)
+            os.environ.pop("CRFKIT_CUDA_TIME_PARALLEL", None)
+            try:
+                row["graph_ms"]["torch-struct"] = median_ms(graphed(theirs[op]), min_time) if op in theirs else None
+            except Exception as error:  # noqa: BLE001 (a peer's failure is a result)
+                row["graph_ms"]["torch-struct"] = None
+                row["torch_struct_error"] = repr(error)[:200]
+            g = row["graph_ms"]
+            ratio = f"{g['torch-struct'] / g['auto']:.1f}x" if g["torch-struct"] else "-"
+            ts = f"{g['torch-struct']:.3f}" if g["torch-struct"] else "failed"
+            lines.append(f"| {op} | {B} | {L} | {T} | {g['never']:.3f} | {g['auto']:.3f} | {ts} | {ratio} |")
+            print(lines[-1], flush=True)
+            records.append(row)
+    return lines, records
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="1x512x9,32x512x9,1x128x9,32x128x9,256x128x9,1024x128x9,"
@@ -97,6 +146,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", default="0,16,32")
     parser.add_argument("--min-time", type=float, default=0.3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--graphs", default="", help="shapes for the CUDA-graph table (e.g. 1x512x9,32x512x9)")
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.chunks.split(",")]
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -109,7 +159,7 @@ def main(argv=None) -> int:
              "- median ms of one whole call (torch.cuda.Event, host included), float32, full-length sentences", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     records = []
-    for shape in args.shapes.split(","):
+    for shape in [s for s in args.shapes.split(",") if s]:
         B, L, T = (int(v) for v in shape.split("x"))
         em, tr, ln = inputs(B, L, T)
         ours, theirs = crfkit_calls(em, tr, ln), torch_struct_calls(em, tr, ln)
@@ -119,7 +169,8 @@ def main(argv=None) -> int:
             for mode, chunk in modes:
                 call = with_mode(mode, chunk, fn)
                 got = call()
-                for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                pairs = zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,))
+                for a, b in pairs:
                     torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * max(1.0, float(b.abs().max())) ** 0.5)
                 row["ms"][f"{mode}{'' if not chunk else f'_{chunk}'}"] = median_ms(call, args.min_time)
             if op in theirs:
@@ -140,13 +191,20 @@ def main(argv=None) -> int:
                          f" | {ms['never'] / chunked:.2f}x | {(ts / ms['auto']) if ts else float('nan'):.1f}x |")
             print(lines[-1], flush=True)
             records.append(row)
+    graph_records = []
+    if args.graphs:
+        try:
+            graph_lines, graph_records = graph_table(args.graphs.split(","), args.min_time)
+            lines += graph_lines
+        except Exception as error:  # noqa: BLE001 (keep the first table)
+            lines += ["", f"CUDA-graph table failed: {error!r}"[:400]]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         Path(args.out + ".md").write_text(text)
         Path(args.out + ".json").write_text(json.dumps({"command": command, "git": git,
                                                         "device": torch.cuda.get_device_name(),
-                                                        "records": records}, indent=1))
+                                                        "records": records, "graph_records": graph_records}, indent=1))
     return 0
 
 

@@ -137,6 +137,13 @@ def assert_matches_cpu(inputs, k, dtype):
     for name in want:
         if name in EXACT:
             assert torch.equal(got[name], want[name]), name
+        elif name == "kbest_log_probs":
+            # score - log Z in the inputs' dtype: an ulp of a large log Z (the parallel-in-time
+            # path rounds it differently from the CPU) is an ulp of every log-probability
+            finite = want["log_z"][torch.isfinite(want["log_z"])]
+            ulp = torch.finfo(dtype).eps * float(finite.abs().max()) if finite.numel() else 0.0
+            tol = dict(rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] + 2 * ulp)
+            torch.testing.assert_close(got[name], want[name], **tol, msg=name)
         else:
             torch.testing.assert_close(got[name], want[name], **TOL[dtype], msg=name)
     return got
@@ -335,13 +342,16 @@ def test_time_chunked_path_checks_the_emissions_and_ignores_what_lies_beyond(mon
     monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
     monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", "2")
     em, tr, ln, s, e = _good()
+
+    def as_tuple(x):
+        return x if isinstance(x, tuple) else (x,)
+
     for op in ("log_partition", "marginals", "log_partition_backward", "log_partition_with_marginals"):
         for _, mutate, pattern in BAD_VALUES[:2]:  # NaN at position 0 (chunk 0), +inf at position 3 (chunk 1)
             with pytest.raises(ValueError, match=pattern):
                 RAW[op](*mutate(em, tr, ln, s, e))
         clean, dirty = RAW[op](em, tr, ln, s, e), RAW[op](_put(em, (1, 3, 0), math.nan), tr, ln, s, e)
-        for a, b in zip(clean if isinstance(clean, tuple) else (clean,), dirty if isinstance(dirty, tuple) else (dirty,)):
-            assert torch.equal(a, b), op
+        assert all(torch.equal(a, b) for a, b in zip(as_tuple(clean), as_tuple(dirty))), op
 
 
 @pytest.mark.parametrize("name,value,message", [

@@ -74,7 +74,11 @@ if has build; then
         cp "$CRFKIT_PREBUILT" crfkit/ && note "build: using $CRFKIT_PREBUILT"
     else
         # The visible GPU's architecture only (setup.py leaves TORCH_CUDA_ARCH_LIST to torch when
-        # a GPU is visible); -j from the cores.
+        # a GPU is visible); -j from the cores; one CPU kernel copy for this machine
+        # (CRFKIT_ARCH=native: the portable build's three ISA copies took 197 s on the H200
+        # machine, against about 55 s); the system compiler where there is one (see below).
+        export CRFKIT_ARCH=${CRFKIT_ARCH:-native}
+        if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
         MAX_JOBS=$(nproc) stage build 60 $PY setup.py build_ext --inplace || tail -40 "$OUT/build.log"
         # An extension must use the process's shared libstdc++ (torch's). The GPU image's
         # default compiler (CC/CXX = /opt/gcc/bin/gcc, g++: wrapper scripts) linked libstdc++
