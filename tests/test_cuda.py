@@ -712,3 +712,43 @@ def test_a_training_step_captures_in_a_cuda_graph(checked_mode):
     for x, y in zip(inputs, want_inputs):
         torch.testing.assert_close(x.grad, y.grad)
     crfkit.check_errors()
+
+
+# ---- the parallel-in-time Viterbi (csrc/cuda/viterbi_chunked.cuh), forced on --------------------
+# Paths and scores must be the CPU kernel's bit for bit: the chunked recursion steps exactly as the
+# sequential kernel from boundary values that differ by rounding only (none of the random data's
+# near-ties falls within that rounding), and the score is summed along the path in the sequential
+# order. Chunk lengths from 1 to more than some sentences, 8 / 16 / 32 lanes, lengths 0 and L,
+# forbidden transitions with a sentence whose every sequence is forbidden, integer scores with ties
+# (double at T = 32 is beyond the register range: the sequential kernel, with the setting on).
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize("B,L,T", CHUNKED_SHAPES)
+@pytest.mark.parametrize("scores", ["random", "forbidden", "integer"])
+def test_time_chunked_viterbi_decodes_like_the_cpu(dtype, chunk, B, L, T, scores, monkeypatch):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=2.0, integer=scores == "integer")
+    if scores == "forbidden":
+        inputs = forbid(inputs, seed=B + L + T)
+    em, tr, ln, s, e = inputs
+    want_scores, want_paths = torch.ops.crfkit.viterbi(em, tr, ln, s, e)
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", str(chunk))
+    got_scores, got_paths = device_ops().viterbi(*to(DEVICE, inputs))
+    assert torch.equal(got_scores.cpu(), want_scores)
+    assert torch.equal(got_paths.cpu(), want_paths)
+    if scores == "forbidden" and B > 2 and int(ln[2]) > 0:  # the dead sentence
+        assert got_scores[2] == -math.inf and (got_paths[2] == -1).all()
+
+
+def test_time_chunked_viterbi_checks_the_emissions_and_ignores_what_lies_beyond(monkeypatch):
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", "2")
+    for _, mutate, pattern in BAD_VALUES[:2]:  # NaN at position 0 (chunk 0), +inf at position 3 (chunk 1)
+        with pytest.raises(ValueError, match=pattern):
+            RAW["viterbi"](*mutate(*_good()))
+    em, tr, ln, s, e = _good()
+    clean = RAW["viterbi"](em, tr, ln, s, e)
+    dirty = RAW["viterbi"](_put(em, (1, 3, 0), math.nan), tr, ln, s, e)  # sentence 1 has length 2
+    assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
+    want = torch.ops.crfkit.viterbi(*[x.cpu() for x in (em, tr, ln, s, e)])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(clean, want))
