@@ -99,7 +99,7 @@ void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at
 // read every emission themselves (sequence_score).
 void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengths, Status& status);
 
-// Parallel in time (forward_backward_chunked.cuh): the chunk length S for a call on (B, L, T)
+// Parallel in time (forward_backward_chunked.cuh, viterbi_chunked.cuh): the chunk length S for a call on (B, L, T)
 // with `lanes` lanes per group, or 0 for the sequential kernels. Set by the environment
 // (CRFKIT_CUDA_TIME_PARALLEL = auto / always / never, CRFKIT_CUDA_TIME_CHUNK = S; common.cu).
 int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes);
