@@ -90,14 +90,14 @@ void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengt
 // The parallel-in-time path's settings (see time_chunk_length in common.cuh):
 // CRFKIT_CUDA_TIME_PARALLEL =
 //   auto    (the default) chunks for sentences of at least kMinChunkedLength positions when the
-//           batch is too small to fill the GPU: B * C * T groups of phase 1 within
-//           kChunkedGroupsPerResident times what the device holds at once;
+//           batch is too small to fill the GPU: B * C * T groups of phase 1 at most what the device
+//           holds at once (on an H200 chunking lost at (256, 128, 9), 18432 groups against 16896:
+//           benchmarks/results/gpu_time_parallel_h200_graphs.md);
 //   always  chunks wherever the register kernel applies (the tests use it);
 //   never   the sequential kernels only.
 // CRFKIT_CUDA_TIME_CHUNK = S sets the chunk length (default ceil(sqrt(2 L))).
 namespace {
 constexpr int64_t kMinChunkedLength = 64;
-constexpr int64_t kChunkedGroupsPerResident = 2;
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* value = std::getenv(name);
@@ -128,7 +128,7 @@ int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&threads_per_multiprocessor, cudaDevAttrMaxThreadsPerMultiProcessor, device));
   const int64_t resident_groups = (int64_t)multiprocessors * threads_per_multiprocessor / lanes;
-  return B * ((L + S - 1) / S) * T <= kChunkedGroupsPerResident * resident_groups ? S : 0;
+  return B * ((L + S - 1) / S) * T <= resident_groups ? S : 0;
 }
 
 
