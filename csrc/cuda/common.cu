@@ -123,11 +123,8 @@ int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes) {
   if (never || B == 0 || L == 0) return 0;
   if (always) return S;
   if (L < kMinChunkedLength) return 0;
-  int device = 0, multiprocessors = 1, threads_per_multiprocessor = 2048;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&threads_per_multiprocessor, cudaDevAttrMaxThreadsPerMultiProcessor, device));
-  const int64_t resident_groups = (int64_t)multiprocessors * threads_per_multiprocessor / lanes;
+  const int64_t resident_groups = (int64_t)current_device_attribute(cudaDevAttrMultiProcessorCount) *
+                                  current_device_attribute(cudaDevAttrMaxThreadsPerMultiProcessor) / lanes;
   return B * ((L + S - 1) / S) * T <= resident_groups ? S : 0;
 }
 

@@ -285,14 +285,21 @@ __device__ __forceinline__ const scalar_t* stage_table(unsigned char*& cursor, b
   return copy;
 }
 
+// An attribute of the current device (cudaDevAttrMultiProcessorCount, ...).
+inline int current_device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  return value;
+}
+
 // Blocks of a persistent launch: enough for every sentence, at most what the device holds at
 // once (so that per-group workspaces stay bounded), at most max_blocks. At least 1.
 template <typename Kernel>
 int64_t persistent_blocks(Kernel kernel, const SharedPlan& plan, int64_t num_sentences,
                           int64_t max_blocks = std::numeric_limits<int64_t>::max()) {
-  int device = 0, multiprocessors = 1, per_multiprocessor = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const int multiprocessors = current_device_attribute(cudaDevAttrMultiProcessorCount);
+  int per_multiprocessor = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, plan.threads,
                                                                plan.shared_bytes));
   const int64_t resident = std::max<int64_t>(1, (int64_t)per_multiprocessor * multiprocessors);
