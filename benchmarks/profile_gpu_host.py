@@ -12,6 +12,11 @@ Per op and shape, in both modes (crfkit.deferred_errors off / on):
             mode's status read), and the figure is not host cost. --calls stays small (50):
             the driver queues about a thousand launches, beyond which every launch waits.
 Prints a Markdown table and writes it to <out>.md when --out is given.
+
+    python benchmarks/profile_gpu_host.py --trace [--shapes 1x128x9]
+
+instead prints torch.profiler's CPU-side breakdown of a log Z forward + backward in deferred
+mode (where the host's time goes: dispatcher, allocations, launches, the autograd engine).
 """
 from __future__ import annotations
 
@@ -66,8 +71,27 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="1x128x9,256x128x9")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--trace", action="store_true")
     args = parser.parse_args(argv)
     import crfkit
+
+    if args.trace:
+        for shape in args.shapes.split(","):
+            B, L, T = (int(v) for v in shape.split("x"))
+            fn = calls(B, L, T, "cuda")["log_partition_fwd_bwd"]
+            with crfkit.deferred_errors():
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(50):
+                        fn()
+                    torch.cuda.synchronize()
+            crfkit.check_errors()
+            print(f"## log_partition_fwd_bwd {shape}, deferred, 50 calls")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        return 0
 
     command = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     lines = [f"# Host cost of a crfkit call on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",

@@ -137,6 +137,13 @@ def assert_matches_cpu(inputs, k, dtype):
     for name in want:
         if name in EXACT:
             assert torch.equal(got[name], want[name]), name
+        elif name == "kbest_log_probs":
+            # score - log Z in the inputs' dtype: an ulp of a large log Z (the parallel-in-time
+            # path rounds it differently from the CPU) is an ulp of every log-probability
+            finite = want["log_z"][torch.isfinite(want["log_z"])]
+            ulp = torch.finfo(dtype).eps * float(finite.abs().max()) if finite.numel() else 0.0
+            tol = dict(rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] + 2 * ulp)
+            torch.testing.assert_close(got[name], want[name], **tol, msg=name)
         else:
             torch.testing.assert_close(got[name], want[name], **TOL[dtype], msg=name)
     return got
@@ -293,6 +300,69 @@ def test_log_partition_with_marginals_and_its_backward_match_cpu(dtype, B, L, T,
         torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
     counts = device_ops().expected_transition_counts(*to(DEVICE, (em, tr, ln, s, e)))
     assert torch.equal(counts, got[2])
+
+
+# The parallel-in-time path (csrc/cuda/forward_backward_chunked.cuh), forced on: chunk lengths
+# from 1 (every chunk a position) to more than some sentences, lengths that end inside a chunk,
+# chunks beyond a sentence, 8 / 16 / 32 lanes, forbidden transitions and a sentence with every
+# sequence forbidden, and scores large enough for the exact fallbacks.
+CHUNKED_SHAPES = [(5, 20, 9), (3, 33, 5), (4, 17, 16), (2, 24, 32), (6, 9, 1), (1, 64, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [3] if SMALL else [1, 3, 7])  # the emulator: about 40 s a case
+@pytest.mark.parametrize("B,L,T", CHUNKED_SHAPES)
+@pytest.mark.parametrize("scores", ["random", "forbidden", "large"])
+def test_time_chunked_forward_backward_matches_cpu(dtype, chunk, B, L, T, scores, monkeypatch):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=300.0 if scores == "large" else 2.0)
+    if scores == "forbidden":
+        inputs = forbid(inputs, seed=B + L + T)
+    grad = torch.linspace(-1.0, 2.0, B, dtype=dtype)
+    grad[min(1, B - 1)] = 0
+    cpu = torch.ops.crfkit
+    em, tr, ln, s, e = inputs
+    want = [cpu.log_partition(em, tr, ln, s, e), cpu.marginals(em, tr, ln, s, e),
+            cpu.log_partition_backward(grad, em, tr, ln, s, e), cpu.log_partition_with_marginals(em, tr, ln, s, e),
+            cpu.expected_transition_counts(em, tr, ln, s, e)]
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", str(chunk))
+    ops = device_ops()
+    em, tr, ln, s, e = to(DEVICE, inputs)
+    got = [ops.log_partition(em, tr, ln, s, e), ops.marginals(em, tr, ln, s, e),
+           ops.log_partition_backward(grad.to(DEVICE), em, tr, ln, s, e),
+           ops.log_partition_with_marginals(em, tr, ln, s, e), ops.expected_transition_counts(em, tr, ln, s, e)]
+    for name, a, b in zip(("log_z", "marginals", "backward", "with_marginals", "counts"), got, want):
+        for i, (x, y) in enumerate(zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,))):
+            assert not torch.isnan(x).any(), (name, i)
+            torch.testing.assert_close(x.cpu(), y, **TOL[dtype], msg=f"{name}[{i}]")
+    assert torch.equal(got[3][2], got[4]) and torch.equal(got[3][1], got[1])
+
+
+def test_time_chunked_path_checks_the_emissions_and_ignores_what_lies_beyond(monkeypatch):
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", "2")
+    em, tr, ln, s, e = _good()
+
+    def as_tuple(x):
+        return x if isinstance(x, tuple) else (x,)
+
+    for op in ("log_partition", "marginals", "log_partition_backward", "log_partition_with_marginals"):
+        for _, mutate, pattern in BAD_VALUES[:2]:  # NaN at position 0 (chunk 0), +inf at position 3 (chunk 1)
+            with pytest.raises(ValueError, match=pattern):
+                RAW[op](*mutate(em, tr, ln, s, e))
+        clean, dirty = RAW[op](em, tr, ln, s, e), RAW[op](_put(em, (1, 3, 0), math.nan), tr, ln, s, e)
+        assert all(torch.equal(a, b) for a, b in zip(as_tuple(clean), as_tuple(dirty))), op
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("CRFKIT_CUDA_TIME_PARALLEL", "sometimes", "must be auto, always or never"),
+    ("CRFKIT_CUDA_TIME_CHUNK", "0", "must be a positive integer"),
+    ("CRFKIT_CUDA_TIME_CHUNK", "ten", "must be a positive integer")])
+def test_time_parallel_settings_must_be_valid(name, value, message, monkeypatch):
+    monkeypatch.setenv(name, value)
+    em, tr, ln, s, e = _good()
+    with pytest.raises(ValueError, match=f"{name} {message}"):
+        device_ops().log_partition(em, tr, ln, s, e)
 
 
 def test_backward_from_marginals_checks_its_arguments():
@@ -642,3 +712,43 @@ def test_a_training_step_captures_in_a_cuda_graph(checked_mode):
     for x, y in zip(inputs, want_inputs):
         torch.testing.assert_close(x.grad, y.grad)
     crfkit.check_errors()
+
+
+# ---- the parallel-in-time Viterbi (csrc/cuda/viterbi_chunked.cuh), forced on --------------------
+# Paths and scores must be the CPU kernel's bit for bit: the chunked recursion steps exactly as the
+# sequential kernel from boundary values that differ by rounding only (none of the random data's
+# near-ties falls within that rounding), and the score is summed along the path in the sequential
+# order. Chunk lengths from 1 to more than some sentences, 8 / 16 / 32 lanes, lengths 0 and L,
+# forbidden transitions with a sentence whose every sequence is forbidden, integer scores with ties
+# (double at T = 32 is beyond the register range: the sequential kernel, with the setting on).
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize("B,L,T", CHUNKED_SHAPES)
+@pytest.mark.parametrize("scores", ["random", "forbidden", "integer"])
+def test_time_chunked_viterbi_decodes_like_the_cpu(dtype, chunk, B, L, T, scores, monkeypatch):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=2.0, integer=scores == "integer")
+    if scores == "forbidden":
+        inputs = forbid(inputs, seed=B + L + T)
+    em, tr, ln, s, e = inputs
+    want_scores, want_paths = torch.ops.crfkit.viterbi(em, tr, ln, s, e)
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", str(chunk))
+    got_scores, got_paths = device_ops().viterbi(*to(DEVICE, inputs))
+    assert torch.equal(got_scores.cpu(), want_scores)
+    assert torch.equal(got_paths.cpu(), want_paths)
+    if scores == "forbidden" and B > 2 and int(ln[2]) > 0:  # the dead sentence
+        assert got_scores[2] == -math.inf and (got_paths[2] == -1).all()
+
+
+def test_time_chunked_viterbi_checks_the_emissions_and_ignores_what_lies_beyond(monkeypatch):
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", "2")
+    for _, mutate, pattern in BAD_VALUES[:2]:  # NaN at position 0 (chunk 0), +inf at position 3 (chunk 1)
+        with pytest.raises(ValueError, match=pattern):
+            RAW["viterbi"](*mutate(*_good()))
+    em, tr, ln, s, e = _good()
+    clean = RAW["viterbi"](em, tr, ln, s, e)
+    dirty = RAW["viterbi"](_put(em, (1, 3, 0), math.nan), tr, ln, s, e)  # sentence 1 has length 2
+    assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
+    want = torch.ops.crfkit.viterbi(*[x.cpu() for x in (em, tr, ln, s, e)])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(clean, want))

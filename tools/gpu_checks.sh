@@ -10,7 +10,8 @@
 # that fails or runs out of time is reported and the next one still runs. Logs and results go to
 # $OUT (the device tool's folder; ./gpu_out elsewhere). Environment:
 #   CRFKIT_PREBUILT=path.so   use this build of crfkit._C instead of building (same torch only)
-#   GPU_TEST_ARGS             extra pytest arguments for the test stage (e.g. -k kbest)
+#   GPU_TEST_ARGS             extra pytest arguments for the test stages (e.g. -k kbest)
+#   SANITIZE_K                the sanitize stage's -k expression (default: not compile)
 #   BENCH_ARGS, BENCH_SHARE   arguments for benchmarks/bench_gpu.py (default --quick); its share of
 #                             the time left (percent, default 45)
 #   BUDGET_S                  seconds the whole run may take (default 560)
@@ -73,7 +74,11 @@ if has build; then
         cp "$CRFKIT_PREBUILT" crfkit/ && note "build: using $CRFKIT_PREBUILT"
     else
         # The visible GPU's architecture only (setup.py leaves TORCH_CUDA_ARCH_LIST to torch when
-        # a GPU is visible); -j from the cores.
+        # a GPU is visible); -j from the cores; one CPU kernel copy for this machine
+        # (CRFKIT_ARCH=native: the portable build's three ISA copies took 197 s on the H200
+        # machine, against about 55 s); the system compiler where there is one (see below).
+        export CRFKIT_ARCH=${CRFKIT_ARCH:-native}
+        if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
         MAX_JOBS=$(nproc) stage build 60 $PY setup.py build_ext --inplace || tail -40 "$OUT/build.log"
         # An extension must use the process's shared libstdc++ (torch's). The GPU image's
         # default compiler (CC/CXX = /opt/gcc/bin/gcc, g++: wrapper scripts) linked libstdc++
@@ -103,7 +108,8 @@ if has sanitize; then
     # memcheck over the CUDA tests (torch.compile excluded: it only adds host-side compilation).
     # The python under the sanitizer is slow to start; the tool's report goes to the log.
     stage sanitize 35 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
-        $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "not compile" ${GPU_TEST_ARGS:-}
+        $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "${SANITIZE_K:-not compile}" \
+        ${GPU_TEST_ARGS:-}
     tail -15 "$OUT/sanitize.log"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -2 >>"$SUMMARY"
 fi
@@ -143,6 +149,29 @@ if has train_step; then
     # A BERT-base + CRF training step with crfkit (checked and deferred) and the peers' CRFs.
     stage train_step 90 $PY benchmarks/bench_gpu_training_step.py --out "$OUT/gpu_training_step"
     tail -12 "$OUT/train_step.log"
+fi
+
+if has test_chunked; then
+    # The whole CUDA suite with every log Z / marginals call on the parallel-in-time path.
+    # shellcheck disable=SC2086
+    stage test_chunked 40 env CRFKIT_CUDA_TIME_PARALLEL=always $PY -m pytest -q -rfE --tb=short \
+        -p no:cacheprovider tests/test_cuda.py ${GPU_TEST_ARGS:-}
+    tail -25 "$OUT/test_chunked.log"
+    grep -E "passed|failed" "$OUT/test_chunked.log" | tail -1 >>"$SUMMARY"
+fi
+
+if has time_parallel; then
+    # Sequential against chunked (parallel in time) log Z / marginals, and torch-struct.
+    # shellcheck disable=SC2086
+    stage time_parallel "${TIME_PARALLEL_SHARE:-60}" $PY benchmarks/bench_gpu_time_parallel.py ${TIME_PARALLEL_ARGS:-} \
+        --out "$OUT/gpu_time_parallel"
+    tail -40 "$OUT/time_parallel.log"
+fi
+
+if has host_trace; then
+    # Where the host's time of a log Z forward + backward goes (torch.profiler, CPU side).
+    stage host_trace 30 $PY benchmarks/profile_gpu_host.py --trace --shapes 1x128x9
+    tail -60 "$OUT/host_trace.log"
 fi
 
 if has ab; then

@@ -3,6 +3,9 @@
 #include "common.cuh"
 
 #include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -83,6 +86,48 @@ void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengt
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
+
+// The parallel-in-time path's settings (see time_chunk_length in common.cuh):
+// CRFKIT_CUDA_TIME_PARALLEL =
+//   auto    (the default) chunks for sentences of at least kMinChunkedLength positions when the
+//           batch is too small to fill the GPU: B * C * T groups of phase 1 at most what the device
+//           holds at once (on an H200 chunking lost at (256, 128, 9), 18432 groups against 16896:
+//           benchmarks/results/gpu_time_parallel_h200_graphs.md);
+//   always  chunks wherever the register kernel applies (the tests use it);
+//   never   the sequential kernels only.
+// CRFKIT_CUDA_TIME_CHUNK = S sets the chunk length (default ceil(sqrt(2 L))).
+namespace {
+constexpr int64_t kMinChunkedLength = 64;
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
+  char* rest = nullptr;
+  const long long parsed = std::strtoll(value, &rest, 10);
+  TORCH_CHECK_VALUE(*rest == '\0' && parsed > 0, "crfkit: the environment variable ", name,
+                    " must be a positive integer, got '", value, "'");
+  return parsed;
+}
+
+}  // namespace
+
+int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes) {
+  const char* mode = std::getenv("CRFKIT_CUDA_TIME_PARALLEL");
+  const bool always = mode != nullptr && std::strcmp(mode, "always") == 0;
+  const bool never = mode != nullptr && std::strcmp(mode, "never") == 0;
+  TORCH_CHECK_VALUE(mode == nullptr || *mode == '\0' || always || never || std::strcmp(mode, "auto") == 0,
+                    "crfkit: the environment variable CRFKIT_CUDA_TIME_PARALLEL must be auto, always or never, "
+                    "got '", mode, "'");
+  const int64_t S = std::min<int64_t>(std::max<int64_t>(L, 1),
+                                      env_int("CRFKIT_CUDA_TIME_CHUNK", (int64_t)std::ceil(std::sqrt(2.0 * L))));
+  if (never || B == 0 || L == 0) return 0;
+  if (always) return S;
+  if (L < kMinChunkedLength) return 0;
+  const int64_t resident_groups = (int64_t)current_device_attribute(cudaDevAttrMultiProcessorCount) *
+                                  current_device_attribute(cudaDevAttrMaxThreadsPerMultiProcessor) / lanes;
+  return B * ((L + S - 1) / S) * T <= resident_groups ? S : 0;
+}
+
 
 // ---- checked and deferred modes -----------------------------------------------------------
 namespace {

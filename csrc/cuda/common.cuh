@@ -99,6 +99,11 @@ void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at
 // read every emission themselves (sequence_score).
 void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengths, Status& status);
 
+// Parallel in time (forward_backward_chunked.cuh, viterbi_chunked.cuh): the chunk length S for a call on (B, L, T)
+// with `lanes` lanes per group, or 0 for the sequential kernels. Set by the environment
+// (CRFKIT_CUDA_TIME_PARALLEL = auto / always / never, CRFKIT_CUDA_TIME_CHUNK = S; common.cu).
+int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes);
+
 // log Z (B,) for CRF arguments checked by checked_cuda_args and validated into `status` by
 // launch_validate_inputs; launched on the current stream, the caller raises
 // (log_partition.cu; used by kbest_viterbi_with_log_probs in kbest.cu).
@@ -280,14 +285,21 @@ __device__ __forceinline__ const scalar_t* stage_table(unsigned char*& cursor, b
   return copy;
 }
 
+// An attribute of the current device (cudaDevAttrMultiProcessorCount, ...).
+inline int current_device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  return value;
+}
+
 // Blocks of a persistent launch: enough for every sentence, at most what the device holds at
 // once (so that per-group workspaces stay bounded), at most max_blocks. At least 1.
 template <typename Kernel>
 int64_t persistent_blocks(Kernel kernel, const SharedPlan& plan, int64_t num_sentences,
                           int64_t max_blocks = std::numeric_limits<int64_t>::max()) {
-  int device = 0, multiprocessors = 1, per_multiprocessor = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const int multiprocessors = current_device_attribute(cudaDevAttrMultiProcessorCount);
+  int per_multiprocessor = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, plan.threads,
                                                                plan.shared_bytes));
   const int64_t resident = std::max<int64_t>(1, (int64_t)per_multiprocessor * multiprocessors);

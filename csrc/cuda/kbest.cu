@@ -387,10 +387,7 @@ bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced
   if (B == 0) return true;
   if (!forced) {
     if (K > 5) return false;
-    int device = 0, multiprocessors = 1;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-    if (B > 2 * (int64_t)multiprocessors) return false;
+    if (B > 2 * (int64_t)current_device_attribute(cudaDevAttrMultiProcessorCount)) return false;
   }
   const auto kernel = kbest_per_tag_kernel<scalar_t, bp_t>;
   SharedPlan one_sentence_per_block;

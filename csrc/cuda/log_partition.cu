@@ -40,6 +40,7 @@
 
 #include "common.cuh"
 #include "forward_backward.cuh"
+#include "forward_backward_chunked.cuh"
 #include "forward_backward_common.cuh"
 #include "forward_backward_registers.cuh"
 
@@ -53,6 +54,149 @@ struct FbOutputs {
   at::Tensor counts;  // (B, T, T) expected transition counts (kWithMarginals)
   at::Tensor grad_transitions, grad_start, grad_end;
 };
+
+// ---- elementwise kernels: the backward from saved marginals (and the chunked path's) -------------
+constexpr int kElementwiseThreads = 256;
+constexpr int64_t kMaxElementwiseBlocks = 4096;  // grid-stride loops cover the rest
+
+int64_t elementwise_blocks(int64_t count) {
+  return grid_stride_blocks(count, kElementwiseThreads, kMaxElementwiseBlocks);
+}
+
+// grad_emissions[b, i, t] = grad_log_z[b] * marginals[b, i, t] within sentence b's length,
+// exactly 0 beyond it (also for an infinite grad_log_z).
+template <typename scalar_t>
+__global__ void scale_marginals_kernel(const scalar_t* grad_log_z, const scalar_t* marginals, const int64_t* lengths,
+                                       scalar_t* grad_emissions, int64_t batch, int64_t max_len, int64_t T) {
+  const int64_t count = batch * max_len * T;
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = k / (max_len * T);
+    const int64_t i = k / T % max_len;
+    grad_emissions[k] = i < lengths[b] ? grad_log_z[b] * marginals[k] : scalar_t(0);
+  }
+}
+
+// The gradients shared by all sentences: transitions [0, T*T), start [T*T, T*T + T), end
+// [T*T + T, T*T + 2T), one WARP per entry: lane l sums the sentences b = l, l + 32, ... in order,
+// then a butterfly over the lanes adds the 32 partial sums, in the same order on every run
+// (deterministic for a given device; it differs from the CPU kernel's sequential order by
+// rounding only). One thread per entry summing all B sentences in order was slow, mostly
+// waiting on one load after another (benchmarks/results/NOTES.md has the timings).
+// Start / end read each sentence's first / last row of marginals; empty sentences (and lengths
+// out of range, reported by validate_inputs_kernel) add nothing.
+template <typename scalar_t>
+__global__ void sum_parameter_grads_kernel(const scalar_t* grad_log_z, const scalar_t* marginals,
+                                           const scalar_t* counts, const int64_t* lengths,
+                                           scalar_t* grad_transitions, scalar_t* grad_start, scalar_t* grad_end,
+                                           int64_t batch, int64_t max_len, int64_t T) {
+  const int64_t count = T * T + 2 * T;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps_per_block = blockDim.x / kWarpSize;
+  for (int64_t k = (int64_t)blockIdx.x * warps_per_block + threadIdx.x / kWarpSize; k < count;
+       k += (int64_t)gridDim.x * warps_per_block) {  // k is warp-uniform: the shuffles below are legal
+    const bool is_transition = k < T * T;
+    const bool is_start = !is_transition && k < T * T + T;
+    const int64_t t = is_transition ? 0 : (is_start ? k - T * T : k - T * T - T);
+    scalar_t sum = 0;
+    for (int64_t b = lane; b < batch; b += kWarpSize) {
+      if (is_transition) {
+        sum += grad_log_z[b] * counts[b * T * T + k];
+      } else {
+        const int64_t n = safe_length(lengths, b, max_len);
+        if (n > 0) sum += grad_log_z[b] * marginals[(b * max_len + (is_start ? 0 : n - 1)) * T + t];
+      }
+    }
+    sum = group_sum(sum, kWarpSize);
+    if (lane == 0) (is_transition ? grad_transitions + k : (is_start ? grad_start : grad_end) + t)[0] = sum;
+  }
+}
+
+template <typename scalar_t>
+void launch_sum_parameter_grads(const at::Tensor& grad_log_z, const at::Tensor& marginals, const at::Tensor& counts,
+                                const at::Tensor& lengths, at::Tensor& grad_transitions, at::Tensor& grad_start,
+                                at::Tensor& grad_end) {
+  const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
+  const int64_t blocks = elementwise_blocks((T * T + 2 * T) * kWarpSize);  // one warp per entry
+  const cudaStream_t stream = current_stream();
+  sum_parameter_grads_kernel<scalar_t><<<blocks, kElementwiseThreads, 0, stream>>>(
+      grad_log_z.data_ptr<scalar_t>(), marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(),
+      lengths.data_ptr<int64_t>(), grad_transitions.data_ptr<scalar_t>(), grad_start.data_ptr<scalar_t>(),
+      grad_end.data_ptr<scalar_t>(), B, L, T);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---- parallel in time (forward_backward_chunked.cuh; the choice: time_chunk_length, common.cu) --
+// The chunked forward-backward of one call (see forward_backward_chunked.cuh) for T within the
+// register kernel's range: out.log_z and out.rows are allocated by the caller, `tables` filled.
+template <typename scalar_t, Output kOut, int kLanes>
+void launch_chunked(const CrfArgs& a, const at::Tensor& grad_log_z, const at::Tensor& tables, int64_t S,
+                    FbOutputs& out, Status& status) {
+  constexpr bool kPairwise = kOut == Output::kBackward || kOut == Output::kWithMarginals;
+  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
+  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
+  const int64_t C = (L + S - 1) / S;
+  const auto options = a.emissions.options();
+  const cudaStream_t stream = current_stream();
+  at::Tensor matrices = at::empty({B * C * T * T}, options);
+  at::Tensor row_offsets = at::empty({B * C * T}, options.dtype(at::kDouble));
+  at::Tensor skip = at::zeros({B}, options.dtype(at::kInt));
+  const bool keep_rows = kOut != Output::kLogPartition;
+  at::Tensor alpha_in = keep_rows ? at::empty({B * C * T}, options) : at::Tensor();
+  at::Tensor beta_out = keep_rows ? at::empty({B * C * T}, options) : at::Tensor();
+  at::Tensor offsets = keep_rows ? at::empty({B * C * S}, options.dtype(at::kDouble)) : at::Tensor();
+
+  ChunkParams<scalar_t> params;
+  params.emissions = a.emissions.data_ptr<scalar_t>();
+  params.transitions = a.transitions.data_ptr<scalar_t>();
+  params.start = a.start.data_ptr<scalar_t>();
+  params.end = a.end.data_ptr<scalar_t>();
+  params.lengths = a.lengths.data_ptr<int64_t>();
+  params.tables = tables.data_ptr<scalar_t>();
+  params.matrices = matrices.data_ptr<scalar_t>();
+  params.row_offsets = row_offsets.data_ptr<double>();
+  params.alpha_in = keep_rows ? alpha_in.data_ptr<scalar_t>() : nullptr;
+  params.beta_out = keep_rows ? beta_out.data_ptr<scalar_t>() : nullptr;
+  params.skip = skip.data_ptr<int>();
+  params.log_z = out.log_z.defined() ? out.log_z.data_ptr<scalar_t>() : nullptr;
+  params.rows = keep_rows ? out.rows.data_ptr<scalar_t>() : nullptr;
+  params.offsets = keep_rows ? offsets.data_ptr<double>() : nullptr;
+  params.status = status.data();
+  params.batch = B;
+  params.max_len = L;
+  params.chunk = S;
+  params.chunks = C;
+  params.num_tags = (int)T;
+  auto blocks_for = [](int64_t groups) { return (unsigned)((groups + kGroupsPerBlock - 1) / kGroupsPerBlock); };
+
+  chunk_transfer_kernel<scalar_t, kLanes><<<blocks_for(B * C * T), kMaxThreadsPerBlock, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!keep_rows) {
+    chunk_scan_kernel<scalar_t, kLanes, false><<<blocks_for(B), kMaxThreadsPerBlock, 0, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  chunk_scan_kernel<scalar_t, kLanes, true><<<blocks_for(B), kMaxThreadsPerBlock, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  chunk_marginals_kernel<scalar_t, kLanes, kPairwise><<<blocks_for(B * C), kMaxThreadsPerBlock, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!kPairwise) return;
+
+  at::Tensor counts = kOut == Output::kWithMarginals ? out.counts : at::empty({B, T, T}, options);
+  sum_chunk_counts_kernel<scalar_t><<<elementwise_blocks(B * T * T), kElementwiseThreads, 0, stream>>>(
+      matrices.data_ptr<scalar_t>(), a.lengths.data_ptr<int64_t>(), counts.data_ptr<scalar_t>(), B, L, S, C, T);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (kOut == Output::kBackward) {  // as log_partition_backward_from_marginals, with the rows scaled in place
+    out.grad_transitions = at::empty({T, T}, options);
+    out.grad_start = at::empty({T}, options);
+    out.grad_end = at::empty({T}, options);
+    launch_sum_parameter_grads<scalar_t>(grad_log_z, out.rows, counts, a.lengths, out.grad_transitions,
+                                         out.grad_start, out.grad_end);
+    scale_marginals_kernel<scalar_t><<<elementwise_blocks(B * L * T), kElementwiseThreads, 0, stream>>>(
+        grad_log_z.data_ptr<scalar_t>(), out.rows.data_ptr<scalar_t>(), a.lengths.data_ptr<int64_t>(),
+        out.rows.data_ptr<scalar_t>(), B, L, T);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
 
 template <typename scalar_t, Output kOut>
 void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbOutputs& out, Status& status) {
@@ -80,6 +224,20 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   // The kernel and where its buffers live: the register kernel for small T (no shared memory,
   // blocks of 4 warps, one group of kLanes >= 8 lanes per sentence), else the generic one.
   const bool in_registers = T <= register_max_tags<scalar_t>();
+  if (in_registers) {  // long sentences at small batch: parallel in time
+    const int lanes = std::max(8, lanes_per_sentence(T));
+    if (const int64_t S = time_chunk_length(B, L, T, lanes)) {
+      if (kWithMarginals) out.counts = at::empty({B, T, T}, options);
+      if (lanes == 8) {
+        launch_chunked<scalar_t, kOut, 8>(a, grad_log_z, tables, S, out, status);
+      } else if (lanes == 16) {
+        launch_chunked<scalar_t, kOut, 16>(a, grad_log_z, tables, S, out, status);
+      } else {
+        launch_chunked<scalar_t, kOut, register_max_tags<scalar_t>()>(a, grad_log_z, tables, S, out, status);
+      }
+      return;
+    }
+  }
   const size_t arena_bytes = align_up((kOut == Output::kLogPartition ? 3 : 7) * T * sizeof(scalar_t));
   const int64_t accumulator_elements = kPairwise ? T * T + 2 * T : 0;
   const size_t accumulator_bytes = align_up(accumulator_elements * sizeof(scalar_t));
@@ -232,62 +390,6 @@ at::Tensor expected_transition_counts_cuda(const at::Tensor& emissions, const at
   return forward_backward_op<Output::kWithMarginals>(emissions, transitions, lengths, start, end).counts;
 }
 
-// ---- the backward from saved marginals ----------------------------------------------------------
-constexpr int kElementwiseThreads = 256;
-constexpr int64_t kMaxElementwiseBlocks = 4096;  // grid-stride loops cover the rest
-
-int64_t elementwise_blocks(int64_t count) {
-  return grid_stride_blocks(count, kElementwiseThreads, kMaxElementwiseBlocks);
-}
-
-// grad_emissions[b, i, t] = grad_log_z[b] * marginals[b, i, t] within sentence b's length,
-// exactly 0 beyond it (also for an infinite grad_log_z).
-template <typename scalar_t>
-__global__ void scale_marginals_kernel(const scalar_t* grad_log_z, const scalar_t* marginals, const int64_t* lengths,
-                                       scalar_t* grad_emissions, int64_t batch, int64_t max_len, int64_t T) {
-  const int64_t count = batch * max_len * T;
-  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t b = k / (max_len * T);
-    const int64_t i = k / T % max_len;
-    grad_emissions[k] = i < lengths[b] ? grad_log_z[b] * marginals[k] : scalar_t(0);
-  }
-}
-
-// The gradients shared by all sentences: transitions [0, T*T), start [T*T, T*T + T), end
-// [T*T + T, T*T + 2T), one WARP per entry: lane l sums the sentences b = l, l + 32, ... in order,
-// then a butterfly over the lanes adds the 32 partial sums, in the same order on every run
-// (deterministic for a given device; it differs from the CPU kernel's sequential order by
-// rounding only). One thread per entry summing all B sentences in order was slow, mostly
-// waiting on one load after another (benchmarks/results/NOTES.md has the timings).
-// Start / end read each sentence's first / last row of marginals; empty sentences (and lengths
-// out of range, reported by validate_inputs_kernel) add nothing.
-template <typename scalar_t>
-__global__ void sum_parameter_grads_kernel(const scalar_t* grad_log_z, const scalar_t* marginals,
-                                           const scalar_t* counts, const int64_t* lengths,
-                                           scalar_t* grad_transitions, scalar_t* grad_start, scalar_t* grad_end,
-                                           int64_t batch, int64_t max_len, int64_t T) {
-  const int64_t count = T * T + 2 * T;
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t warps_per_block = blockDim.x / kWarpSize;
-  for (int64_t k = (int64_t)blockIdx.x * warps_per_block + threadIdx.x / kWarpSize; k < count;
-       k += (int64_t)gridDim.x * warps_per_block) {  // k is warp-uniform: the shuffles below are legal
-    const bool is_transition = k < T * T;
-    const bool is_start = !is_transition && k < T * T + T;
-    const int64_t t = is_transition ? 0 : (is_start ? k - T * T : k - T * T - T);
-    scalar_t sum = 0;
-    for (int64_t b = lane; b < batch; b += kWarpSize) {
-      if (is_transition) {
-        sum += grad_log_z[b] * counts[b * T * T + k];
-      } else {
-        const int64_t n = safe_length(lengths, b, max_len);
-        if (n > 0) sum += grad_log_z[b] * marginals[(b * max_len + (is_start ? 0 : n - 1)) * T + t];
-      }
-    }
-    sum = group_sum(sum, kWarpSize);
-    if (lane == 0) (is_transition ? grad_transitions + k : (is_start ? grad_start : grad_end) + t)[0] = sum;
-  }
-}
-
 // The backward of log_partition_with_marginals: the gradients of sum_b grad_log_z[b] log Z[b]
 // with respect to emissions (B, L, T), transitions (T, T), start (T,) and end (T,), from that
 // op's marginals (B, L, T) and transition counts (B, T, T). Two small kernels and the lengths'
@@ -318,12 +420,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
           grad_emissions.data_ptr<scalar_t>(), B, L, T);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    const int64_t entries = T * T + 2 * T;  // one warp each
-    sum_parameter_grads_kernel<scalar_t><<<elementwise_blocks(entries * kWarpSize), kElementwiseThreads, 0, stream>>>(
-        grad_log_z.data_ptr<scalar_t>(), marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(),
-        lengths.data_ptr<int64_t>(), grad_transitions.data_ptr<scalar_t>(), grad_start.data_ptr<scalar_t>(),
-        grad_end.data_ptr<scalar_t>(), B, L, T);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_sum_parameter_grads<scalar_t>(grad_log_z, marginals, counts, lengths, grad_transitions, grad_start,
+                                         grad_end);
   });
   status.raise_if_bad(lengths, L);
   return {grad_emissions, grad_transitions, grad_start, grad_end};

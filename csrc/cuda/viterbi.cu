@@ -6,6 +6,7 @@
 
 #include "common.cuh"
 #include "viterbi_common.cuh"
+#include "viterbi_chunked.cuh"
 
 namespace crfkit {
 namespace cuda {
@@ -116,6 +117,66 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const Deco
 
 }  // namespace
 
+namespace {
+
+// ---- parallel in time (viterbi_chunked.cuh; the choice: time_chunk_length, common.cu) -----------
+// The chunked Viterbi of one call, T <= kLanes within the register kernels' range, chunks of S.
+template <typename scalar_t, int kLanes>
+void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at::Tensor& paths, Status& status) {
+  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
+  constexpr int kThreads = 128;  // the one-thread-per-item kernels of phase 4
+  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
+  const int64_t C = (L + S - 1) / S;
+  const auto options = a.emissions.options();
+  const cudaStream_t stream = current_stream();
+  at::Tensor matrices = at::empty({B * C * T * T}, options);
+  at::Tensor boundary = at::empty({B * C * T}, options);
+  at::Tensor last_delta = at::empty({B * T}, options);
+  at::Tensor backpointers = at::empty({B * L * T}, options.dtype(at::kByte));
+  at::Tensor maps = at::empty({B * C * T}, options.dtype(at::kByte));
+  at::Tensor end_tags = at::full({B * C}, -1, options.dtype(at::kInt));
+  at::Tensor bad = at::zeros({B}, options.dtype(at::kInt));
+
+  ViterbiChunkParams<scalar_t> params;
+  params.emissions = a.emissions.data_ptr<scalar_t>();
+  params.transitions = a.transitions.data_ptr<scalar_t>();
+  params.start = a.start.data_ptr<scalar_t>();
+  params.end = a.end.data_ptr<scalar_t>();
+  params.lengths = a.lengths.data_ptr<int64_t>();
+  params.matrices = matrices.data_ptr<scalar_t>();
+  params.boundary = boundary.data_ptr<scalar_t>();
+  params.last_delta = last_delta.data_ptr<scalar_t>();
+  params.backpointers = backpointers.data_ptr<uint8_t>();
+  params.maps = maps.data_ptr<uint8_t>();
+  params.end_tags = end_tags.data_ptr<int>();
+  params.bad = bad.data_ptr<int>();
+  params.scores = scores.data_ptr<scalar_t>();
+  params.paths = paths.data_ptr<int64_t>();
+  params.status = status.data();
+  params.batch = B;
+  params.max_len = L;
+  params.chunk = S;
+  params.chunks = C;
+  params.num_tags = (int)T;
+  auto groups = [](int64_t count) { return (unsigned)((count + kGroupsPerBlock - 1) / kGroupsPerBlock); };
+  auto threads = [](int64_t count) { return (unsigned)((count + kThreads - 1) / kThreads); };
+
+  viterbi_chunk_transfer_kernel<scalar_t, kLanes><<<groups(B * C * T), kMaxThreadsPerBlock, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  viterbi_chunk_scan_kernel<scalar_t, kLanes><<<groups(B), kMaxThreadsPerBlock, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  viterbi_chunk_decode_kernel<scalar_t, kLanes><<<groups(B * C), kMaxThreadsPerBlock, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  viterbi_chunk_chain_kernel<scalar_t><<<threads(B), kThreads, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  viterbi_chunk_path_kernel<scalar_t><<<threads(B * C), kThreads, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  viterbi_chunk_score_kernel<scalar_t><<<threads(B), kThreads, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
 // The decoders' launches, for arguments checked by checked_cuda_args and validated into `status`
 // by launch_validate_inputs; the ops below raise from `status` once everything is launched.
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
@@ -125,6 +186,20 @@ std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& stat
   at::Tensor paths = at::full({B, L}, -1, a.lengths.options());
   at::Tensor scores = at::empty({B}, a.emissions.options());
   AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_viterbi_cuda", [&] {
+    // Long sentences at small batch: parallel in time, for the register kernels' tag counts.
+    if (T <= register_max_tags<scalar_t>()) {
+      const int lanes = std::max(8, lanes_per_sentence(T));
+      if (const int64_t S = time_chunk_length(B, L, T, lanes)) {
+        if (lanes == 8) {
+          launch_viterbi_chunked<scalar_t, 8>(a, S, scores, paths, status);
+        } else if (lanes == 16) {
+          launch_viterbi_chunked<scalar_t, 16>(a, S, scores, paths, status);
+        } else {
+          launch_viterbi_chunked<scalar_t, register_max_tags<scalar_t>()>(a, S, scores, paths, status);
+        }
+        return;
+      }
+    }
     dispatch_backpointer_type(T, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
       launch_decoder<scalar_t, bp_t>(viterbi_kernel<scalar_t, bp_t, true>, viterbi_kernel<scalar_t, bp_t, false>, a,

@@ -7,7 +7,7 @@
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 enum cudaError_t { cudaSuccess = 0 };
-enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrMaxThreadsPerMultiProcessor = 39 };
 
 namespace emu {
 inline int env_int(const char* name, int fallback) {
@@ -19,9 +19,9 @@ inline int env_int(const char* name, int fallback) {
 inline cudaError_t cudaGetDevice(int* device) { *device = 0; return cudaSuccess; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
-// CRFKIT_EMU_SMS multiprocessors (default 2) ...
-inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
-  *value = emu::env_int("CRFKIT_EMU_SMS", 2);
+// CRFKIT_EMU_SMS multiprocessors (default 2) of 2048 threads ...
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int) {
+  *value = attribute == cudaDevAttrMaxThreadsPerMultiProcessor ? 2048 : emu::env_int("CRFKIT_EMU_SMS", 2);
   return cudaSuccess;
 }
 // ... each holding CRFKIT_EMU_BLOCKS_PER_SM blocks (default 1): a small persistent grid, so
