@@ -84,13 +84,13 @@ def _np(x: Tensor) -> np.ndarray:
     return x.detach().numpy()
 
 
-def _check(emissions: Tensor, transitions: Tensor, start: Tensor, end: Tensor, lengths: Tensor) -> None:
+def _check(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> None:
     """Device, lengths and the NaN / +inf checks of the parameters (emissions are checked by
     the kernels, per sentence, within its length)."""
     if emissions.device.type != "cpu":
         raise ValueError(f"crfkit: the numba backend runs on the CPU, but emissions is on {emissions.device}")
     L = emissions.shape[1]
-    code = kernels.check_arguments(_np(transitions), _np(start), _np(end), _np(lengths), L)
+    code = kernels.check_arguments(_np(transitions), _np(lengths), _np(start), _np(end), L)
     if code == 4:
         raise ValueError(f"crfkit: lengths must lie in [0, seq_len = {L}], got values in "
                          f"[{int(lengths.min())}, {int(lengths.max())}]")
@@ -112,7 +112,7 @@ def _raise_if_bad_tag(bad_tag: np.ndarray, tags: Tensor, T: int) -> None:
 
 
 # ---- log Z and marginals -----------------------------------------------------------------------
-def _forward_backward(mode, emissions, transitions, start, end, lengths, *, grad_log_z=None,
+def _forward_backward(mode, emissions, transitions, lengths, start, end, *, grad_log_z=None,
                       rows=None, offsets=None, log_z=None):
     """Run kernels.forward_backward; returns float64 (log_z (B,), grad_emissions (B, L, T),
     grad_trans (B, T, T), grad_start (B, T), grad_end (B, T)), the gradients per sentence and
@@ -135,7 +135,7 @@ def _forward_backward(mode, emissions, transitions, start, end, lengths, *, grad
     grad_end = torch.zeros((B, T), dtype=f64) if backward else torch.empty((0, 0), dtype=f64)
     bad = np.zeros(B, dtype=np.bool_)
     _call_over_batch(kernels.forward_backward,
-                     _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths), _np(grad_log_z), mode,
+                     _np(emissions), _np(transitions), _np(lengths), _np(start), _np(end), _np(grad_log_z), mode,
                      _np(rows), _np(offsets), _np(log_z), _np(grad_emissions), _np(grad_trans), _np(grad_start),
                      _np(grad_end), bad, batch=B, work=emissions.numel() * T)
     _raise_if_bad(bad)
@@ -145,18 +145,18 @@ def _forward_backward(mode, emissions, transitions, start, end, lengths, *, grad
 class _LogPartition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, emissions, transitions, lengths, start, end):
-        _check(emissions, transitions, start, end, lengths)
+        _check(emissions, transitions, lengths, start, end)
         keep = any(ctx.needs_input_grad[i] for i in (0, 1, 3, 4))  # not lengths
         if keep:  # keep the alpha rows: the backward then needs no second forward pass
             B, L, T = emissions.shape
             rows = torch.empty((B, L, T), dtype=torch.float64)
             offsets = torch.empty((B, L), dtype=torch.float64)
-            log_z = _forward_backward(kernels.MODE_LOG_Z_KEEP, emissions, transitions, start, end, lengths,
+            log_z = _forward_backward(kernels.MODE_LOG_Z_KEEP, emissions, transitions, lengths, start, end,
                                       rows=rows, offsets=offsets)[0]
             ctx.save_for_backward(emissions, transitions, lengths, start, end)
             ctx.kept = (rows, offsets, log_z)
         else:
-            log_z = _forward_backward(kernels.MODE_LOG_Z, emissions, transitions, start, end, lengths)[0]
+            log_z = _forward_backward(kernels.MODE_LOG_Z, emissions, transitions, lengths, start, end)[0]
         return log_z.to(emissions.dtype)
 
     @staticmethod
@@ -168,7 +168,7 @@ class _LogPartition(torch.autograd.Function):
         rows, offsets, log_z = ctx.kept
         grad_log_z = grad_log_z.to(torch.float64).contiguous()
         _, g_emissions, g_trans, g_start, g_end = _forward_backward(
-            kernels.MODE_BACKWARD, emissions, transitions, start, end, lengths, grad_log_z=grad_log_z,
+            kernels.MODE_BACKWARD, emissions, transitions, lengths, start, end, grad_log_z=grad_log_z,
             rows=rows, offsets=offsets, log_z=log_z)
         dtype = emissions.dtype
         return (g_emissions.to(dtype), g_trans.sum(0).to(dtype), None, g_start.sum(0).to(dtype),
@@ -178,8 +178,8 @@ class _LogPartition(torch.autograd.Function):
 class _Marginals(torch.autograd.Function):
     @staticmethod
     def forward(ctx, emissions, transitions, lengths, start, end):
-        _check(emissions, transitions, start, end, lengths)
-        mu = _forward_backward(kernels.MODE_MARGINALS, emissions, transitions, start, end, lengths)[1]
+        _check(emissions, transitions, lengths, start, end)
+        mu = _forward_backward(kernels.MODE_MARGINALS, emissions, transitions, lengths, start, end)[1]
         ctx.save_for_backward(emissions, transitions, lengths, start, end)
         return mu.to(emissions.dtype)
 
@@ -221,12 +221,12 @@ class _PathScores(torch.autograd.Function):
 class _Viterbi(_PathScores):
     @staticmethod
     def forward(ctx, emissions, transitions, lengths, start, end):
-        _check(emissions, transitions, start, end, lengths)
+        _check(emissions, transitions, lengths, start, end)
         B, L, T = emissions.shape
         paths = torch.full((B, L), -1, dtype=torch.long)
         scores = torch.empty(B, dtype=emissions.dtype)
         bad = np.zeros(B, dtype=np.bool_)
-        _call_over_batch(kernels.viterbi, _np(emissions), _np(transitions), _np(start), _np(end), _np(lengths),
+        _call_over_batch(kernels.viterbi, _np(emissions), _np(transitions), _np(lengths), _np(start), _np(end),
                          _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T)
         _raise_if_bad(bad)
         _PathScores._save(ctx, emissions, lengths, paths)
@@ -253,14 +253,14 @@ def _num_sequences_capped(T: int, L: int, cap: int) -> int:
 class _KBest(_PathScores):
     @staticmethod
     def forward(ctx, emissions, transitions, k, lengths, start, end):
-        _check(emissions, transitions, start, end, lengths)
+        _check(emissions, transitions, lengths, start, end)
         B, L, T = emissions.shape
         paths = torch.full((B, k, L), -1, dtype=torch.long)
         scores = torch.full((B, k), float("-inf"), dtype=emissions.dtype)
         bad = np.zeros(B, dtype=np.bool_)
         K = _num_sequences_capped(T, L, k)
-        _call_over_batch(kernels.kbest_viterbi, _np(emissions), _np(transitions), _np(start), _np(end),
-                         _np(lengths), K, _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T * K)
+        _call_over_batch(kernels.kbest_viterbi, _np(emissions), _np(transitions), _np(lengths),
+                         _np(start), _np(end), K, _np(paths), _np(scores), bad, batch=B, work=emissions.numel() * T * K)
         _raise_if_bad(bad)
         _PathScores._save(ctx, emissions, lengths, paths)
         return scores, paths
@@ -275,13 +275,13 @@ class _KBest(_PathScores):
 class _SequenceScore(_PathScores):
     @staticmethod
     def forward(ctx, emissions, transitions, tags, lengths, start, end):
-        _check(emissions, transitions, start, end, lengths)
+        _check(emissions, transitions, lengths, start, end)
         B, L, T = emissions.shape
         scores = torch.empty((B, tags.shape[1]), dtype=emissions.dtype)
         bad = np.zeros(B, dtype=np.bool_)
         bad_tag = np.zeros(B, dtype=np.int64)
-        _call_over_batch(kernels.sequence_score, _np(emissions), _np(transitions), _np(start), _np(end),
-                         _np(lengths), _np(tags), _np(scores), bad, bad_tag, batch=B,
+        _call_over_batch(kernels.sequence_score, _np(emissions), _np(transitions), _np(lengths),
+                         _np(start), _np(end), _np(tags), _np(scores), bad, bad_tag, batch=B,
                          work=emissions.numel() + tags.numel())
         _raise_if_bad_tag(bad_tag, tags, T)
         _raise_if_bad(bad)

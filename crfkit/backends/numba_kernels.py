@@ -64,7 +64,7 @@ def _has_nan_or_posinf(x):
 
 
 @numba.njit(**_JIT)
-def check_arguments(transitions, start, end, lengths, max_len):
+def check_arguments(transitions, lengths, start, end, max_len):
     """0 when fine; 1 / 2 / 3: transitions / start / end hold NaN or +inf; 4: a length is
     outside [0, max_len]."""
     if _has_nan_or_posinf(transitions.ravel()):
@@ -323,7 +323,7 @@ def _backward_scan(emissions, transitions, end, col_max, col_scaled, row_max, ro
 
 
 @numba.njit(**_JIT)
-def _forward_backward_sentence(emissions, transitions, start, end, lengths, grad_log_z, mode,
+def _forward_backward_sentence(emissions, transitions, lengths, start, end, grad_log_z, mode,
                                rows_all, offsets_all, log_z, grad_emissions, grad_trans,
                                grad_start, grad_end, bad, col_max, col_scaled, row_max, row_scaled_t, b):
     T = emissions.shape[2]
@@ -371,7 +371,7 @@ def _forward_backward_sentence(emissions, transitions, start, end, lengths, grad
 
 
 @numba.njit(**_JIT)
-def forward_backward(emissions, transitions, start, end, lengths, grad_log_z, mode, rows_all,
+def forward_backward(emissions, transitions, lengths, start, end, grad_log_z, mode, rows_all,
                      offsets_all, log_z, grad_emissions, grad_trans, grad_start, grad_end, bad,
                      first, step):
     """One driver for log Z, the rows kept for the backward, the backward and the marginals
@@ -382,7 +382,7 @@ def forward_backward(emissions, transitions, start, end, lengths, grad_log_z, mo
     grad_end (B, T) zeros are the per-sentence parameter gradients of MODE_BACKWARD."""
     col_max, col_scaled, row_max, row_scaled_t = _scaled_transitions(transitions)
     for b in range(first, emissions.shape[0], step):
-        _forward_backward_sentence(emissions, transitions, start, end, lengths, grad_log_z, mode,
+        _forward_backward_sentence(emissions, transitions, lengths, start, end, grad_log_z, mode,
                                    rows_all, offsets_all, log_z, grad_emissions, grad_trans,
                                    grad_start, grad_end, bad, col_max, col_scaled, row_max,
                                    row_scaled_t, b)
@@ -390,7 +390,7 @@ def forward_backward(emissions, transitions, start, end, lengths, grad_log_z, mo
 
 # ---- decoding (input dtype, exact) ------------------------------------------------------------
 @numba.njit(**_JIT)
-def viterbi(emissions, transitions, start, end, lengths, paths, scores, bad, first, step):
+def viterbi(emissions, transitions, lengths, start, end, paths, scores, bad, first, step):
     """paths (B, L) int64 filled with -1 and scores (B,) are written for every sentence."""
     B, L, T = emissions.shape
     for b in range(first, B, step):
@@ -472,7 +472,7 @@ def _kbest_step(lists, transitions, emissions, b, i, out, backpointers, heads_va
 
 
 @numba.njit(**_JIT)
-def kbest_viterbi(emissions, transitions, start, end, lengths, K, paths, scores, bad, first, step):
+def kbest_viterbi(emissions, transitions, lengths, start, end, K, paths, scores, bad, first, step):
     """The K best distinct sequences per sentence. paths (B, k, L) int64 filled with -1 and
     scores (B, k) filled with -inf (k >= K: rows beyond the number of sequences a sentence can
     have stay missing) are written for the rows that hold a sequence."""
@@ -545,7 +545,7 @@ def _first_bad_tag(tags, b, n, T):
 
 
 @numba.njit(**_JIT)
-def sequence_score(emissions, transitions, start, end, lengths, tags, scores, bad, bad_tag, first, step):
+def sequence_score(emissions, transitions, lengths, start, end, tags, scores, bad, bad_tag, first, step):
     """scores (B, N) of tags (B, N, L); 0 for a length-0 sentence."""
     B, L, T = emissions.shape
     N = tags.shape[1]
