@@ -499,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
     // bit. Otherwise one sentence at a time, tags in lanes.
     const LanePlan plan = plan_kbest_lanes<scalar_t>(len, B, L, T, K);
     if (plan.use_lanes) {
-      kbest_lanes<scalar_t>(plan, emit, trans, st, en, len, B, L, T, K, k, path, score, bad);
+      kbest_lanes<scalar_t>(plan, emit, trans, len, st, en, B, L, T, K, k, path, score, bad);
       return;
     }
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {

@@ -614,7 +614,7 @@ LanePlan plan_kbest_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_t 
 // in row 0 (the empty sequence).
 template <typename scalar_t>
 void kbest_lanes(const LanePlan& plan, const scalar_t* emissions, const scalar_t* trans,
-                 const scalar_t* start, const scalar_t* end, const int64_t* lengths, int64_t B,
+                 const int64_t* lengths, const scalar_t* start, const scalar_t* end, int64_t B,
                  int64_t L, int64_t T, int64_t K, int64_t k, int64_t* paths, scalar_t* scores,
                  std::vector<char>& bad_sentence) {
   for (int64_t b = 0; b < B; ++b) {

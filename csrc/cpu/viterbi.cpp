@@ -92,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
       // for bit. Otherwise (few sentences for the threads) one sentence at a time, tags in lanes.
       const LanePlan plan = plan_viterbi_lanes<scalar_t, bp_t>(len, B, L, T);
       if (plan.use_lanes) {
-        viterbi_lanes<scalar_t, bp_t>(plan, emit, trans, st, en, len, B, L, T, path, score, bad);
+        viterbi_lanes<scalar_t, bp_t>(plan, emit, trans, len, st, en, B, L, T, path, score, bad);
         return;
       }
       const PaddedTransitions<scalar_t> padded_trans(trans, T);

@@ -399,7 +399,7 @@ void for_each_lane_group(const LanePlan& plan, MakeWork&& make_work, DecodeGroup
 // (the caller raises); length-0 sentences score 0.
 template <typename scalar_t, typename bp_t>
 void viterbi_lanes(const LanePlan& plan, const scalar_t* emissions, const scalar_t* trans,
-                   const scalar_t* start, const scalar_t* end, const int64_t* lengths, int64_t B,
+                   const int64_t* lengths, const scalar_t* start, const scalar_t* end, int64_t B,
                    int64_t L, int64_t T, int64_t* path, scalar_t* score,
                    std::vector<char>& bad_sentence) {
   for (int64_t b = 0; b < B; ++b) {
