@@ -63,6 +63,28 @@ __device__ __forceinline__ int64_t chunk_length(int64_t n, int64_t c, int64_t S)
   return rest <= 0 ? 0 : (rest < S ? rest : S);
 }
 
+// What one group of the chunk-parallel phases works on: sentence b (has: b < batch), chunk c,
+// for phase 1 also row r (r fastest, then c); n = the sentence's length, len = the chunk's
+// positions (0 for the rows r > 0 of chunk 0, which has one row). `id`: the group's index.
+struct ChunkWork {
+  int64_t b, c, r, n, len;
+  bool has;
+};
+
+// The phase-1 group `id` (one per sentence, chunk and row) or, with rows = 1, the phase-3 group
+// (one per sentence and chunk).
+__device__ __forceinline__ ChunkWork chunk_work(int64_t id, int64_t rows, int64_t chunks, int64_t S, int64_t batch,
+                                                const int64_t* lengths, int64_t max_len) {
+  ChunkWork w;
+  w.r = id % rows;
+  w.c = id / rows % chunks;
+  w.b = id / rows / chunks;
+  w.has = w.b < batch;
+  w.n = w.has ? safe_length(lengths, w.b, max_len) : 0;
+  w.len = w.c == 0 && w.r > 0 ? 0 : chunk_length(w.n, w.c, S);
+  return w;
+}
+
 // logsumexp_s(terms[s]) over the first T of kLanes values, exactly; -inf when all are -inf.
 template <typename scalar_t, int kLanes>
 __device__ __forceinline__ scalar_t lse_of(const scalar_t (&terms)[kLanes], int T) {
@@ -83,11 +105,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_transfer_kernel(con
   const int T = p.num_tags;
   const int lane = threadIdx.x % kLanes;
   const bool own = lane < T;
-  const int64_t id = (int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes;
-  const int64_t r = id % T, c = id / T % p.chunks, b = id / T / p.chunks;
-  const bool has = b < p.batch;
-  const int64_t n = has ? safe_length(p.lengths, b, p.max_len) : 0;
-  const int64_t len = c == 0 && r > 0 ? 0 : chunk_length(n, c, p.chunk);  // chunk 0: one row
+  const ChunkWork w = chunk_work((int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes, T, p.chunks, p.chunk,
+                                 p.batch, p.lengths, p.max_len);
+  const int64_t r = w.r, c = w.c, b = w.b, len = w.len;
+  const bool has = w.has;
   const int64_t steps = warp_max(len);
   if (steps == 0) return;  // warp-uniform
 
@@ -232,10 +253,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_marginals_kernel(co
   const int lane = threadIdx.x % kLanes;
   const bool own = lane < T;
   const int64_t id = (int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes;
-  const int64_t c = id % p.chunks, b = id / p.chunks;
-  const bool has = b < p.batch;
-  const int64_t n = has ? safe_length(p.lengths, b, p.max_len) : 0;
-  const int64_t len = chunk_length(n, c, p.chunk);
+  const ChunkWork w = chunk_work(id, 1, p.chunks, p.chunk, p.batch, p.lengths, p.max_len);
+  const int64_t c = w.c, b = w.b, len = w.len;
+  const bool has = w.has;
   const int64_t steps = warp_max(len);
   if (steps == 0) return;  // warp-uniform
 

@@ -89,11 +89,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const int T = p.num_tags;
   const int lane = threadIdx.x % kLanes;
   const bool own = lane < T;
-  const int64_t id = (int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes;
-  const int64_t r = id % T, c = id / T % p.chunks, b = id / T / p.chunks;
-  const bool has = b < p.batch;
-  const int64_t n = has ? safe_length(p.lengths, b, p.max_len) : 0;
-  const int64_t len = c == 0 && r > 0 ? 0 : chunk_length(n, c, p.chunk);  // chunk 0: one row
+  const ChunkWork w = chunk_work((int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes, T, p.chunks, p.chunk,
+                                 p.batch, p.lengths, p.max_len);
+  const int64_t r = w.r, c = w.c, b = w.b, len = w.len;
+  const bool has = w.has;
   const int64_t steps = warp_max(len);
   if (steps == 0) return;  // warp-uniform
 
@@ -164,10 +163,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const int lane = threadIdx.x % kLanes;
   const bool own = lane < T;
   const int64_t id = (int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes;
-  const int64_t c = id % p.chunks, b = id / p.chunks;
-  const bool has = b < p.batch;
-  const int64_t n = has ? safe_length(p.lengths, b, p.max_len) : 0;
-  const int64_t len = chunk_length(n, c, p.chunk);
+  const ChunkWork w = chunk_work(id, 1, p.chunks, p.chunk, p.batch, p.lengths, p.max_len);
+  const int64_t c = w.c, b = w.b, n = w.n, len = w.len;
+  const bool has = w.has;
   const int64_t steps = warp_max(len);
   if (steps == 0) return;  // warp-uniform
 
