@@ -91,8 +91,8 @@ void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengt
 // CRFKIT_CUDA_TIME_PARALLEL =
 //   auto    (the default) chunks for sentences of at least kMinChunkedLength positions when the
 //           batch is too small to fill the GPU: B * C * T groups of phase 1 at most what the device
-//           holds at once (on an H200 chunking lost at (256, 128, 9), 18432 groups against 16896:
-//           benchmarks/results/gpu_time_parallel_h200_graphs.md);
+//           holds at once (beyond that the chunked path's extra work outweighs its shorter time
+//           loop; timings in benchmarks/results/gpu_nvidia_h200_notes.md);
 //   always  chunks wherever the register kernel applies (the tests use it);
 //   never   the sequential kernels only.
 // CRFKIT_CUDA_TIME_CHUNK = S sets the chunk length (default ceil(sqrt(2 L))).
