@@ -17,10 +17,18 @@ Prints a Markdown table and writes it to <out>.md when --out is given.
 
 instead prints torch.profiler's CPU-side breakdown of a log Z forward + backward in deferred
 mode (where the host's time goes: dispatcher, allocations, launches, the autograd engine).
+
+    python benchmarks/profile_gpu_host.py --breakdown [--shapes 1x128x9]
+
+instead times, in deferred mode with the GPU kept busy, the parts of a call one at a time: an
+allocation, one aten launch, each registered op called directly (torch.ops.crfkit.*, no Python
+front end), the front end, and the forward + backward with its backward op called on its own,
+so that the whole calls' host cost can be split without the profiler's own overhead.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +60,66 @@ def calls(B, L, T, device):
     }
 
 
+def parts(B, L, T, device):
+    """The pieces of a log Z forward + backward and of the other ops, for --breakdown."""
+    import crfkit
+
+    g = torch.Generator().manual_seed(0)
+    em = torch.randn(B, L, T, generator=g).to(device)
+    tr = torch.randn(T, T, generator=g).to(device)
+    st, en = torch.zeros(T, device=device), torch.zeros(T, device=device)
+    ln = torch.full((B,), L, dtype=torch.long, device=device)
+    leaf = em.clone().requires_grad_()
+    small = torch.zeros(8, device=device)
+    ops = torch.ops.crfkit
+    _, mu, counts = ops.log_partition_with_marginals(em, tr, ln, st, en)
+    grad = torch.ones(B, device=device)
+    log_z = crfkit.log_partition(leaf, tr, ln).sum()
+
+    return {
+        "torch.empty(8)": lambda: torch.empty(8, device=device),
+        "small.add_(1) (one aten launch)": lambda: small.add_(1),
+        "op log_partition": lambda: ops.log_partition(em, tr, ln, st, en),
+        "op log_partition_with_marginals": lambda: ops.log_partition_with_marginals(em, tr, ln, st, en),
+        "op log_partition_backward_from_marginals": lambda: ops.log_partition_backward_from_marginals(
+            grad, mu, counts, ln),
+        "op viterbi": lambda: ops.viterbi(em, tr, ln, st, en),
+        "op kbest_viterbi K=5": lambda: ops.kbest_viterbi(em, tr, 5, ln, st, en),
+        "crfkit.log_partition": lambda: crfkit.log_partition(em, tr, ln),
+        "crfkit.log_partition (leaf, forward only)": lambda: crfkit.log_partition(leaf, tr, ln),
+        "backward only (retain_graph)": lambda: torch.autograd.grad(log_z, leaf, retain_graph=True),
+        "forward + backward": lambda: torch.autograd.grad(crfkit.log_partition(leaf, tr, ln).sum(), leaf),
+    }
+
+
+def breakdown(shapes, n):
+    import crfkit
+
+    lines = [f"# The host's time per call, piece by piece, on {torch.cuda.get_device_name()} "
+             f"(torch {torch.__version__}, deferred mode, GPU busy)", "",
+             f"- command: `python {' '.join(sys.argv)}`", "",
+             "| shape | piece | host us | GPU still busy |", "|---|---|---|---|"]
+    for shape in shapes.split(","):
+        B, L, T = (int(v) for v in shape.split("x"))
+        pieces = list(parts(B, L, T, "cuda").items())
+        # the same forward + backward on the sequential kernels (the choice is read at each call)
+        pieces.append(("forward + backward, CRFKIT_CUDA_TIME_PARALLEL=never", pieces[-1][1]))
+        with crfkit.deferred_errors():
+            for name, fn in pieces:
+                if "=never" in name:
+                    os.environ["CRFKIT_CUDA_TIME_PARALLEL"] = "never"
+                for _ in range(5):
+                    fn()  # warm-up
+                runs = [host_us(fn, n) for _ in range(3)]
+                os.environ.pop("CRFKIT_CUDA_TIME_PARALLEL", None)
+                host = sorted(r[0] for r in runs)[1]
+                busy = all(r[1] for r in runs)
+                lines.append(f"| {shape} | {name} | {host:.1f} | {'yes' if busy else 'no'} |")
+                print(lines[-1], flush=True)
+        crfkit.check_errors()
+    return "\n".join(lines) + "\n"
+
+
 def host_us(fn, n):
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time at ~2 GHz: the host runs ahead
@@ -72,8 +140,16 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args(argv)
     import crfkit
+
+    if args.breakdown:
+        text = breakdown(args.shapes, args.calls)
+        if args.out:
+            Path(args.out + ".md").write_text(text)
+        print(text)
+        return 0
 
     if args.trace:
         for shape in args.shapes.split(","):

@@ -3,8 +3,9 @@
 # lent for minutes: few, full calls). Run from the repository root on a machine with a CUDA GPU:
 #
 #     bash tools/gpu_checks.sh [STAGES]      # STAGES: comma list of env,build,test,sanitize,
-#                                            # kbest_ab,bench,host,train_step,ab (default: all but ab,
-#                                            # in that order)
+#                                            # sanitize_chunked,kbest_ab,bench,host,host_breakdown,
+#                                            # train_step,test_chunked,time_parallel,host_trace,ab
+#                                            # (default: env..train_step of the first line's set)
 #
 # Each stage is time-boxed so the whole run ends inside one device call (10 minutes); a stage
 # that fails or runs out of time is reported and the next one still runs. Logs and results go to
@@ -112,6 +113,29 @@ if has sanitize; then
         ${GPU_TEST_ARGS:-}
     tail -15 "$OUT/sanitize.log"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -2 >>"$SUMMARY"
+fi
+
+if has sanitize_chunked; then
+    # The parallel-in-time kernels under the sanitizer: memcheck over the whole suite with every
+    # forward-backward / Viterbi call chunked, then initcheck (reads of never-written memory:
+    # the chunk buffers are at::empty) and synccheck (warp-shuffle masks) over the chunked tests.
+    stage sanitize_chunked 50 env CRFKIT_CUDA_TIME_PARALLEL=always compute-sanitizer --tool memcheck \
+        --error-exitcode 9 --print-limit 20 $PY -m pytest -q -x --tb=short -p no:cacheprovider \
+        tests/test_cuda.py -k "${SANITIZE_K:-not compile}"
+    tail -8 "$OUT/sanitize_chunked.log"
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_chunked.log" | tail -2 | sed 's/^/memcheck (chunked): /' >>"$SUMMARY"
+    for tool in initcheck synccheck; do
+        stage "sanitize_chunked_$tool" 30 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+            $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "time_chunked and dtype1"
+        tail -6 "$OUT/sanitize_chunked_$tool.log"
+        grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_chunked_$tool.log" | tail -2 | sed "s/^/$tool: /" >>"$SUMMARY"
+    done
+fi
+
+if has host_breakdown; then
+    # The host's time per call split into its pieces (benchmarks/profile_gpu_host.py --breakdown).
+    stage host_breakdown 30 $PY benchmarks/profile_gpu_host.py --breakdown --out "$OUT/gpu_host_breakdown"
+    tail -30 "$OUT/host_breakdown.log"
 fi
 
 if has kbest_ab; then
