@@ -75,6 +75,8 @@ def parts(B, L, T, device):
     _, mu, counts = ops.log_partition_with_marginals(em, tr, ln, st, en)
     grad = torch.ones(B, device=device)
     log_z = crfkit.log_partition(leaf, tr, ln).sum()
+    weights = torch.randn(T, generator=g).to(device)
+    torch_loss = (leaf * weights).sum()
 
     return {
         "torch.empty(8)": lambda: torch.empty(8, device=device),
@@ -89,6 +91,11 @@ def parts(B, L, T, device):
         "crfkit.log_partition (leaf, forward only)": lambda: crfkit.log_partition(leaf, tr, ln),
         "backward only (retain_graph)": lambda: torch.autograd.grad(log_z, leaf, retain_graph=True),
         "forward + backward": lambda: torch.autograd.grad(crfkit.log_partition(leaf, tr, ln).sum(), leaf),
+        # torch's own floor for the same pattern: an aten op's forward + backward through autograd
+        "torch only: backward of (leaf * w).sum() (retain_graph)": lambda: torch.autograd.grad(
+            torch_loss, leaf, retain_graph=True),
+        "torch only: forward + backward of (leaf * w).sum()": lambda: torch.autograd.grad(
+            (leaf * weights).sum(), leaf),
     }
 
 
@@ -103,7 +110,7 @@ def breakdown(shapes, n):
         B, L, T = (int(v) for v in shape.split("x"))
         pieces = list(parts(B, L, T, "cuda").items())
         # the same forward + backward on the sequential kernels (the choice is read at each call)
-        pieces.append(("forward + backward, CRFKIT_CUDA_TIME_PARALLEL=never", pieces[-1][1]))
+        pieces.append(("forward + backward, CRFKIT_CUDA_TIME_PARALLEL=never", dict(pieces)["forward + backward"]))
         with crfkit.deferred_errors():
             for name, fn in pieces:
                 if "=never" in name:
