@@ -1,10 +1,13 @@
 // What the two forward-backward kernels (forward_backward.cuh, forward_backward_registers.cuh)
 // share with each other and with their launch (log_partition.cu): the op's outputs, the
-// transition tables, the launch parameters and the end of the forward pass.
+// transition tables, the launch parameters, the end of the forward pass and the register
+// kernels' lane dispatch (also used by the chunked Viterbi in viterbi.cu).
 //
-// Included by log_partition.cu only (one translation unit): the anonymous namespace keeps the
-// kernels' internal linkage, as when they were written in the .cu file.
+// Included by log_partition.cu and, through viterbi_chunked.cuh, viterbi.cu: the anonymous
+// namespace gives each translation unit its own copy of the kernels it instantiates.
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -101,6 +104,25 @@ __device__ __forceinline__ scalar_t gradient_weight(const FbParams<scalar_t>& p,
 
 template <typename scalar_t>
 constexpr int register_max_tags() { return sizeof(scalar_t) == 4 ? 32 : 16; }
+
+// Lanes per sentence of the register kernels (sequential and chunked) for T <= register_max_tags
+// tags: the power of two >= T, at least 8 (the kernels are instantiated for 8, 16 and
+// register_max_tags lanes only).
+inline int register_lanes(int64_t T) { return std::max(8, lanes_per_sentence(T)); }
+
+// Calls f(std::integral_constant<int, kLanes>) with the register kernels' lane count for T tags:
+// the one place that maps a run-time lane count to the kernels' template argument.
+template <typename scalar_t, typename F>
+void dispatch_register_lanes(int64_t T, F&& f) {
+  const int lanes = register_lanes(T);
+  if (lanes == 8) {
+    f(std::integral_constant<int, 8>{});
+  } else if (lanes == 16) {
+    f(std::integral_constant<int, 16>{});
+  } else {
+    f(std::integral_constant<int, register_max_tags<scalar_t>()>{});
+  }
+}
 
 }  // namespace
 }  // namespace cuda

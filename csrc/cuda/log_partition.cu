@@ -225,16 +225,11 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   // blocks of 4 warps, one group of kLanes >= 8 lanes per sentence), else the generic one.
   const bool in_registers = T <= register_max_tags<scalar_t>();
   if (in_registers) {  // long sentences at small batch: parallel in time
-    const int lanes = std::max(8, lanes_per_sentence(T));
-    if (const int64_t S = time_chunk_length(B, L, T, lanes)) {
+    if (const int64_t S = time_chunk_length(B, L, T, register_lanes(T))) {
       if (kWithMarginals) out.counts = at::empty({B, T, T}, options);
-      if (lanes == 8) {
-        launch_chunked<scalar_t, kOut, 8>(a, grad_log_z, tables, S, out, status);
-      } else if (lanes == 16) {
-        launch_chunked<scalar_t, kOut, 16>(a, grad_log_z, tables, S, out, status);
-      } else {
-        launch_chunked<scalar_t, kOut, register_max_tags<scalar_t>()>(a, grad_log_z, tables, S, out, status);
-      }
+      dispatch_register_lanes<scalar_t>(T, [&](auto lanes) {
+        launch_chunked<scalar_t, kOut, decltype(lanes)::value>(a, grad_log_z, tables, S, out, status);
+      });
       return;
     }
   }
@@ -245,12 +240,12 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   SharedPlan plan;
   void (*kernel)(const FbParams<scalar_t>) = nullptr;
   if (in_registers) {
-    plan.lanes = std::max(8, lanes_per_sentence(T));
+    plan.lanes = register_lanes(T);
     plan.threads = kMaxThreadsPerBlock;
     plan.groups_per_block = plan.threads / plan.lanes;
-    kernel = plan.lanes == 8    ? register_forward_backward_kernel<scalar_t, kOut, 8>
-             : plan.lanes == 16 ? register_forward_backward_kernel<scalar_t, kOut, 16>
-                                : register_forward_backward_kernel<scalar_t, kOut, register_max_tags<scalar_t>()>;
+    dispatch_register_lanes<scalar_t>(T, [&](auto lanes) {
+      kernel = register_forward_backward_kernel<scalar_t, kOut, decltype(lanes)::value>;
+    });
   } else {
     plan = plan_shared(T, arena_bytes, accumulator_bytes, table_bytes);
     kernel = all_in_shared(plan, kPairwise) ? forward_backward_kernel<scalar_t, kOut, true>

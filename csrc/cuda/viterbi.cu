@@ -188,15 +188,10 @@ std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& stat
   AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_viterbi_cuda", [&] {
     // Long sentences at small batch: parallel in time, for the register kernels' tag counts.
     if (T <= register_max_tags<scalar_t>()) {
-      const int lanes = std::max(8, lanes_per_sentence(T));
-      if (const int64_t S = time_chunk_length(B, L, T, lanes)) {
-        if (lanes == 8) {
-          launch_viterbi_chunked<scalar_t, 8>(a, S, scores, paths, status);
-        } else if (lanes == 16) {
-          launch_viterbi_chunked<scalar_t, 16>(a, S, scores, paths, status);
-        } else {
-          launch_viterbi_chunked<scalar_t, register_max_tags<scalar_t>()>(a, S, scores, paths, status);
-        }
+      if (const int64_t S = time_chunk_length(B, L, T, register_lanes(T))) {
+        dispatch_register_lanes<scalar_t>(T, [&](auto lanes) {
+          launch_viterbi_chunked<scalar_t, decltype(lanes)::value>(a, S, scores, paths, status);
+        });
         return;
       }
     }
