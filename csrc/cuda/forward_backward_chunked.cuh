@@ -57,6 +57,36 @@ struct ChunkParams {
   int num_tags;
 };
 
+// ---- launch (host) -----------------------------------------------------------------------------
+// The parameters every chunked launch shares, forward-backward (ChunkParams) and Viterbi
+// (ViterbiChunkParams, viterbi_chunked.cuh): the CRF arguments, phase 1's matrices (B, C, T, T),
+// the status words and the sizes, for chunks of S positions, C = ceil(L / S) per sentence.
+template <typename scalar_t, typename Params>
+void set_chunk_arguments(Params& p, const CrfArgs& a, int64_t S, int64_t C, const at::Tensor& matrices,
+                         Status& status) {
+  p.emissions = a.emissions.data_ptr<scalar_t>();
+  p.transitions = a.transitions.data_ptr<scalar_t>();
+  p.start = a.start.data_ptr<scalar_t>();
+  p.end = a.end.data_ptr<scalar_t>();
+  p.lengths = a.lengths.data_ptr<int64_t>();
+  p.matrices = matrices.data_ptr<scalar_t>();
+  p.status = status.data();
+  p.batch = a.emissions.size(0);
+  p.max_len = a.emissions.size(1);
+  p.chunk = S;
+  p.chunks = C;
+  p.num_tags = (int)a.emissions.size(2);
+}
+
+// Blocks of kMaxThreadsPerBlock threads for `groups` groups of kLanes lanes (one group per
+// sentence, chunk or row, by phase).
+template <int kLanes>
+unsigned chunk_group_blocks(int64_t groups) {
+  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
+  return (unsigned)((groups + kGroupsPerBlock - 1) / kGroupsPerBlock);
+}
+
+// ---- device -------------------------------------------------------------------------------------
 // Positions of chunk c of a sentence of n positions: [c S, c S + chunk_length).
 __device__ __forceinline__ int64_t chunk_length(int64_t n, int64_t c, int64_t S) {
   const int64_t rest = n - c * S;
@@ -259,17 +289,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_marginals_kernel(co
   const int64_t steps = warp_max(len);
   if (steps == 0) return;  // warp-uniform
 
-  scalar_t e_col[kLanes], e_row[kLanes];
-  const scalar_t* col_max_table = p.tables + T * T;
-  const scalar_t* e_row_t = col_max_table + T;
-  const scalar_t* row_max_table = e_row_t + T * T;
-#pragma unroll
-  for (int s = 0; s < kLanes; ++s) {
-    e_col[s] = own && s < T ? p.tables[s * T + lane] : scalar_t(0);
-    e_row[s] = own && s < T ? e_row_t[s * T + lane] : scalar_t(0);
-  }
-  const scalar_t col_max = own ? col_max_table[lane] : kNegInf;
-  const scalar_t row_max = own ? row_max_table[lane] : kNegInf;
+  scalar_t e_col[kLanes], e_row[kLanes], col_max, row_max;
+  load_lane_tables<scalar_t, kLanes, true>(p.tables, T, lane, own, e_col, e_row, col_max, row_max);
   const scalar_t* own_transitions = p.transitions + (own ? lane : 0);  // column `lane`: [s * T]
   const scalar_t* own_row = p.transitions + (own ? lane : 0) * T;      // row `lane`: [t]
 

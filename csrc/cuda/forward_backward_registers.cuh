@@ -69,6 +69,25 @@ __device__ scalar_t group_exact_lse(scalar_t value, const scalar_t* terms, int64
   return top == neg_inf<scalar_t>() ? top : top + log_(total);
 }
 
+// A lane's share of the transition tables (layout: forward_backward_common.cuh): its column of E
+// (forward, pairwise terms) and, when kRows, its row of E (backward), zeros beyond T; the column
+// and row maxima, -inf off own.
+template <typename scalar_t, int kLanes, bool kRows>
+__device__ __forceinline__ void load_lane_tables(const scalar_t* tables, int T, int lane, bool own,
+                                                 scalar_t (&e_col)[kLanes], scalar_t (&e_row)[kLanes],
+                                                 scalar_t& col_max, scalar_t& row_max) {
+  const scalar_t* col_max_table = tables + T * T;
+  const scalar_t* e_row_t = col_max_table + T;
+  const scalar_t* row_max_table = e_row_t + T * T;
+#pragma unroll
+  for (int s = 0; s < kLanes; ++s) {
+    e_col[s] = own && s < T ? tables[s * T + lane] : scalar_t(0);
+    e_row[s] = kRows && own && s < T ? e_row_t[s * T + lane] : scalar_t(0);
+  }
+  col_max = own ? col_max_table[lane] : neg_inf<scalar_t>();
+  row_max = own ? row_max_table[lane] : neg_inf<scalar_t>();
+}
+
 // The forward pass of one sentence of n positions, the lane's tag: returns alpha_hat[lane] of
 // the last position (normalised to max 0 over the group; -inf off own), keeps every position's
 // in `rows` (the lane's column, stride T) when kKeepRows, and the running offset (double) in
@@ -339,17 +358,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
   const scalar_t* __restrict__ emissions = p.emissions;
 
   // The lane's column of E (forward, pairwise) and row of E (backward); zeros beyond T.
-  scalar_t e_col[kLanes], e_row[kLanes];
-  const scalar_t* col_max_table = p.tables + T * T;
-  const scalar_t* e_row_t = col_max_table + T;
-  const scalar_t* row_max_table = e_row_t + T * T;
-#pragma unroll
-  for (int s = 0; s < kLanes; ++s) {
-    e_col[s] = own && s < T ? p.tables[s * T + lane] : scalar_t(0);
-    e_row[s] = kKeepRows && own && s < T ? e_row_t[s * T + lane] : scalar_t(0);
-  }
-  const scalar_t col_max = own ? col_max_table[lane] : kNegInf;
-  const scalar_t row_max = own ? row_max_table[lane] : kNegInf;
+  scalar_t e_col[kLanes], e_row[kLanes], col_max, row_max;
+  load_lane_tables<scalar_t, kLanes, kKeepRows>(p.tables, T, lane, own, e_col, e_row, col_max, row_max);
   const scalar_t start = own ? p.start[lane] : kNegInf;
   const scalar_t end = own ? p.end[lane] : kNegInf;
   const scalar_t* own_transitions = p.transitions + (own ? lane : 0);  // column `lane`: [s * T]

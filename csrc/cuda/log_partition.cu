@@ -132,7 +132,6 @@ template <typename scalar_t, Output kOut, int kLanes>
 void launch_chunked(const CrfArgs& a, const at::Tensor& grad_log_z, const at::Tensor& tables, int64_t S,
                     FbOutputs& out, Status& status) {
   constexpr bool kPairwise = kOut == Output::kBackward || kOut == Output::kWithMarginals;
-  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const int64_t C = (L + S - 1) / S;
   const auto options = a.emissions.options();
@@ -146,13 +145,8 @@ void launch_chunked(const CrfArgs& a, const at::Tensor& grad_log_z, const at::Te
   at::Tensor offsets = keep_rows ? at::empty({B * C * S}, options.dtype(at::kDouble)) : at::Tensor();
 
   ChunkParams<scalar_t> params;
-  params.emissions = a.emissions.data_ptr<scalar_t>();
-  params.transitions = a.transitions.data_ptr<scalar_t>();
-  params.start = a.start.data_ptr<scalar_t>();
-  params.end = a.end.data_ptr<scalar_t>();
-  params.lengths = a.lengths.data_ptr<int64_t>();
+  set_chunk_arguments<scalar_t>(params, a, S, C, matrices, status);
   params.tables = tables.data_ptr<scalar_t>();
-  params.matrices = matrices.data_ptr<scalar_t>();
   params.row_offsets = row_offsets.data_ptr<double>();
   params.alpha_in = keep_rows ? alpha_in.data_ptr<scalar_t>() : nullptr;
   params.beta_out = keep_rows ? beta_out.data_ptr<scalar_t>() : nullptr;
@@ -160,13 +154,7 @@ void launch_chunked(const CrfArgs& a, const at::Tensor& grad_log_z, const at::Te
   params.log_z = out.log_z.defined() ? out.log_z.data_ptr<scalar_t>() : nullptr;
   params.rows = keep_rows ? out.rows.data_ptr<scalar_t>() : nullptr;
   params.offsets = keep_rows ? offsets.data_ptr<double>() : nullptr;
-  params.status = status.data();
-  params.batch = B;
-  params.max_len = L;
-  params.chunk = S;
-  params.chunks = C;
-  params.num_tags = (int)T;
-  auto blocks_for = [](int64_t groups) { return (unsigned)((groups + kGroupsPerBlock - 1) / kGroupsPerBlock); };
+  const auto blocks_for = chunk_group_blocks<kLanes>;
 
   chunk_transfer_kernel<scalar_t, kLanes><<<blocks_for(B * C * T), kMaxThreadsPerBlock, 0, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -123,7 +123,6 @@ namespace {
 // The chunked Viterbi of one call, T <= kLanes within the register kernels' range, chunks of S.
 template <typename scalar_t, int kLanes>
 void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at::Tensor& paths, Status& status) {
-  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
   constexpr int kThreads = 128;  // the one-thread-per-item kernels of phase 4
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const int64_t C = (L + S - 1) / S;
@@ -138,12 +137,7 @@ void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at:
   at::Tensor bad = at::zeros({B}, options.dtype(at::kInt));
 
   ViterbiChunkParams<scalar_t> params;
-  params.emissions = a.emissions.data_ptr<scalar_t>();
-  params.transitions = a.transitions.data_ptr<scalar_t>();
-  params.start = a.start.data_ptr<scalar_t>();
-  params.end = a.end.data_ptr<scalar_t>();
-  params.lengths = a.lengths.data_ptr<int64_t>();
-  params.matrices = matrices.data_ptr<scalar_t>();
+  set_chunk_arguments<scalar_t>(params, a, S, C, matrices, status);
   params.boundary = boundary.data_ptr<scalar_t>();
   params.last_delta = last_delta.data_ptr<scalar_t>();
   params.backpointers = backpointers.data_ptr<uint8_t>();
@@ -152,13 +146,7 @@ void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at:
   params.bad = bad.data_ptr<int>();
   params.scores = scores.data_ptr<scalar_t>();
   params.paths = paths.data_ptr<int64_t>();
-  params.status = status.data();
-  params.batch = B;
-  params.max_len = L;
-  params.chunk = S;
-  params.chunks = C;
-  params.num_tags = (int)T;
-  auto groups = [](int64_t count) { return (unsigned)((count + kGroupsPerBlock - 1) / kGroupsPerBlock); };
+  const auto groups = chunk_group_blocks<kLanes>;
   auto threads = [](int64_t count) { return (unsigned)((count + kThreads - 1) / kThreads); };
 
   viterbi_chunk_transfer_kernel<scalar_t, kLanes><<<groups(B * C * T), kMaxThreadsPerBlock, 0, stream>>>(params);
