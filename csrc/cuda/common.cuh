@@ -110,6 +110,17 @@ int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes);
 at::Tensor launch_log_partition(const CrfArgs& a, Status& status);
 
 // ---- arguments -----------------------------------------------------------------------------
+// Points a launch's parameter struct (FbParams, ChunkParams, DecodeParams, ...: any with these
+// fields) at the CRF arguments.
+template <typename scalar_t, typename Params>
+void set_crf_pointers(Params& p, const CrfArgs& a) {
+  p.emissions = a.emissions.data_ptr<scalar_t>();
+  p.transitions = a.transitions.data_ptr<scalar_t>();
+  p.start = a.start.data_ptr<scalar_t>();
+  p.end = a.end.data_ptr<scalar_t>();
+  p.lengths = a.lengths.data_ptr<int64_t>();
+}
+
 // The CRF arguments of a CUDA op, dense and shape-checked (values are checked on the device).
 inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& transitions,
                                  const at::Tensor& lengths, const at::Tensor& start,

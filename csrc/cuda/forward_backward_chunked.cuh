@@ -64,11 +64,7 @@ struct ChunkParams {
 template <typename scalar_t, typename Params>
 void set_chunk_arguments(Params& p, const CrfArgs& a, int64_t S, int64_t C, const at::Tensor& matrices,
                          Status& status) {
-  p.emissions = a.emissions.data_ptr<scalar_t>();
-  p.transitions = a.transitions.data_ptr<scalar_t>();
-  p.start = a.start.data_ptr<scalar_t>();
-  p.end = a.end.data_ptr<scalar_t>();
-  p.lengths = a.lengths.data_ptr<int64_t>();
+  set_crf_pointers<scalar_t>(p, a);
   p.matrices = matrices.data_ptr<scalar_t>();
   p.status = status.data();
   p.batch = a.emissions.size(0);

@@ -260,11 +260,7 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   if (kWithMarginals) out.counts = written_whole ? at::empty({B, T, T}, options) : at::zeros({B, T, T}, options);
 
   FbParams<scalar_t> params;
-  params.emissions = a.emissions.data_ptr<scalar_t>();
-  params.transitions = a.transitions.data_ptr<scalar_t>();
-  params.start = a.start.data_ptr<scalar_t>();
-  params.end = a.end.data_ptr<scalar_t>();
-  params.lengths = a.lengths.data_ptr<int64_t>();
+  set_crf_pointers<scalar_t>(params, a);
   params.grad_log_z = kOut == Output::kBackward ? grad_log_z.data_ptr<scalar_t>() : nullptr;
   params.tables = tables.data_ptr<scalar_t>();
   params.log_z = out.log_z.defined() ? out.log_z.data_ptr<scalar_t>() : nullptr;

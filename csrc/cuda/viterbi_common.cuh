@@ -90,11 +90,7 @@ template <typename scalar_t, typename bp_t>
 DecodeParams<scalar_t, bp_t> decode_params(const CrfArgs& a, int64_t rows, int64_t K, at::Tensor& scores,
                                            at::Tensor& paths, const at::Tensor& backpointers, Status& status) {
   DecodeParams<scalar_t, bp_t> params{};
-  params.emissions = a.emissions.data_ptr<scalar_t>();
-  params.transitions = a.transitions.data_ptr<scalar_t>();
-  params.start = a.start.data_ptr<scalar_t>();
-  params.end = a.end.data_ptr<scalar_t>();
-  params.lengths = a.lengths.data_ptr<int64_t>();
+  set_crf_pointers<scalar_t>(params, a);
   params.scores = scores.data_ptr<scalar_t>();
   params.paths = paths.data_ptr<int64_t>();
   params.backpointers = backpointers.defined() ? reinterpret_cast<bp_t*>(backpointers.data_ptr<uint8_t>()) : nullptr;
