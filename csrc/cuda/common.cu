@@ -92,12 +92,13 @@ void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengt
 //   auto    (the default) chunks for sentences of at least kMinChunkedLength positions when the
 //           batch is too small to fill the GPU: B * C * T groups of phase 1 at most what the device
 //           holds at once (beyond that the chunked path's extra work outweighs its shorter time
-//           loop; timings in benchmarks/results/gpu_nvidia_h200_notes.md);
+//           loop; below 128 positions its extra launches cost more than the shorter loop saves;
+//           timings in benchmarks/results/gpu_time_parallel_h200.md and _small_h200.md);
 //   always  chunks wherever the register kernel applies (the tests use it);
 //   never   the sequential kernels only.
 // CRFKIT_CUDA_TIME_CHUNK = S sets the chunk length (default ceil(sqrt(2 L))).
 namespace {
-constexpr int64_t kMinChunkedLength = 64;
+constexpr int64_t kMinChunkedLength = 128;
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* value = std::getenv(name);
