@@ -110,15 +110,19 @@ int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes);
 at::Tensor launch_log_partition(const CrfArgs& a, Status& status);
 
 // ---- arguments -----------------------------------------------------------------------------
-// Points a launch's parameter struct (FbParams, ChunkParams, DecodeParams, ...: any with these
-// fields) at the CRF arguments.
+// Fills what every launch's parameter struct (FbParams, ChunkParams, ViterbiChunkParams,
+// DecodeParams) has: the CRF arguments' pointers, the status words and the sizes.
 template <typename scalar_t, typename Params>
-void set_crf_pointers(Params& p, const CrfArgs& a) {
+void set_crf_arguments(Params& p, const CrfArgs& a, Status& status) {
   p.emissions = a.emissions.data_ptr<scalar_t>();
   p.transitions = a.transitions.data_ptr<scalar_t>();
   p.start = a.start.data_ptr<scalar_t>();
   p.end = a.end.data_ptr<scalar_t>();
   p.lengths = a.lengths.data_ptr<int64_t>();
+  p.status = status.data();
+  p.batch = a.emissions.size(0);
+  p.max_len = a.emissions.size(1);
+  p.num_tags = (int)a.emissions.size(2);
 }
 
 // The CRF arguments of a CUDA op, dense and shape-checked (values are checked on the device).

@@ -64,14 +64,10 @@ struct ChunkParams {
 template <typename scalar_t, typename Params>
 void set_chunk_arguments(Params& p, const CrfArgs& a, int64_t S, int64_t C, const at::Tensor& matrices,
                          Status& status) {
-  set_crf_pointers<scalar_t>(p, a);
+  set_crf_arguments<scalar_t>(p, a, status);
   p.matrices = matrices.data_ptr<scalar_t>();
-  p.status = status.data();
-  p.batch = a.emissions.size(0);
-  p.max_len = a.emissions.size(1);
   p.chunk = S;
   p.chunks = C;
-  p.num_tags = (int)a.emissions.size(2);
 }
 
 // Blocks of kMaxThreadsPerBlock threads for `groups` groups of kLanes lanes (one group per

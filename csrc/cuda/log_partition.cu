@@ -260,7 +260,7 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   if (kWithMarginals) out.counts = written_whole ? at::empty({B, T, T}, options) : at::zeros({B, T, T}, options);
 
   FbParams<scalar_t> params;
-  set_crf_pointers<scalar_t>(params, a);
+  set_crf_arguments<scalar_t>(params, a, status);
   params.grad_log_z = kOut == Output::kBackward ? grad_log_z.data_ptr<scalar_t>() : nullptr;
   params.tables = tables.data_ptr<scalar_t>();
   params.log_z = out.log_z.defined() ? out.log_z.data_ptr<scalar_t>() : nullptr;
@@ -269,10 +269,6 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   params.partials = partials.defined() ? partials.data_ptr<scalar_t>() : nullptr;
   params.counts = kWithMarginals ? out.counts.data_ptr<scalar_t>() : nullptr;
   params.arena_workspace = arena_workspace.defined() ? arena_workspace.data_ptr<uint8_t>() : nullptr;
-  params.status = status.data();
-  params.batch = B;
-  params.max_len = L;
-  params.num_tags = (int)T;
   params.plan = plan;
   params.arena_bytes = arena_bytes;
   params.accumulator_bytes = accumulator_bytes;

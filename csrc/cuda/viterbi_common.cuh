@@ -90,16 +90,12 @@ template <typename scalar_t, typename bp_t>
 DecodeParams<scalar_t, bp_t> decode_params(const CrfArgs& a, int64_t rows, int64_t K, at::Tensor& scores,
                                            at::Tensor& paths, const at::Tensor& backpointers, Status& status) {
   DecodeParams<scalar_t, bp_t> params{};
-  set_crf_pointers<scalar_t>(params, a);
+  set_crf_arguments<scalar_t>(params, a, status);
   params.scores = scores.data_ptr<scalar_t>();
   params.paths = paths.data_ptr<int64_t>();
   params.backpointers = backpointers.defined() ? reinterpret_cast<bp_t*>(backpointers.data_ptr<uint8_t>()) : nullptr;
-  params.status = status.data();
-  params.batch = a.emissions.size(0);
-  params.max_len = a.emissions.size(1);
   params.rows = rows;
   params.list_len = K;
-  params.num_tags = (int)a.emissions.size(2);
   return params;
 }
 
