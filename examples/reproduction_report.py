@@ -45,8 +45,11 @@ MAIN_POOL = "news"  # the DA pool of Table 1 (pipeline --full: --da-news, no Tan
 
 
 def load_records(workdir: Path) -> list[dict]:
-    """The latest record per (variant, K, seed): those already in docs/reproduction.json (so that
-    records of earlier sessions are kept when their workdir is gone), then workdir/results.jsonl."""
+    """The latest record per (variant, K, seed, DA pool, teacher): those already in
+    docs/reproduction.json (so that records of earlier sessions are kept when their workdir is
+    gone), then workdir/results.jsonl. A record's teacher is the digest of the teacher's weights
+    (a teacher's own record names its own); records written before the pipeline recorded it
+    (teacher_sha256 None) count as the main teacher's (see main_teacher)."""
     latest = {}
     path = workdir / "results.jsonl"
     if not path.exists():
@@ -57,8 +60,32 @@ def load_records(workdir: Path) -> list[dict]:
     for record in records:
         kept = {k: record.get(k) for k in RECORD_FIELDS}
         kept["pool"] = pool_name(record)
-        latest[(record["variant"], record.get("K"), record["seed"], kept["pool"])] = kept
-    return sorted(latest.values(), key=lambda r: (r["variant"], r.get("K") or 0, r["seed"], r["pool"] or ""))
+        latest[(record["variant"], record.get("K"), record["seed"], kept["pool"], kept["teacher_sha256"])] = kept
+    main = main_teacher(latest.values())
+    unnamed = [key for key in latest if main is not None and key[-1] is None and key[:-1] + (main,) in latest]
+    for key in unnamed:  # superseded by a later record of the same run that names the main teacher
+        del latest[key]
+    return sorted(latest.values(), key=lambda r: (r["variant"], r.get("K") or 0, r["seed"], r["pool"] or "",
+                                                  r["teacher_sha256"] or ""))
+
+
+def main_teacher(records) -> str | None:
+    """The teacher whose students fill the tables: the digest that most student records name."""
+    counts = {}
+    for r in records:
+        if r["variant"] != "teacher" and r.get("teacher_sha256"):
+            counts[r["teacher_sha256"]] = counts.get(r["teacher_sha256"], 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
+def by_teacher(records: list[dict]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The main teacher's records (with those that name none) and, per other teacher, its own."""
+    main = main_teacher(records)
+    others = {}
+    for r in records:
+        if r.get("teacher_sha256") not in (None, main):
+            others.setdefault(r["teacher_sha256"], []).append(r)
+    return [r for r in records if r.get("teacher_sha256") in (None, main)], others
 
 
 def pool_name(record: dict) -> str | None:
@@ -106,9 +133,12 @@ def _paper(variant: str) -> str:
 
 
 def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, dict]:
-    records = load_records(workdir)
+    all_records = load_records(workdir)
+    records, other_teachers = by_teacher(all_records)
+    previous = DOCS / "reproduction.json"
+    previous = json.loads(previous.read_text()) if previous.exists() else {}
     out = {"generated": datetime.datetime.now().isoformat(timespec="seconds"), "workdir": str(workdir),
-           "records": records}
+           "records": all_records}
     lines = ["# Reproducing multi-grained k-best distillation on CoNLL-2003", "",
              "Written by `python examples/reproduction_report.py` from the run records of `python -m crfkit.pipeline` "
              f"(`{workdir}/results.jsonl`; every record, with its command, seed, commit and machine, is in "
@@ -118,7 +148,7 @@ def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, di
              "BERT-base teacher's and students' (\"Multi-Grained Knowledge Distillation for Named Entity "
              "Recognition\", NAACL 2021); the teacher here is MiniLM-L6 (22.7M parameters), the only English "
              "encoder of that size available offline, so the two columns measure different teachers.", ""]
-    machines = sorted({r["machine"] for r in records})
+    machines = sorted({r["machine"] for r in all_records})
     lines += ["Machines: " + "; ".join(machines), ""]
 
     lines += ["## Table 1: CoNLL-2003 test F1", "",
@@ -192,9 +222,38 @@ def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, di
     for variant, label in TABLE2:
         lines.append(f"| {label} | {_f1(summary(records, variant, None, default_k))} | {_paper(variant)} |")
 
+    tabled = {v for v, _ in TABLE1 + TABLE2} | {v for pair in TABLE3 for v in pair[:2]} | {ablation_variant}
+    others = sorted({(r["variant"], r.get("K")) for r in records if r["variant"] not in tabled},
+                    key=lambda vk: (vk[0], vk[1] or 0))
+    if others:
+        lines += ["", "## Other students", "",
+                  "Variants outside the tables above (for example seed 002's stage-wise schedule, "
+                  "`te_da_stagewise`, and the appendix's small transformer student, `bp2_*`).", "",
+                  "| variant | K | test F1 | dev F1 | parameters (trainable) | sentences/s |",
+                  "|---|---|---|---|---|---|"]
+        for variant, k in others:
+            s = summary(records, variant, k, default_k)
+            lines.append(f"| {variant} | {k if k is not None else '-'} | {_f1(s)} | {s['dev_mean']:.2f} | "
+                         f"{s['params'] / 1e6:.1f}M ({(s['trainable_params'] or 0) / 1e6:.2f}M) | "
+                         f"{s['sentences_per_s']:.0f} |")
+
+    if other_teachers:
+        lines += ["", "## Runs with another teacher", "",
+                  "Teachers retrained with the same command and seed whose weights came out different (another "
+                  "machine: floating-point sums in another order), with the students distilled from each. They "
+                  "stay out of the tables above, which all share one teacher "
+                  f"(`{(main_teacher(all_records) or '?')[:12]}`).", "",
+                  "| teacher | variant | K | seed | test F1 | dev F1 | machine | date |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for digest, rows in sorted(other_teachers.items()):
+            rows = sorted(rows, key=lambda r: (r["variant"] != "teacher", r["variant"], r.get("K") or 0, r["seed"]))
+            for r in rows:
+                lines.append(f"| `{digest[:12]}` | {r['variant']} | {r.get('K') if r.get('K') is not None else '-'} | "
+                             f"{r['seed']} | {r['test_f1']:.2f} | {r['dev_f1']:.2f} | {r['machine']} | {r['date']} |")
+
     side_by_side = workdir / "report.json"
-    if side_by_side.exists():
-        report = json.loads(side_by_side.read_text())
+    report = json.loads(side_by_side.read_text()) if side_by_side.exists() else previous.get("side_by_side")
+    if report:  # from this workdir's report stage, else the one already in docs/reproduction.json
         lines += ["", "## Tagging speed, measured side by side", "",
                   f"From the pipeline's report stage (`{report['command']}`, git {report['git']}, {report['date']}, "
                   f"{report['machine']}): tagging the first {report['throughput_sentences']} test sentences, batch "

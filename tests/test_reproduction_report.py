@@ -53,3 +53,44 @@ def test_tables_means_spreads_and_targets(report, tmp_path):
     assert "SEQ (87.50) > TOKEN-POS (86.00) > TE (85.00): met" in text
     assert len(data["records"]) == 10
 
+
+
+def test_records_of_another_teacher_stay_out_of_the_tables(report, tmp_path):
+    """Runs name their teacher's weights; the tables keep to the teacher most students name, and
+    a teacher record without a digest (written before records named it) is superseded by its
+    later rerun with the main teacher's digest."""
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    main, other = "a" * 64, "b" * 64
+
+    def named(variant, seed, test_f1, teacher, **kw):
+        return {**record(variant, seed, test_f1, **kw), "teacher_sha256": teacher, "date": "2026-11-27T05:00:00"}
+
+    earlier = {"records": [dict(record("teacher", 0, 89.0), pool=None, teacher_sha256=None),
+                           dict(record("vanilla", 0, 80.0), pool=None, teacher_sha256=None)],
+               "side_by_side": {"command": "python -m crfkit.pipeline --stages report", "git": "abc", "date": "d",
+                                "machine": "m", "throughput_sentences": 512, "batch_size": 32,
+                                "rows": [{"model": "teacher (minilm + CRF)", "test_f1": 89.0,
+                                          "sentences_per_s": 150.0, "speedup": 1.0}]}}
+    (tmp_path / "docs" / "reproduction.json").write_text(json.dumps(earlier))
+    records = [named("te", 0, 85.0, main), named("te_seq", 0, 86.0, main, k=5),
+               named("te_da_stagewise", 0, 85.5, main, da_pool=NEWS),
+               named("teacher", 0, 88.2, other), named("te_da_token_em", 0, 84.0, other, da_pool=NEWS)]
+    (workdir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text, data = report.build(workdir, "te_da_seq", 5)
+    assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.00 (n = 1) |" in text  # not 88.20
+    assert "| + TE + DA + TOKEN-EM | not run yet |" in text
+    assert "## Runs with another teacher" in text and f"`{main[:12]}`" in text
+    assert f"| `{other[:12]}` | teacher | - | 0 | 88.20 |" in text
+    assert f"| `{other[:12]}` | te_da_token_em | - | 0 | 84.00 |" in text
+    assert "| te_da_stagewise | - | 85.50 (n = 1) | 90.00 |" in text   # under "Other students"
+    assert "| teacher (minilm + CRF) | 89.00 | 150 | 1.0x |" in text   # side by side kept from the docs
+    assert len(data["records"]) == 7
+    assert data["side_by_side"] == earlier["side_by_side"]
+
+    # the teacher rerun with the main teacher's digest replaces the record that named none
+    with open(workdir / "results.jsonl", "a") as f:
+        f.write(json.dumps(named("teacher", 0, 89.1, main)) + "\n")
+    text, data = report.build(workdir, "te_da_seq", 5)
+    assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.10 (n = 1) |" in text
+    assert [r["teacher_sha256"] for r in data["records"] if r["variant"] == "teacher"] == [main, other]
