@@ -240,7 +240,10 @@ def train_teacher(args, corpus: Corpus) -> str:
     begin = time.perf_counter()
     trainer = fit_tagger(teacher, tagging_items(corpus.train), tagging_items(corpus.dev), training)
     if _is_main_process():
-        _finish_run(args, corpus, trainer.model.tagger, out, {"variant": "teacher", "K": None, "seed": args.seed},
+        # its weights' digest, as the students' records name their teacher
+        _finish_run(args, corpus, trainer.model.tagger, out,
+                    {"variant": "teacher", "K": None, "seed": args.seed,
+                     "teacher_sha256": _sha256(os.path.join(model_dir, "model.safetensors"))},
                     time.perf_counter() - begin, trainer)
     _barrier()
     return model_dir

@@ -1,6 +1,7 @@
 """crfkit.training: seqeval scoring on hand-made cases, the collator, the teacher's emissions in the
 cache, every distillation variant's step, fit_tagger, resume after SIGKILL, torchrun, and the
 pipeline on a tiny slice (the quick main job itself is marked slow)."""
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -469,6 +470,8 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     assert records[-2]["params"] < records[0]["params"]  # 2 of the teacher's 6 encoder layers
     assert records[-1]["losses"] == [["hidden"], ["logit_mse"], ["hard"]] and records[-1]["K"] is None  # K unused
     assert records[-1]["gradual_unfreezing"] is True
+    teacher_weights = hashlib.sha256((tmp_path / "teacher" / "model" / "model.safetensors").read_bytes()).hexdigest()
+    assert {r["teacher_sha256"] for r in records} == {teacher_weights}  # the teacher's own record too
     assert records[-3]["da_pool"] == {"news": 0, "augment": 1} and records[1]["da_pool"] is None
     stages = tmp_path / "students" / "te_da_stagewise-k5-seed0-aug1"
     for stage in ("stage1", "stage2", "stage3"):
