@@ -243,13 +243,14 @@ def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, di
                   "machine: floating-point sums in another order), with the students distilled from each. They "
                   "stay out of the tables above, which all share one teacher "
                   f"(`{(main_teacher(all_records) or '?')[:12]}`).", "",
-                  "| teacher | variant | K | seed | test F1 | dev F1 | machine | date |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| teacher | variant | K | seed | test F1 | paper | dev F1 | machine | date |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for digest, rows in sorted(other_teachers.items()):
             rows = sorted(rows, key=lambda r: (r["variant"] != "teacher", r["variant"], r.get("K") or 0, r["seed"]))
             for r in rows:
                 lines.append(f"| `{digest[:12]}` | {r['variant']} | {r.get('K') if r.get('K') is not None else '-'} | "
-                             f"{r['seed']} | {r['test_f1']:.2f} | {r['dev_f1']:.2f} | {r['machine']} | {r['date']} |")
+                             f"{r['seed']} | {r['test_f1']:.2f} | {_paper(r['variant'])} | {r['dev_f1']:.2f} | "
+                             f"{r['machine']} | {r['date']} |")
 
     side_by_side = workdir / "report.json"
     report = json.loads(side_by_side.read_text()) if side_by_side.exists() else previous.get("side_by_side")
