@@ -44,19 +44,17 @@ RECORD_FIELDS = ("run", "variant", "K", "teacher_sha256", "seed", "dev_f1", "tes
 MAIN_POOL = "news"  # the DA pool of Table 1 (pipeline --full: --da-news, no Tang augmentation)
 
 
-def load_records(workdir: Path) -> list[dict]:
+def load_records(workdir: Path, previous: dict) -> list[dict]:
     """The latest record per (variant, K, seed, DA pool, teacher): those already in
-    docs/reproduction.json (so that records of earlier sessions are kept when their workdir is
-    gone), then workdir/results.jsonl. A record's teacher is the digest of the teacher's weights
+    docs/reproduction.json (`previous`, so that records of earlier sessions are kept when their
+    workdir is gone), then workdir/results.jsonl. A record's teacher is the digest of the teacher's weights
     (a teacher's own record names its own); records written before the pipeline recorded it
     (teacher_sha256 None) count as the main teacher's (see main_teacher)."""
     latest = {}
     path = workdir / "results.jsonl"
     if not path.exists():
         raise SystemExit(f"{path} does not exist: run python -m crfkit.pipeline --workdir {workdir} first")
-    previous = DOCS / "reproduction.json"
-    records = json.loads(previous.read_text())["records"] if previous.exists() else []
-    records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = previous.get("records", []) + [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for record in records:
         kept = {k: record.get(k) for k in RECORD_FIELDS}
         kept["pool"] = pool_name(record)
@@ -78,14 +76,14 @@ def main_teacher(records) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def by_teacher(records: list[dict]) -> tuple[list[dict], dict[str, list[dict]]]:
-    """The main teacher's records (with those that name none) and, per other teacher, its own."""
+def by_teacher(records: list[dict]) -> tuple[str | None, list[dict], dict[str, list[dict]]]:
+    """The main teacher, its records (with those that name none) and, per other teacher, its own."""
     main = main_teacher(records)
     others = {}
     for r in records:
         if r.get("teacher_sha256") not in (None, main):
             others.setdefault(r["teacher_sha256"], []).append(r)
-    return [r for r in records if r.get("teacher_sha256") in (None, main)], others
+    return main, [r for r in records if r.get("teacher_sha256") in (None, main)], others
 
 
 def pool_name(record: dict) -> str | None:
@@ -133,10 +131,10 @@ def _paper(variant: str) -> str:
 
 
 def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, dict]:
-    all_records = load_records(workdir)
-    records, other_teachers = by_teacher(all_records)
     previous = DOCS / "reproduction.json"
     previous = json.loads(previous.read_text()) if previous.exists() else {}
+    all_records = load_records(workdir, previous)
+    main, records, other_teachers = by_teacher(all_records)
     out = {"generated": datetime.datetime.now().isoformat(timespec="seconds"), "workdir": str(workdir),
            "records": all_records}
     lines = ["# Reproducing multi-grained k-best distillation on CoNLL-2003", "",
@@ -242,7 +240,7 @@ def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, di
                   "Teachers retrained with the same command and seed whose weights came out different (another "
                   "machine: floating-point sums in another order), with the students distilled from each. They "
                   "stay out of the tables above, which all share one teacher "
-                  f"(`{(main_teacher(all_records) or '?')[:12]}`).", "",
+                  f"(`{(main or '?')[:12]}`).", "",
                   "| teacher | variant | K | seed | test F1 | paper | dev F1 | machine | date |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for digest, rows in sorted(other_teachers.items()):

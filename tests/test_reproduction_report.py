@@ -54,7 +54,6 @@ def test_tables_means_spreads_and_targets(report, tmp_path):
     assert len(data["records"]) == 10
 
 
-
 def test_records_of_another_teacher_stay_out_of_the_tables(report, tmp_path):
     """Runs name their teacher's weights; the tables keep to the teacher most students name, and
     a teacher record without a digest (written before records named it) is superseded by its
