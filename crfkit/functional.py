@@ -81,11 +81,11 @@ def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Ten
     """P(y_i = t | x): (B, L, T), zero at padded positions.
 
     Differentiable in emissions, transitions, start and end: the gradient is a Hessian-vector
-    product of log Z. In the compiled backend on the CPU it is an analytic kernel (the tangent of
-    the forward-backward in the direction of the upstream gradient, computed in double); that
-    gradient is differentiable once only (differentiating it again, a third derivative of log Z,
-    raises; the reference backend has those). On CUDA, and in the other backends, it is taken
-    by autograd through the reference implementation, which is slower.
+    product of log Z. In the compiled backend (CPU and CUDA) it is an analytic kernel (the
+    tangent of the forward-backward in the direction of the upstream gradient, computed in
+    double); that gradient is differentiable once only (differentiating it again, a third
+    derivative of log Z, raises; the reference backend has those). In the other backends it is
+    taken by autograd through the reference implementation, which is slower.
     """
     return backends.current().marginals(*prepare(emissions, transitions, lengths, start, end))
 

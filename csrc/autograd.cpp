@@ -10,8 +10,9 @@
 //
 // The marginals keep their Python formula (crfkit/backends/compiled.py): their derivative is a
 // Hessian-vector product of log Z, the op marginals_backward where the device has a kernel for
-// it (the CPU), else taken through the reference implementation. marginals_backward itself has
-// no derivative: its outputs raise when differentiated (marginals_backward_autograd below).
+// it (the CPU and CUDA), else taken through the reference implementation. marginals_backward
+// itself has no derivative: its outputs raise when differentiated (marginals_backward_autograd
+// below).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>

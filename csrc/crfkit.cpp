@@ -53,7 +53,7 @@ TORCH_LIBRARY(crfkit, m) {
         "Tensor end) -> Tensor");
   // The marginals' vector-Jacobian product for an upstream gradient grad_marginals (B, L, T):
   // the gradients of (emissions, transitions, start, end), a Hessian-vector product of log Z
-  // (csrc/cpu/marginals_backward.cpp). CPU kernel only; not differentiable.
+  // (csrc/cpu/marginals_backward.cpp, csrc/cuda/marginals_backward.cu). Not differentiable.
   m.def("marginals_backward(Tensor grad_marginals, Tensor emissions, Tensor transitions, "
         "Tensor lengths, Tensor start, Tensor end) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, "

@@ -302,6 +302,48 @@ def test_log_partition_with_marginals_and_its_backward_match_cpu(dtype, B, L, T,
     assert torch.equal(counts, got[2])
 
 
+# The marginals' backward (csrc/cuda/marginals_backward.cu), a Hessian-vector product of log Z,
+# against the CPU kernel: T below, at and above a warp (lanes owning 0, 1 and several tags),
+# forbidden transitions with an all-forbidden sentence, scores wide enough that lines span many
+# orders of magnitude, and a batch larger than the warps of the grid.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T", [(1, 1, 1), (3, 4, 1), (5, 6, 2), (7, 9, 5), (8, 33, 9), (4, 40, 37),
+                                   (6, 11, 33), (3, 12, 100), (70, 12, 9)])
+@pytest.mark.parametrize("scores", ["random", "forbidden", "large"])
+def test_marginals_backward_matches_cpu(dtype, B, L, T, scores):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=20.0 if scores == "large" else 2.0)
+    if scores == "forbidden":
+        inputs = forbid(inputs, seed=B + T)
+    grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(T), dtype=dtype)
+    want = torch.ops.crfkit.marginals_backward(grad, *inputs)
+    got = device_ops().marginals_backward(*to(DEVICE, (grad, *inputs)))
+    for name, a, b in zip(("emissions", "transitions", "start", "end"), got, want):
+        assert not torch.isnan(a).any(), name
+        torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
+    if T > 1 and scores == "random":  # not trivially zero
+        assert got[0].abs().sum() > 0
+
+
+def test_marginals_are_differentiated_by_the_kernel():
+    # crfkit.marginals' backward on the device is the kernel above (not autograd over the
+    # reference): the same gradients as the CPU kernel, and a third derivative raises as there.
+    em, tr, ln, s, e = random_crf(5, 8, 4)
+    grad = torch.randn(em.shape, dtype=torch.float64)
+
+    def gradients(device):
+        params = [x.to(device).requires_grad_() for x in (em, tr, s, e)]
+        with on_device() if device == DEVICE else contextlib.nullcontext():
+            mu = crfkit.marginals(params[0], params[1], ln.to(device), params[2], params[3])
+            grads = torch.autograd.grad(mu, params, grad.to(device), create_graph=True)
+            if not (EMULATED and device == DEVICE):  # csrc/autograd.cpp registers crfkit's ops, not the emulator's
+                with pytest.raises(RuntimeError, match="not differentiable"):
+                    grads[0].sum().backward()
+        return [g.detach().cpu() for g in grads]
+
+    for a, b in zip(gradients(DEVICE), gradients("cpu")):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
 # The parallel-in-time path (csrc/cuda/forward_backward_chunked.cuh), forced on: chunk lengths
 # from 1 (every chunk a position) to more than some sentences, lengths that end inside a chunk,
 # chunks beyond a sentence, 8 / 16 / 32 lanes, forbidden transitions and a sentence with every
@@ -433,11 +475,9 @@ def test_opcheck_every_op():
                                        grad_log_z=torch.ones(3, dtype=torch.float64, device=DEVICE),
                                        grad_scores=torch.ones(3, 2, dtype=torch.float64, device=DEVICE),
                                        grad_marginals=torch.randn(3, 6, 4, dtype=torch.float64, device=DEVICE))
-    namespace = "crfkit_emu" if EMULATED else "crfkit"
     with on_device():  # the autograd formulas call the backward ops of the same kernels
         for name, args in cases.items():
-            if op_table.has_kernel(namespace, name, "CPU" if EMULATED else "CUDA"):  # not marginals_backward
-                torch.library.opcheck(getattr(ops, name), args)
+            torch.library.opcheck(getattr(ops, name), args)
 
 
 def test_torch_compile_fullgraph():
@@ -478,6 +518,8 @@ RAW = {
         em, tr, 3, ln, s, e),
     "sequence_score": lambda em, tr, ln, s, e: device_ops().sequence_score(
         em, tr, torch.zeros(em.shape[0], 1, em.shape[1], dtype=torch.long, device=em.device), ln, s, e),
+    "marginals_backward": lambda em, tr, ln, s, e: device_ops().marginals_backward(
+        torch.ones_like(em), em, tr, ln, s, e),
 }
 BAD_VALUES = [
     # (description, mutate(em, tr, ln, s, e), message pattern)

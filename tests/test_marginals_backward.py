@@ -259,7 +259,8 @@ def test_half_precision_and_float32_against_float64():
 
 
 def test_the_reference_path_remains_for_devices_without_the_kernel(monkeypatch):
-    # CUDA has no marginals_backward kernel: compiled.py differentiates the reference there.
+    # A device without a marginals_backward kernel (a build without CUDA kernels): compiled.py
+    # differentiates the reference there.
     from crfkit.backends import compiled
 
     em, tr, ln, s, e = random_crf(5, 8, 4)
@@ -279,7 +280,7 @@ def test_the_reference_path_remains_for_devices_without_the_kernel(monkeypatch):
 
 
 def test_the_reference_path_can_be_differentiated_again(monkeypatch):
-    # Without the kernel (CUDA), the marginals' derivative is autograd over the reference
+    # Without the kernel, the marginals' derivative is autograd over the reference
     # (reference.gradients_by_autograd), so a third derivative of log Z exists there.
     from crfkit.backends import compiled
 

@@ -3,8 +3,9 @@
 # lent for minutes: few, full calls). Run from the repository root on a machine with a CUDA GPU:
 #
 #     bash tools/gpu_checks.sh [STAGES]      # STAGES: comma list of env,build,test,sanitize,
-#                                            # sanitize_chunked,kbest_ab,bench,host,host_breakdown,
-#                                            # train_step,test_chunked,time_parallel,host_trace,ab
+#                                            # sanitize_chunked,marginals_backward,kbest_ab,bench,host,
+#                                            # host_breakdown,train_step,test_chunked,time_parallel,
+#                                            # host_trace,ab
 #                                            # (default: env..train_step of the first line's set)
 #
 # Each stage is time-boxed so the whole run ends inside one device call (10 minutes); a stage
@@ -15,6 +16,8 @@
 #   SANITIZE_K                the sanitize stage's -k expression (default: not compile)
 #   BENCH_ARGS, BENCH_SHARE   arguments for benchmarks/bench_gpu.py (default --quick); its share of
 #                             the time left (percent, default 45)
+#   MARGINALS_BACKWARD_ARGS, MARGINALS_BACKWARD_SHARE  likewise for bench_gpu_marginals_backward.py
+#                             (default: its shapes; 30 percent)
 #   BUDGET_S                  seconds the whole run may take (default 560)
 #   KBEST_AB_SHAPES           shapes of the kbest_ab stage (default 1x128x9,32x512x9,256x128x9,1024x128x9)
 #   KBEST_AB_ROUNDS, KBEST_AB_KS, KBEST_AB_KERNELS  rounds, K values and kernels of the kbest_ab
@@ -130,6 +133,15 @@ if has sanitize_chunked; then
         tail -6 "$OUT/sanitize_chunked_$tool.log"
         grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_chunked_$tool.log" | tail -2 | sed "s/^/$tool: /" >>"$SUMMARY"
     done
+fi
+
+if has marginals_backward; then
+    # The marginals' gradient: crfkit's kernel against autograd through the reference and
+    # through torch-struct (benchmarks/bench_gpu_marginals_backward.py).
+    # shellcheck disable=SC2086
+    stage marginals_backward "${MARGINALS_BACKWARD_SHARE:-30}" $PY benchmarks/bench_gpu_marginals_backward.py \
+        ${MARGINALS_BACKWARD_ARGS:-} --out "$OUT/gpu_marginals_backward"
+    tail -12 "$OUT/marginals_backward.log"
 fi
 
 if has host_breakdown; then

@@ -5,7 +5,7 @@ and fakes are listed once, in crfkit/backends/op_table.py.
 
 The backward of every op is itself a registered op (log_partition_backward_from_marginals on
 the CPU and CUDA, log_partition_backward on a device without log_partition_with_marginals,
-sequence_score_backward, marginals_backward on the CPU), as PyTorch recommends for custom
+sequence_score_backward, marginals_backward), as PyTorch recommends for custom
 kernels. Importing this module raises ImportError when the extension is not built;
 crfkit.backends then falls back.
 """
@@ -39,12 +39,12 @@ def _save_crf_inputs(ctx, inputs, output):
 def _marginals_backward(ctx, grad_marginals):
     """Gradients of the marginals op's inputs (emissions, transitions, lengths, start, end).
 
-    The derivative of the marginals is a Hessian-vector product of log Z. On the CPU it is the
-    analytic kernel marginals_backward (csrc/cpu/marginals_backward.cpp: the tangent of the
-    forward-backward in the direction of grad_marginals, one pass, in double). That op has no
-    derivative of its own: differentiating its result again (a third derivative of log Z)
-    raises. On CUDA, which has no kernel for it, the derivative is taken by autograd over the
-    reference's marginals (reference.gradients_by_autograd), which can be differentiated again.
+    The derivative of the marginals is a Hessian-vector product of log Z: the analytic kernel
+    marginals_backward (csrc/cpu/marginals_backward.cpp, csrc/cuda/marginals_backward.cu: the
+    tangent of the forward-backward in the direction of grad_marginals, one pass, in double).
+    That op has no derivative of its own: differentiating its result again (a third derivative
+    of log Z) raises. A device without the kernel (a build without CUDA kernels) takes autograd
+    over the reference's marginals (reference.gradients_by_autograd) instead.
     """
     emissions, transitions, lengths, start, end = ctx.saved_tensors
     if _has_kernel("marginals_backward", emissions):

@@ -185,8 +185,8 @@ class _Marginals(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_marginals):
-        # A Hessian-vector product of log Z, taken through the reference (autograd twice), as
-        # the compiled backend does on CUDA (on the CPU it has a kernel, marginals_backward).
+        # A Hessian-vector product of log Z, taken through the reference (autograd twice); the
+        # compiled backend has a kernel for it (marginals_backward).
         return reference.gradients_by_autograd(reference.marginals, ctx.saved_tensors, grad_marginals)
 
 

@@ -120,8 +120,7 @@ def register_fakes(namespace: str = "crfkit") -> None:
 
 
 def has_kernel(namespace: str, name: str, dispatch_key: str) -> bool:
-    """Whether op `name` of `namespace` has a kernel for dispatch_key ("CPU", "CUDA"):
-    marginals_backward has none on CUDA."""
+    """Whether op `name` of `namespace` has a kernel for dispatch_key ("CPU", "CUDA")."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", dispatch_key)
 
 

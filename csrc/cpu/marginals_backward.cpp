@@ -39,9 +39,9 @@
 // line recomputed exactly in log space where the factored sum underflows); the forward keeps its
 // rows (alpha, a, the means and the column sums, O(L T) per thread), the backward keeps one row.
 // Parallel over sentences; the batch sums are per-sentence partial sums reduced in a fixed order,
-// so the result does not depend on the number of threads. No CUDA kernel: on CUDA the compiled
-// backend differentiates the marginals through the reference (crfkit/backends/compiled.py). The
-// op has no derivative of its own: differentiating its outputs raises (csrc/autograd.cpp).
+// so the result does not depend on the number of threads. The CUDA kernel
+// (csrc/cuda/marginals_backward.cu) computes the same formulas with exact lines. The op has no
+// derivative of its own: differentiating its outputs raises (csrc/autograd.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

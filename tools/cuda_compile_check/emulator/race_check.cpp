@@ -46,8 +46,8 @@ Inputs make(int64_t B, int64_t L, int64_t T, at::ScalarType dtype, bool forbid) 
 void run_all(const Inputs& x, int64_t k) {
   using Crf = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   using Decode = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-  using KDecode = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                             int64_t);
+  using KDecode = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, int64_t, const Tensor&, const Tensor&,
+                                             const Tensor&);
   using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor>;
   using Backward = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   using Score = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
@@ -56,19 +56,21 @@ void run_all(const Inputs& x, int64_t k) {
                                                            const Tensor&, const Tensor&);
   using FromMarginals = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   const int64_t B = x.emissions.size(0);
-  op<Crf>("crfkit_emu::log_partition").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
-  op<Crf>("crfkit_emu::marginals").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
+  op<Crf>("crfkit_emu::log_partition").call(x.emissions, x.transitions, x.lengths, x.start, x.end);
+  op<Crf>("crfkit_emu::marginals").call(x.emissions, x.transitions, x.lengths, x.start, x.end);
+  op<Backward>("crfkit_emu::marginals_backward")
+      .call(at::randn_like(x.emissions), x.emissions, x.transitions, x.lengths, x.start, x.end);
   op<Backward>("crfkit_emu::log_partition_backward")
-      .call(at::ones({B}, x.emissions.options()), x.emissions, x.transitions, x.start, x.end, x.lengths);
+      .call(at::ones({B}, x.emissions.options()), x.emissions, x.transitions, x.lengths, x.start, x.end);
   auto [log_z, marginals, counts] = op<WithMarginals>("crfkit_emu::log_partition_with_marginals")
-                                        .call(x.emissions, x.transitions, x.start, x.end, x.lengths);
+                                        .call(x.emissions, x.transitions, x.lengths, x.start, x.end);
   op<FromMarginals>("crfkit_emu::log_partition_backward_from_marginals")
       .call(at::ones_like(log_z), marginals, counts, x.lengths);
-  op<Decode>("crfkit_emu::viterbi").call(x.emissions, x.transitions, x.start, x.end, x.lengths);
+  op<Decode>("crfkit_emu::viterbi").call(x.emissions, x.transitions, x.lengths, x.start, x.end);
   auto [scores, paths] =
-      op<KDecode>("crfkit_emu::kbest_viterbi").call(x.emissions, x.transitions, x.start, x.end, x.lengths, k);
-  op<Score>("crfkit_emu::sequence_score").call(x.emissions, x.transitions, x.start, x.end, x.lengths, paths.clamp_min(0));
-  op<ScoreBackward>("crfkit_emu::sequence_score_backward").call(at::ones_like(scores), x.emissions, x.lengths, paths);
+      op<KDecode>("crfkit_emu::kbest_viterbi").call(x.emissions, x.transitions, k, x.lengths, x.start, x.end);
+  op<Score>("crfkit_emu::sequence_score").call(x.emissions, x.transitions, paths.clamp_min(0), x.lengths, x.start, x.end);
+  op<ScoreBackward>("crfkit_emu::sequence_score_backward").call(at::ones_like(scores), x.emissions, paths, x.lengths);
 }
 
 struct Shape {
@@ -86,25 +88,47 @@ void print_shape(const Shape& s, at::ScalarType dtype, const char* note) {
 // block barriers, on shapes with 16 and 32 lanes per tag and backpointers in shared and in
 // global memory.
 void run_kbest_per_tag() {
-  using KDecode = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                             int64_t);
+  using KDecode = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, int64_t, const Tensor&, const Tensor&,
+                                             const Tensor&);
   setenv("CRFKIT_CUDA_KBEST_KERNEL", "per_tag", 1);
   const Shape shapes[] = {{5, 7, 3, 4, false}, {9, 12, 9, 15, true}, {3, 9, 17, 5, false}, {2, 90, 16, 17, false},
                           {4, 5, 1, 3, false}, {6, 0, 4, 2, false}};
   for (const Shape& s : shapes) {
     print_shape(s, at::kFloat, " (k-best per tag)");
     const Inputs x = make(s.B, s.L, s.T, at::kFloat, s.forbid);
-    op<KDecode>("crfkit_emu::kbest_viterbi").call(x.emissions, x.transitions, x.start, x.end, x.lengths, s.k);
+    op<KDecode>("crfkit_emu::kbest_viterbi").call(x.emissions, x.transitions, s.k, x.lengths, x.start, x.end);
   }
   unsetenv("CRFKIT_CUDA_KBEST_KERNEL");
 }
 
+// marginals_backward alone (its kernel publishes rows between lanes with __syncwarp): T below,
+// at and above a warp, an all-forbidden line, batches larger than the grid's warps.
+void run_marginals_backward() {
+  using Backward = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                              const Tensor&, const Tensor&, const Tensor&);
+  const Shape shapes[] = {{5, 7, 3, 0, true}, {20, 9, 9, 0, false}, {3, 6, 33, 0, true}, {2, 4, 70, 0, false}};
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const Shape& s : shapes) {
+      print_shape(s, dtype, " (marginals_backward)");
+      const Inputs x = make(s.B, s.L, s.T, dtype, s.forbid);
+      op<Backward>("crfkit_emu::marginals_backward")
+          .call(at::randn_like(x.emissions), x.emissions, x.transitions, x.lengths, x.start, x.end);
+    }
+  }
+}
+
 }  // namespace
 
-// `race_check --kbest-per-tag` runs only run_kbest_per_tag (a few minutes instead of 40).
+// `race_check --kbest-per-tag` runs only run_kbest_per_tag, `race_check --marginals-backward`
+// only run_marginals_backward (a few minutes each instead of 40).
 int main(int argc, char** argv) {
   at::manual_seed(0);
   at::set_num_threads(1);  // torch's own thread pool is not what is checked here
+  if (argc > 1 && std::strcmp(argv[1], "--marginals-backward") == 0) {
+    run_marginals_backward();
+    std::printf("all ops ran\n");
+    return 0;
+  }
   run_kbest_per_tag();
   if (argc > 1 && std::strcmp(argv[1], "--kbest-per-tag") == 0) {
     std::printf("all ops ran\n");
