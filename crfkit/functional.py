@@ -103,8 +103,10 @@ def expected_transition_counts(emissions, transitions, lengths=None, start=None,
     every expectation of a score, E_p[s_q(y)], hence exact CRF cross entropy and KL divergence.
 
     The compiled backend has CPU and CUDA kernels for it (the per-sentence transition gradients
-    of the log Z backward); differentiable calls and the other backends run the reference
-    (autograd through its log Z), which is slower. Differentiable.
+    of the log Z backward); the other backends run the reference (autograd through its log Z),
+    which is slower. Differentiable: in the compiled backend on the CPU the gradient is an
+    analytic kernel (a Hessian-vector product of log Z, as the marginals'; differentiable once
+    only); on CUDA and in the other backends it is autograd through the reference.
     """
     return backends.current().expected_transition_counts(*prepare(emissions, transitions, lengths, start, end))
 

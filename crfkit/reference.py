@@ -222,7 +222,7 @@ def gradients_by_autograd(fn, inputs, grad_output: Tensor):
     """Gradients of <fn(emissions, transitions, lengths, start, end), grad_output> for
     inputs = (emissions, transitions, lengths, start, end), by autograd over fn (a function of
     this module), in the order of the inputs with None for lengths. The backends' derivative
-    where they have no kernel of their own (the marginals' on CUDA, higher orders in numba).
+    where they have no kernel of their own (the counts' on CUDA, higher orders in numba).
     Under create_graph (grad mode on inside a backward) the inputs that require grad are used as
     they are, so that the result can be differentiated again."""
     emissions, transitions, lengths, start, end = inputs

@@ -290,19 +290,45 @@ at::Tensor sequence_score_autograd(const at::Tensor& emissions, const at::Tensor
 // a call is recorded (the marginals differentiated with create_graph=True, or the op called on
 // tensors that require grad) its outputs get a node that raises as soon as a derivative passes
 // through it, instead of a silently missing one.
+using SecondDerivativeOp = c10::TypedOperatorHandle<EmitTransStartEndGrads(Crf, Crf, Crf, Crf, Crf, Crf)>;
+
+// op (marginals_backward or expected_transition_counts_backward) below autograd, its outputs
+// made once-differentiable with `message`.
+EmitTransStartEndGrads second_derivative(const SecondDerivativeOp& op, const char* message,
+                                         const at::Tensor& grad, const at::Tensor& emissions,
+                                         const at::Tensor& transitions, const at::Tensor& lengths,
+                                         const at::Tensor& start, const at::Tensor& end) {
+  EmitTransStartEndGrads grads;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    grads = op.call(grad, emissions, transitions, lengths, start, end);
+  }
+  return once_differentiable(std::move(grads), {grad, emissions, transitions, start, end}, message);
+}
+
 EmitTransStartEndGrads marginals_backward_autograd(const at::Tensor& grad_marginals, const at::Tensor& emissions,
                                                    const at::Tensor& transitions, const at::Tensor& lengths,
                                                    const at::Tensor& start, const at::Tensor& end) {
   static const auto op = op_handle<EmitTransStartEndGrads(Crf, Crf, Crf, Crf, Crf, Crf)>("crfkit::marginals_backward");
-  EmitTransStartEndGrads grads;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    grads = op.call(grad_marginals, emissions, transitions, lengths, start, end);
-  }
-  return once_differentiable(
-      std::move(grads), {grad_marginals, emissions, transitions, start, end},
+  return second_derivative(
+      op,
       "crfkit: the gradient of the marginals (marginals_backward) is not differentiable; for third "
-      "derivatives of log Z use the reference backend (crfkit.use_backend(\"reference\"))");
+      "derivatives of log Z use the reference backend (crfkit.use_backend(\"reference\"))",
+      grad_marginals, emissions, transitions, lengths, start, end);
+}
+
+// The same for the expected transition counts' vector-Jacobian product.
+EmitTransStartEndGrads expected_transition_counts_backward_autograd(
+    const at::Tensor& grad_counts, const at::Tensor& emissions, const at::Tensor& transitions,
+    const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+  static const auto op = op_handle<EmitTransStartEndGrads(Crf, Crf, Crf, Crf, Crf, Crf)>(
+      "crfkit::expected_transition_counts_backward");
+  return second_derivative(
+      op,
+      "crfkit: the gradient of the expected transition counts (expected_transition_counts_backward) is "
+      "not differentiable; for third derivatives of log Z use the reference backend "
+      "(crfkit.use_backend(\"reference\"))",
+      grad_counts, emissions, transitions, lengths, start, end);
 }
 
 // kbest_viterbi_with_log_probs has no derivative: a call that would record one raises instead of
@@ -329,6 +355,7 @@ TORCH_LIBRARY_IMPL(crfkit, Autograd, m) {
   m.impl("kbest_viterbi", &kbest_viterbi_autograd);
   m.impl("kbest_viterbi_with_log_probs", &kbest_viterbi_with_log_probs_autograd);
   m.impl("marginals_backward", &marginals_backward_autograd);
+  m.impl("expected_transition_counts_backward", &expected_transition_counts_backward_autograd);
   m.impl("sequence_score", &sequence_score_autograd);
 }
 

@@ -48,3 +48,22 @@ def marginals(seqs, L, T):
         for i, t in enumerate(seq):
             mu[i][t] += p
     return mu
+
+
+def sequence_probabilities(emissions, transitions, start, end, n):
+    """(sequences, p): every allowed sequence of length n >= 1 of one sentence (all_sequences)
+    and its probability (K,) as a tensor DIFFERENTIABLE in the four score tensors (emissions
+    (L, T), transitions, start, end); ([], None) when none is allowed."""
+    import torch
+
+    seqs = [seq for _, seq in all_sequences(emissions.detach(), transitions.detach(), start.detach(),
+                                            end.detach(), n)]
+    if not seqs:
+        return [], None
+    scores = []
+    for seq in seqs:
+        score = start[seq[0]] + emissions[0, seq[0]]
+        for i in range(1, n):
+            score = score + transitions[seq[i - 1], seq[i]] + emissions[i, seq[i]]
+        scores.append(score + end[seq[-1]])
+    return seqs, torch.softmax(torch.stack(scores), 0)

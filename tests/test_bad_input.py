@@ -365,14 +365,16 @@ def test_tags_checked_on_the_device_still_raise(values_checked_by_the_cpu_kernel
     torch.testing.assert_close(crfkit.sequence_score(em, tr, tags, **kw), expected)
 
 
-def test_differentiable_expected_counts_check_lengths_for_the_reference(monkeypatch):
-    # A differentiable expected_transition_counts takes the reference, which does not check the
-    # lengths: where the front end left them to the kernels, the backend checks them itself.
+def test_expected_counts_check_lengths_for_the_reference(monkeypatch):
+    # expected_transition_counts on a device without its kernel takes the reference, which does
+    # not check the lengths: where the front end left them to the kernels, the backend checks them
+    # itself.
     if "compiled" not in crfkit.backends.available():
         pytest.skip("the compiled extension is not built")
     from crfkit.backends import compiled
 
     monkeypatch.setattr(compiled, "VALUES_CHECKED_ON_DEVICE", ("cpu",))
+    monkeypatch.setitem(compiled._KERNELS, ("expected_transition_counts", "CPU"), False)
     em, tr, kw = good()
     kw["lengths"] = torch.tensor([5, 1])
     with crfkit.use_backend("compiled"), pytest.raises(ValueError, match=r"lengths must lie in \[0, seq_len = 4\]"):

@@ -147,19 +147,11 @@ def enumerated_marginals(emissions, transitions, lengths, start, end):
     rows = []
     for b in range(B):
         n = int(lengths[b])
-        seqs = [seq for _, seq in brute_force.all_sequences(emissions[b].detach(), transitions.detach(),
-                                                            start.detach(), end.detach(), n)]
         mu = emissions.new_zeros(L, T)
-        if n == 0 or not seqs:  # one empty sequence, or none allowed: no marginals
+        seqs, p = brute_force.sequence_probabilities(emissions[b], transitions, start, end, n) if n else ([], None)
+        if not seqs:  # one empty sequence, or none allowed: no marginals
             rows.append(mu)
             continue
-        scores = []
-        for seq in seqs:
-            score = start[seq[0]] + emissions[b, 0, seq[0]]
-            for i in range(1, n):
-                score = score + transitions[seq[i - 1], seq[i]] + emissions[b, i, seq[i]]
-            scores.append(score + end[seq[-1]])
-        p = torch.softmax(torch.stack(scores), 0)
         one_hot = torch.zeros(len(seqs), L, T, dtype=emissions.dtype)
         for k, seq in enumerate(seqs):
             one_hot[k, torch.arange(n), torch.tensor(seq)] = 1

@@ -1,12 +1,13 @@
 """The compiled (C++ / CUDA) backend: loads crfkit._C and registers, for each op,
 a fake (meta) implementation so that torch.compile can trace it. The autograd formulas are
-registered in C++ (csrc/autograd.cpp), except the marginals' (below). The ops, their schemas
+registered in C++ (csrc/autograd.cpp), except those of the marginals and of the expected
+transition counts (below). The ops, their schemas
 and fakes are listed once, in crfkit/backends/op_table.py.
 
 The backward of every op is itself a registered op (log_partition_backward_from_marginals on
 the CPU and CUDA, log_partition_backward on a device without log_partition_with_marginals,
-sequence_score_backward, marginals_backward), as PyTorch recommends for custom
-kernels. Importing this module raises ImportError when the extension is not built;
+sequence_score_backward, marginals_backward, expected_transition_counts_backward on the CPU), as
+PyTorch recommends for custom kernels. Importing this module raises ImportError when the extension is not built;
 crfkit.backends then falls back.
 """
 from __future__ import annotations
@@ -30,8 +31,8 @@ deferred_errors.add_library(_C.__file__)  # the CUDA kernels' error mode (no-op 
 # ---- autograd ---------------------------------------------------------------------------------
 # The formulas of log_partition, viterbi, kbest_viterbi and sequence_score
 # are registered in C++ (csrc/autograd.cpp), so that a call does not pass through Python's
-# autograd wrapper. The marginals' formula stays here: it picks the analytic kernel
-# (marginals_backward) where the device has one, else differentiates the reference.
+# autograd wrapper. The formulas of the marginals and of the expected transition counts stay
+# here: each picks its analytic kernel where the device has one, else differentiates the reference.
 def _save_crf_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:5])
 
@@ -54,6 +55,22 @@ def _marginals_backward(ctx, grad_marginals):
 
 
 torch.library.register_autograd("crfkit::marginals", _marginals_backward, setup_context=_save_crf_inputs)
+
+
+def _expected_transition_counts_backward(ctx, grad_counts):
+    """Gradients of the expected_transition_counts op's inputs, as _marginals_backward: the
+    analytic kernel expected_transition_counts_backward (the same tangent forward-backward, in the
+    direction of grad_counts in transitions space, per sentence) where the device has one (the
+    CPU), else autograd over the reference's counts."""
+    emissions, transitions, lengths, start, end = ctx.saved_tensors
+    if _has_kernel("expected_transition_counts_backward", emissions):
+        g = ops.expected_transition_counts_backward(grad_counts, emissions, transitions, lengths, start, end)
+        return g[0], g[1], None, g[2], g[3]
+    return reference.gradients_by_autograd(reference.expected_transition_counts, ctx.saved_tensors, grad_counts)
+
+
+torch.library.register_autograd("crfkit::expected_transition_counts", _expected_transition_counts_backward,
+                                setup_context=_save_crf_inputs)
 
 
 # ---- the backend interface: crfkit.backends.CRFBackend ------------------------------------------
@@ -93,8 +110,7 @@ def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start
 
 
 def expected_transition_counts(emissions, transitions, lengths, start, end) -> Tensor:
-    # The kernel has no derivative of its own: differentiable calls take the reference.
-    if _needs_grad(emissions, transitions, start, end) or not _has_kernel("expected_transition_counts", emissions):
+    if not _has_kernel("expected_transition_counts", emissions):
         if lengths.device.type in VALUES_CHECKED_ON_DEVICE:  # no kernel checks them in this call
             # Imported here, not at the top: crfkit._arguments asks crfkit.backends which backend
             # is current, and this module is imported while crfkit.backends is being set up.

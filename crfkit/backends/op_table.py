@@ -70,6 +70,10 @@ OPS: Dict[str, Op] = {
     "expected_transition_counts": Op(
         f"({_CRF}) -> Tensor",
         lambda emissions, transitions, lengths, start, end: _counts_like(emissions)),
+    # The counts' vector-Jacobian product (their autograd formula on the CPU); not differentiable.
+    "expected_transition_counts_backward": Op(
+        f"(Tensor grad_counts, {_CRF}) -> {_GRADS}",
+        lambda grad_counts, emissions, transitions, lengths, start, end: _grads_like(emissions)),
     "viterbi": Op(
         f"({_CRF}) -> (Tensor scores, Tensor paths)",
         lambda emissions, transitions, lengths, start, end: (
@@ -120,7 +124,8 @@ def register_fakes(namespace: str = "crfkit") -> None:
 
 
 def has_kernel(namespace: str, name: str, dispatch_key: str) -> bool:
-    """Whether op `name` of `namespace` has a kernel for dispatch_key ("CPU", "CUDA")."""
+    """Whether op `name` of `namespace` has a kernel for dispatch_key ("CPU", "CUDA"):
+    expected_transition_counts_backward has none on CUDA."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", dispatch_key)
 
 
@@ -130,12 +135,16 @@ def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tens
     """{op name: arguments} that call every op of OPS once on these CRF arguments (tags (B, N, L),
     grad_log_z (B,), grad_scores (B, N), grad_marginals (B, L, T)); `ops` is the op namespace
     (torch.ops.crfkit or the emulator's), used to make the inputs of
-    log_partition_backward_from_marginals. Score tensors that require grad stay so, for the ops
-    with a derivative."""
+    log_partition_backward_from_marginals. The counts' upstream gradient (B, T, T) is made
+    here, like grad_marginals. Score tensors that require grad stay so, for the ops with a
+    derivative."""
     crf = (emissions, transitions, lengths, start, end)
     plain = tuple(x.detach() for x in (emissions, transitions)) + (lengths,) + tuple(x.detach() for x in (start, end))
     with torch.no_grad():
         _, marginals, counts = ops.log_partition_with_marginals(*plain)
+    B, _, T = grad_marginals.shape
+    grad_counts = torch.linspace(-1.0, 2.0, B * T * T, dtype=grad_marginals.dtype,
+                                 device=grad_marginals.device).reshape(B, T, T)
     arguments = {
         "log_partition": crf,
         "marginals": plain,
@@ -144,6 +153,7 @@ def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tens
         "log_partition_with_marginals": plain,
         "log_partition_backward_from_marginals": (grad_log_z, marginals, counts, lengths),
         "expected_transition_counts": plain,
+        "expected_transition_counts_backward": (grad_counts, *plain),
         "viterbi": crf,
         "kbest_viterbi": (emissions, transitions, k, lengths, start, end),
         "kbest_viterbi_with_log_probs": (plain[0], plain[1], k, lengths, plain[3], plain[4]),

@@ -39,6 +39,10 @@
   X(expected_transition_counts,                                                                    \
     at::Tensor(const at::Tensor& emissions, const at::Tensor& transitions,                         \
                const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end))         \
+  X(expected_transition_counts_backward,                                                           \
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(                                    \
+        const at::Tensor& grad_counts, const at::Tensor& emissions, const at::Tensor& transitions, \
+        const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end))                \
   X(viterbi, std::tuple<at::Tensor, at::Tensor>(const at::Tensor& emissions,                       \
                                                 const at::Tensor& transitions,                     \
                                                 const at::Tensor& lengths,                         \

@@ -1,5 +1,7 @@
-// CPU kernel of marginals_backward: the vector-Jacobian product of the marginals with an
-// upstream gradient V (B, L, T), for emissions, transitions, start and end.
+// CPU kernels of marginals_backward: the vector-Jacobian product of the marginals with an
+// upstream gradient V (B, L, T), for emissions, transitions, start and end; and of
+// expected_transition_counts_backward, the same for the expected transition counts with an
+// upstream gradient W (B, T, T) (see the end of this comment).
 //
 // The marginals are mu = d log Z / d emissions, so the product is a Hessian-vector product of
 // log Z in the direction v = (V, 0, 0, 0) (the direction lives in emissions space, the result in
@@ -32,6 +34,12 @@
 // their products with those zero weights are 0, never NaN. A sentence whose sequences are all
 // forbidden (log Z = -inf) and a length-0 sentence get zero gradients. Padded positions are never
 // read, in emissions or in V.
+//
+// The counts are the derivatives of log Z in the transitions, so their product with W is the same
+// tangent in the direction of the transitions, W_b for sentence b (and V = 0): every term s of a
+// forward line j moves by a_{i-1}(s) + W(s, j) instead of a_{i-1}(s), every term j of a backward
+// line s by V_{i+1}(j) + b_{i+1}(j) + W(s, j), and so does the term s of dxi_i(s, j) (whose mean_i(j)
+// is the moved line's). tangent_backward computes either or both directions.
 //
 // Everything is computed in double (float32 inputs are widened per sentence): the tangents are
 // differences of means, where float32 would lose digits. The log-space steps use log_space.h's
@@ -75,6 +83,14 @@ inline void dot2(const double* e, const double* x, const double* y, int64_t n, d
   sy = b;
 }
 
+// sum_m e[m] x[m] y[m].
+inline double dot3(const double* e, const double* x, const double* y, int64_t n) {
+  double a = 0;
+#pragma omp simd reduction(+ : a)
+  for (int64_t m = 0; m < n; ++m) a += e[m] * x[m] * y[m];
+  return a;
+}
+
 // The exact log-space line: w[m] = softmax_m(x[m] + line[m * stride]) (summing to 1) and the log
 // of the normaliser, lse_m(x[m] + line[m * stride]). Returns -inf, w unspecified, when every term
 // is -inf.
@@ -98,9 +114,11 @@ inline double exact_line(const double* x, const double* line, int64_t stride, in
 // A line whose terms are all -inf gets out = -inf and mean = 0. sums[k] (when not null) receives
 // the line's factored normaliser, or 0 where the exact path ran (read by the pairwise pass).
 // p, pd, w are scratch of size T; on return p = exp(x - x_max) and pd = p * dx.
+// dir (T, T) or null: a tangent of the transitions, line k's entries in row k (dir[k * T + m] is
+// the direction of the term m of line k); with it mean[k] also gets sum_m w_k[m] dir[k * T + m].
 inline void tangent_step(const double* x, const double* dx, const double* trans,
                          const ScaledTransitions<double>& tables, bool by_column, double* out, double* mean,
-                         double* sums, double* p, double* pd, double* w) {
+                         double* sums, double* p, double* pd, double* w, const double* dir = nullptr) {
   const int64_t T = tables.T;
   const double x_max = max_of(x, T);
   if (x_max == neg_inf<double>()) {
@@ -119,6 +137,7 @@ inline void tangent_step(const double* x, const double* dx, const double* trans,
     if (l_max != neg_inf<double>()) dot2(&tables.scaled[k * T], p, pd, T, sum, weighted);
     if (sums != nullptr) sums[k] = sum >= trusted_sum_min<double>() ? sum : 0.0;
     if (sum >= trusted_sum_min<double>()) {
+      if (dir != nullptr) weighted += dot3(&tables.scaled[k * T], p, dir + k * T, T);
       out[k] = x_max + l_max + std::log(sum);
       mean[k] = weighted / sum;
       continue;
@@ -126,7 +145,7 @@ inline void tangent_step(const double* x, const double* dx, const double* trans,
     out[k] = l_max == neg_inf<double>()
                  ? neg_inf<double>()
                  : exact_line(x, by_column ? trans + k : trans + k * T, by_column ? T : 1, T, w);
-    mean[k] = out[k] == neg_inf<double>() ? 0.0 : dot(w, dx, T);
+    mean[k] = out[k] == neg_inf<double>() ? 0.0 : dot(w, dx, T) + (dir != nullptr ? dot(w, dir + k * T, T) : 0.0);
   }
 }
 
@@ -137,21 +156,27 @@ struct Work {
   std::vector<double> emit, grad, alpha, a, mean, col_sum;
   std::vector<double> beta, b, beta_prev, b_prev, v, dv, mu, dmu, p, pd, w;  // (T,)
   std::vector<double> pair;  // (T, T) as [to][from]: the sentence's transitions gradient, transposed
+  std::vector<double> dir, dir_t;  // (T, T): the transitions' tangent W [from][to] and transposed
 
   Work(int64_t L, int64_t T)
       : emit(L * T), grad(L * T), alpha(L * T), a(L * T), mean(L * T), col_sum(L * T), beta(T), b(T),
-        beta_prev(T), b_prev(T), v(T), dv(T), mu(T), dmu(T), p(T), pd(T), w(T), pair(T * T) {}
+        beta_prev(T), b_prev(T), v(T), dv(T), mu(T), dmu(T), p(T), pd(T), w(T), pair(T * T), dir(T * T),
+        dir_t(T * T) {}
 };
 
-// The gradients of one sentence of length n >= 1 (emit, grad: its n rows in double):
+// The gradients of one sentence of length n >= 1 (emit, grad: its n rows in double; with_dir:
+// the direction also has the transitions' tangent work.dir, and work.dir_t its transpose):
 // grad_emit (n, T) in scalar_t, and the sentence's shares of the transitions' (T, T), start's
 // and end's (T,) gradients, written to trans_out / start_out / end_out (double, zeroed).
 template <typename scalar_t>
 void sentence_backward(int64_t n, int64_t T, const double* trans, const double* start, const double* end,
                        const ScaledTransitions<double>& by_col, const ScaledTransitions<double>& by_row,
-                       Work& work, scalar_t* grad_emit, double* trans_out, double* start_out, double* end_out) {
+                       Work& work, bool with_dir, scalar_t* grad_emit, double* trans_out, double* start_out,
+                       double* end_out) {
   const double* emit = work.emit.data();
   const double* V = work.grad.data();
+  const double* dir = with_dir ? work.dir.data() : nullptr;      // line s of a backward step: W(s, .)
+  const double* dir_t = with_dir ? work.dir_t.data() : nullptr;  // line j of a forward step: W(., j)
   double *alpha = work.alpha.data(), *a = work.a.data(), *mean = work.mean.data(), *col_sum = work.col_sum.data();
   double *p = work.p.data(), *pd = work.pd.data(), *w = work.w.data(), *mu = work.mu.data(), *dmu = work.dmu.data();
 
@@ -164,7 +189,7 @@ void sentence_backward(int64_t n, int64_t T, const double* trans, const double* 
     double* alpha_i = alpha + i * T;
     double* a_i = a + i * T;
     tangent_step(alpha + (i - 1) * T, a + (i - 1) * T, trans, by_col, /*by_column=*/true, alpha_i, mean + i * T,
-                 col_sum + i * T, p, pd, w);
+                 col_sum + i * T, p, pd, w, dir_t);
     for (int64_t t = 0; t < T; ++t) {
       alpha_i[t] += emit[i * T + t];
       a_i[t] = mean[i * T + t] + V[i * T + t];
@@ -219,14 +244,22 @@ void sentence_backward(int64_t n, int64_t T, const double* trans, const double* 
       const double mean_j = mean[i * T + j];
       double* pair_j = pair + j * T;
       const double sum = col_sum[i * T + j];
+      // With a transitions' tangent the term s of column j moves by a_{i-1}(s) + W(s, j).
+      const double* dir_j = with_dir ? dir_t + j * T : nullptr;
       if (sum > 0) {
         const double c1 = mu[j] / sum, c0 = (dmu[j] - mu[j] * mean_j) / sum;
         const double* scaled = &by_col.scaled[j * T];
+        if (with_dir) {
 #pragma omp simd
-        for (int64_t s = 0; s < T; ++s) pair_j[s] += scaled[s] * (c1 * pd[s] + c0 * p[s]);
+          for (int64_t s = 0; s < T; ++s) pair_j[s] += scaled[s] * (c1 * (pd[s] + p[s] * dir_j[s]) + c0 * p[s]);
+        } else {
+#pragma omp simd
+          for (int64_t s = 0; s < T; ++s) pair_j[s] += scaled[s] * (c1 * pd[s] + c0 * p[s]);
+        }
       } else if (exact_line(alpha_prev, trans + j, T, T, w) != neg_inf<double>()) {
         for (int64_t s = 0; s < T; ++s) {
-          if (w[s] != 0) pair_j[s] += w[s] * (mu[j] * (a_prev[s] - mean_j) + dmu[j]);
+          const double moved = a_prev[s] + (with_dir ? dir_j[s] : 0.0);
+          if (w[s] != 0) pair_j[s] += w[s] * (mu[j] * (moved - mean_j) + dmu[j]);
         }
       }
     }
@@ -238,7 +271,7 @@ void sentence_backward(int64_t n, int64_t T, const double* trans, const double* 
       dv[t] = V[i * T + t] + b[t];
     }
     tangent_step(v, dv, trans, by_row, /*by_column=*/false, work.beta_prev.data(), work.b_prev.data(), nullptr, p,
-                 pd, w);
+                 pd, w, dir);
     std::swap(work.beta, work.beta_prev);
     std::swap(work.b, work.b_prev);
     beta = work.beta.data();
@@ -251,14 +284,15 @@ void sentence_backward(int64_t n, int64_t T, const double* trans, const double* 
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cpu(
-    const at::Tensor& grad_marginals_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-    const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
-  const auto [emissions, transitions, lengths, start, end] =
-      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
-  const at::Tensor grad_marginals = grad_marginals_in.contiguous();
-  check_argument_like(grad_marginals, "grad_marginals", "(batch, seq_len, num_tags)", emissions.sizes(), emissions,
-                      "emissions");
+namespace {
+
+// The vector-Jacobian product of the marginals with grad_marginals (B, L, T) and / or of the
+// expected transition counts with grad_counts (B, T, T) (either may be undefined: a zero
+// direction there), for CRF arguments checked by checked_cpu_args: the Hessian-vector product of
+// log Z in the direction (grad_marginals, per-sentence grad_counts, 0, 0).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tangent_backward(
+    const at::Tensor& grad_marginals, const at::Tensor& grad_counts, const at::Tensor& emissions,
+    const at::Tensor& transitions, const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const auto as_double = [](const at::Tensor& x) { return x.to(at::kDouble).contiguous(); };
   const at::Tensor trans_d = as_double(transitions), start_d = as_double(start), end_d = as_double(end);
@@ -271,7 +305,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cp
   std::vector<char> bad(B, 0);
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals_backward", [&] {
     const scalar_t* emit = emissions.data_ptr<scalar_t>();
-    const scalar_t* grad = grad_marginals.data_ptr<scalar_t>();
+    const scalar_t* grad = grad_marginals.defined() ? grad_marginals.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* grad_w = grad_counts.defined() ? grad_counts.data_ptr<scalar_t>() : nullptr;
     scalar_t* out = grad_emissions.data_ptr<scalar_t>();
     const double* trans = trans_d.data_ptr<double>();
     const double* st = start_d.data_ptr<double>();
@@ -292,8 +327,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cp
         }
         if (n == 0) continue;  // the empty sequence: nothing to differentiate
         std::copy(emit + b * L * T, emit + b * L * T + n * T, work.emit.begin());
-        std::copy(grad + b * L * T, grad + b * L * T + n * T, work.grad.begin());
-        sentence_backward<scalar_t>(n, T, trans, st, en, by_col, by_row, work, out + b * L * T,
+        if (grad != nullptr) {
+          std::copy(grad + b * L * T, grad + b * L * T + n * T, work.grad.begin());
+        } else {
+          std::fill(work.grad.begin(), work.grad.begin() + n * T, 0.0);
+        }
+        if (grad_w != nullptr) {
+          for (int64_t s = 0; s < T; ++s) {
+            for (int64_t j = 0; j < T; ++j) {
+              work.dir[s * T + j] = work.dir_t[j * T + s] = static_cast<double>(grad_w[(b * T + s) * T + j]);
+            }
+          }
+        }
+        sentence_backward<scalar_t>(n, T, trans, st, en, by_col, by_row, work, grad_w != nullptr, out + b * L * T,
                                     trans_sums + b * T * T, start_sums + b * T, end_sums + b * T);
       }
     });
@@ -301,6 +347,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cp
   raise_if_bad_emissions(bad);
   const auto dtype = emissions.scalar_type();
   return {grad_emissions, trans_acc.sum(0).to(dtype), start_acc.sum(0).to(dtype), end_acc.sum(0).to(dtype)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cpu(
+    const at::Tensor& grad_marginals_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
+    const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
+  const at::Tensor grad_marginals = grad_marginals_in.contiguous();
+  check_argument_like(grad_marginals, "grad_marginals", "(batch, seq_len, num_tags)", emissions.sizes(), emissions,
+                      "emissions");
+  return tangent_backward(grad_marginals, at::Tensor(), emissions, transitions, lengths, start, end);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expected_transition_counts_backward_cpu(
+    const at::Tensor& grad_counts_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
+    const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
+  const auto [emissions, transitions, lengths, start, end] =
+      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
+  const at::Tensor grad_counts = grad_counts_in.contiguous();
+  const int64_t B = emissions.size(0), T = emissions.size(2);
+  check_argument_like(grad_counts, "grad_counts", "(batch, num_tags, num_tags)", {B, T, T}, emissions, "emissions");
+  return tangent_backward(at::Tensor(), grad_counts, emissions, transitions, lengths, start, end);
 }
 
 }  // namespace CRFKIT_CPU_ISA

@@ -84,6 +84,8 @@ def _register_python_side() -> None:
     reg = torch.library.register_autograd
     reg("crfkit_emu::log_partition", log_partition_backward, setup_context=save_marginals)
     reg("crfkit_emu::marginals", c._marginals_backward, setup_context=c._save_crf_inputs)
+    reg("crfkit_emu::expected_transition_counts", c._expected_transition_counts_backward,
+        setup_context=c._save_crf_inputs)
     reg("crfkit_emu::viterbi", viterbi_backward, setup_context=save_viterbi_paths)
     reg("crfkit_emu::kbest_viterbi", kbest_backward, setup_context=save_kbest_paths)
     reg("crfkit_emu::sequence_score", sequence_score_backward, setup_context=save_tags)
