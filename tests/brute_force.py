@@ -50,20 +50,30 @@ def marginals(seqs, L, T):
     return mu
 
 
-def sequence_probabilities(emissions, transitions, start, end, n):
-    """(sequences, p): every allowed sequence of length n >= 1 of one sentence (all_sequences)
-    and its probability (K,) as a tensor DIFFERENTIABLE in the four score tensors (emissions
-    (L, T), transitions, start, end); ([], None) when none is allowed."""
+
+def expectation(emissions, transitions, lengths, start, end, feature, shape):
+    """(B, *shape): E_p[feature(y)] per sentence from every allowed sequence, DIFFERENTIABLE in
+    the four score tensors (emissions (B, L, T)). feature(seq) -> float64 tensor of `shape`;
+    zero for a length-0 sentence and where no sequence is allowed."""
     import torch
 
-    seqs = [seq for _, seq in all_sequences(emissions.detach(), transitions.detach(), start.detach(),
-                                            end.detach(), n)]
-    if not seqs:
-        return [], None
-    scores = []
-    for seq in seqs:
-        score = start[seq[0]] + emissions[0, seq[0]]
-        for i in range(1, n):
-            score = score + transitions[seq[i - 1], seq[i]] + emissions[i, seq[i]]
-        scores.append(score + end[seq[-1]])
-    return seqs, torch.softmax(torch.stack(scores), 0)
+    rows = []
+    for b in range(emissions.shape[0]):
+        n = int(lengths[b])
+        total = emissions.new_zeros(shape)
+        seqs = []
+        if n:
+            seqs = [seq for _, seq in all_sequences(emissions[b].detach(), transitions.detach(), start.detach(),
+                                                    end.detach(), n)]
+        if seqs:
+            scores = []
+            for seq in seqs:
+                score = start[seq[0]] + emissions[b, 0, seq[0]]
+                for i in range(1, n):
+                    score = score + transitions[seq[i - 1], seq[i]] + emissions[b, i, seq[i]]
+                scores.append(score + end[seq[-1]])
+            p = torch.softmax(torch.stack(scores), 0)
+            features = torch.stack([feature(seq).to(emissions.dtype) for seq in seqs])
+            total = total + torch.einsum("k,k...->...", p, features)
+        rows.append(total)
+    return torch.stack(rows)

@@ -143,20 +143,14 @@ def test_exact_columns_where_the_factored_sums_underflow():
 def enumerated_marginals(emissions, transitions, lengths, start, end):
     """(B, L, T) marginals sum_y p(y) [y_i = t] from every allowed sequence (tests/brute_force.py),
     differentiable in the four score tensors (no log Z recursion, no second autograd pass)."""
-    B, L, T = emissions.shape
-    rows = []
-    for b in range(B):
-        n = int(lengths[b])
-        mu = emissions.new_zeros(L, T)
-        seqs, p = brute_force.sequence_probabilities(emissions[b], transitions, start, end, n) if n else ([], None)
-        if not seqs:  # one empty sequence, or none allowed: no marginals
-            rows.append(mu)
-            continue
-        one_hot = torch.zeros(len(seqs), L, T, dtype=emissions.dtype)
-        for k, seq in enumerate(seqs):
-            one_hot[k, torch.arange(n), torch.tensor(seq)] = 1
-        rows.append(mu + torch.einsum("k,kit->it", p, one_hot))
-    return torch.stack(rows)
+    _, L, T = emissions.shape
+
+    def one_hot(seq):
+        x = torch.zeros(L, T, dtype=torch.float64)
+        x[torch.arange(len(seq)), torch.tensor(seq)] = 1
+        return x
+
+    return brute_force.expectation(emissions, transitions, lengths, start, end, one_hot, (L, T))
 
 
 @pytest.mark.parametrize("n,T", [(1, 1), (1, 3), (2, 3), (3, 2), (4, 3), (5, 2), (3, 4)])

@@ -1,14 +1,14 @@
 """The compiled (C++ / CUDA) backend: loads crfkit._C and registers, for each op,
 a fake (meta) implementation so that torch.compile can trace it. The autograd formulas are
 registered in C++ (csrc/autograd.cpp), except those of the marginals and of the expected
-transition counts (below). The ops, their schemas
-and fakes are listed once, in crfkit/backends/op_table.py.
+transition counts (below). The ops, their schemas and fakes are listed once, in
+crfkit/backends/op_table.py.
 
 The backward of every op is itself a registered op (log_partition_backward_from_marginals on
 the CPU and CUDA, log_partition_backward on a device without log_partition_with_marginals,
 sequence_score_backward, marginals_backward, expected_transition_counts_backward on the CPU), as
-PyTorch recommends for custom kernels. Importing this module raises ImportError when the extension is not built;
-crfkit.backends then falls back.
+PyTorch recommends for custom kernels. Importing this module raises ImportError when the
+extension is not built; crfkit.backends then falls back.
 """
 from __future__ import annotations
 
@@ -37,38 +37,28 @@ def _save_crf_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:5])
 
 
-def _marginals_backward(ctx, grad_marginals):
-    """Gradients of the marginals op's inputs (emissions, transitions, lengths, start, end).
+def _second_derivative(kernel_name: str, reference_op):
+    """The autograd formula of an op that is a first derivative of log Z (the marginals, in the
+    emissions; the expected transition counts, in the transitions): its vector-Jacobian product
+    is a Hessian-vector product of log Z. Where the device has the analytic kernel kernel_name
+    (csrc/cpu/marginals_backward.cpp, csrc/cuda/marginals_backward.cu: the tangent of the
+    forward-backward in the direction of the upstream gradient, one pass, in double) it is that
+    kernel, whose result cannot be differentiated again (a third derivative of log Z raises);
+    elsewhere autograd over the reference's op (reference.gradients_by_autograd)."""
+    def backward(ctx, grad):
+        emissions, transitions, lengths, start, end = ctx.saved_tensors
+        if _has_kernel(kernel_name, emissions):
+            g = getattr(ops, kernel_name)(grad, emissions, transitions, lengths, start, end)
+            return g[0], g[1], None, g[2], g[3]
+        return reference.gradients_by_autograd(reference_op, ctx.saved_tensors, grad)
+    return backward
 
-    The derivative of the marginals is a Hessian-vector product of log Z: the analytic kernel
-    marginals_backward (csrc/cpu/marginals_backward.cpp, csrc/cuda/marginals_backward.cu: the
-    tangent of the forward-backward in the direction of grad_marginals, one pass, in double).
-    That op has no derivative of its own: differentiating its result again (a third derivative
-    of log Z) raises. A device without the kernel (a build without CUDA kernels) takes autograd
-    over the reference's marginals (reference.gradients_by_autograd) instead.
-    """
-    emissions, transitions, lengths, start, end = ctx.saved_tensors
-    if _has_kernel("marginals_backward", emissions):
-        g = ops.marginals_backward(grad_marginals, emissions, transitions, lengths, start, end)
-        return g[0], g[1], None, g[2], g[3]
-    return reference.gradients_by_autograd(reference.marginals, ctx.saved_tensors, grad_marginals)
 
-
+# marginals_backward has CPU and CUDA kernels; expected_transition_counts_backward a CPU kernel.
+_marginals_backward = _second_derivative("marginals_backward", reference.marginals)
+_expected_transition_counts_backward = _second_derivative("expected_transition_counts_backward",
+                                                          reference.expected_transition_counts)
 torch.library.register_autograd("crfkit::marginals", _marginals_backward, setup_context=_save_crf_inputs)
-
-
-def _expected_transition_counts_backward(ctx, grad_counts):
-    """Gradients of the expected_transition_counts op's inputs, as _marginals_backward: the
-    analytic kernel expected_transition_counts_backward (the same tangent forward-backward, in the
-    direction of grad_counts in transitions space, per sentence) where the device has one (the
-    CPU), else autograd over the reference's counts."""
-    emissions, transitions, lengths, start, end = ctx.saved_tensors
-    if _has_kernel("expected_transition_counts_backward", emissions):
-        g = ops.expected_transition_counts_backward(grad_counts, emissions, transitions, lengths, start, end)
-        return g[0], g[1], None, g[2], g[3]
-    return reference.gradients_by_autograd(reference.expected_transition_counts, ctx.saved_tensors, grad_counts)
-
-
 torch.library.register_autograd("crfkit::expected_transition_counts", _expected_transition_counts_backward,
                                 setup_context=_save_crf_inputs)
 
