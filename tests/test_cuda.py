@@ -324,6 +324,15 @@ def test_marginals_backward_matches_cpu(dtype, B, L, T, scores):
         assert got[0].abs().sum() > 0
 
 
+def test_marginals_backward_checks_its_upstream_gradient():
+    em, tr, ln, s, e = to(DEVICE, random_crf(3, 4, 3))
+    grad = torch.ones_like(em)
+    with pytest.raises(ValueError, match=r"grad_marginals must be \(batch, seq_len, num_tags\)"):
+        device_ops().marginals_backward(grad[:, :3], em, tr, ln, s, e)
+    with pytest.raises(TypeError, match="grad_marginals must have the dtype of emissions"):
+        device_ops().marginals_backward(grad.float(), em, tr, ln, s, e)
+
+
 def test_marginals_are_differentiated_by_the_kernel():
     # crfkit.marginals' backward on the device is the kernel above (not autograd over the
     # reference): the same gradients as the CPU kernel, and a third derivative raises as there.
