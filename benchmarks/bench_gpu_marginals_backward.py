@@ -1,12 +1,14 @@
-"""The marginals' gradient on a GPU: crfkit's kernel (csrc/cuda/marginals_backward.cu) against
-autograd through the reference (what crfkit did on CUDA before it) and through torch-struct.
+"""The gradients of the marginals and of the expected transition counts on a GPU: crfkit's kernel
+(csrc/cuda/marginals_backward.cu) against autograd through the reference (what crfkit did on
+CUDA before it) and through torch-struct.
 
-    python benchmarks/bench_gpu_marginals_backward.py [--shapes 1x128x9,32x128x9] [--min-time 0.3]
+    python benchmarks/bench_gpu_marginals_backward.py [--op marginals|expected_transition_counts]
+                                                      [--shapes 1x128x9,32x128x9] [--min-time 0.3]
                                                       [--out PATH]
 
 Per shape (float32, full lengths, random scores), the median ms of one whole call of
-`marginals(em, tr)` forward + `torch.autograd.grad(marginals, (em, tr), V)` for a random V
-(torch.cuda.Event around it, host work included, as bench_gpu.py): crfkit with its kernel,
+`op(em, tr)` forward + `torch.autograd.grad(out, (em, tr), V)` for a random V of the output's
+shape (torch.cuda.Event around it, host work included, as bench_gpu.py): crfkit with its kernel,
 crfkit with the kernel switched off (compiled._KERNELS: autograd twice through
 crfkit.reference), and torch-struct's LinearChainCRF marginals differentiated by autograd, where
 it is installed. The reference path is checked against the kernel first (float32 tolerance).
@@ -34,43 +36,47 @@ from crfkit.backends import compiled  # noqa: E402
 DEFAULT_SHAPES = "1x128x9,32x128x9,256x128x9,32x512x9,1024x128x37"
 
 
-def inputs(B, L, T):
+OPS = ("marginals", "expected_transition_counts")
+
+
+def inputs(op, B, L, T):
     g = torch.Generator().manual_seed(B * 7919 + L * 31 + T)
     em = torch.randn(B, L, T, generator=g).cuda()
     tr = torch.randn(T, T, generator=g).cuda()
     ln = torch.full((B,), L, dtype=torch.long).cuda()
-    v = torch.randn(B, L, T, generator=g).cuda()
+    v = torch.randn(*((B, L, T) if op == "marginals" else (B, T, T)), generator=g).cuda()
     return em, tr, ln, v
 
 
 @contextlib.contextmanager
-def kernel_switched_off():
-    saved = compiled._KERNELS[("marginals_backward", "CUDA")]
-    compiled._KERNELS[("marginals_backward", "CUDA")] = False
+def kernel_switched_off(op):
+    key = (f"{op}_backward", "CUDA")
+    saved = compiled._KERNELS[key]
+    compiled._KERNELS[key] = False
     try:
         yield
     finally:
-        compiled._KERNELS[("marginals_backward", "CUDA")] = saved
+        compiled._KERNELS[key] = saved
 
 
-def crfkit_call(em, tr, ln, v):
+def crfkit_call(op, em, tr, ln, v):
     def call():
         e, t = em.detach().requires_grad_(), tr.detach().requires_grad_()
-        mu = crfkit.marginals(e, t, ln)
-        return torch.autograd.grad(mu, (e, t), v)
+        out = getattr(crfkit, op)(e, t, ln)
+        return torch.autograd.grad(out, (e, t), v)
     return call
 
 
-def reference_call(em, tr, ln, v):
-    call = crfkit_call(em, tr, ln, v)
+def reference_call(op, em, tr, ln, v):
+    call = crfkit_call(op, em, tr, ln, v)
 
     def without_kernel():
-        with kernel_switched_off():
+        with kernel_switched_off(op):
             return call()
     return without_kernel
 
 
-def torch_struct_call(em, tr, ln, v):
+def torch_struct_call(op, em, tr, ln, v):
     if not torch_struct_calls(em, tr, ln):  # not installed
         return None
     from torch_struct import LinearChainCRF
@@ -79,22 +85,27 @@ def torch_struct_call(em, tr, ln, v):
         e, t = em.detach().requires_grad_(), tr.detach().requires_grad_()
         phi = e[:, 1:, :, None] + t.t()[None, None]  # as bench_gpu_time_parallel.torch_struct_calls
         phi = torch.cat([phi[:, :1] + e[:, :1, None, :], phi[:, 1:]], 1)
-        edge = LinearChainCRF(phi, lengths=ln).marginals  # (B, L-1, T, T)
-        mu = torch.cat([edge.sum(-2)[:, :1], edge.sum(-1)], 1)  # (B, L, T) node marginals
-        return torch.autograd.grad(mu, (e, t), v)
+        edge = LinearChainCRF(phi, lengths=ln).marginals  # (B, L-1, T[to], T[from])
+        if op == "marginals":
+            out = torch.cat([edge.sum(-2)[:, :1], edge.sum(-1)], 1)  # (B, L, T) node marginals
+        else:
+            out = edge.sum(1).transpose(-1, -2)  # (B, T[from], T[to]) transition counts
+        return torch.autograd.grad(out, (e, t), v)
     return call
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--op", choices=OPS, default="marginals")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--min-time", type=float, default=0.3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     command = shlex.join(["python", "benchmarks/bench_gpu_marginals_backward.py", *(argv or sys.argv[1:])])
-    lines = [f"# The marginals' gradient on {torch.cuda.get_device_name()}", "",
+    what = "marginals" if args.op == "marginals" else "expected transition counts"
+    lines = [f"# The gradient of the {what} on {torch.cuda.get_device_name()}", "",
              f"`{command}` (commit {core_run.git_commit()}, torch {torch.__version__}, CUDA {torch.version.cuda}). "
-             "Median ms of one whole call: marginals forward + their vector-Jacobian product for "
+             f"Median ms of one whole call: {what} forward + their vector-Jacobian product for "
              "emissions and transitions, float32.", "",
              "| B | L | T | crfkit kernel | autograd over crfkit.reference | torch-struct | vs reference "
              "| vs torch-struct |",
@@ -102,15 +113,15 @@ def main(argv=None) -> int:
     records = []
     for shape in args.shapes.split(","):
         B, L, T = (int(x) for x in shape.split("x"))
-        data = inputs(B, L, T)
-        kernel, reference = crfkit_call(*data), reference_call(*data)
+        data = inputs(args.op, B, L, T)
+        kernel, reference = crfkit_call(args.op, *data), reference_call(args.op, *data)
         # Checked in float64 (float32's reference path loses digits in the transitions' sums,
         # which the kernel accumulates in double).
         doubles = [x.double() if x.is_floating_point() else x for x in data]
-        got = crfkit_call(*doubles)()
-        for a, b in zip(got, reference_call(*doubles)()):
+        got = crfkit_call(args.op, *doubles)()
+        for a, b in zip(got, reference_call(args.op, *doubles)()):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
-        peer = torch_struct_call(*data)
+        peer = torch_struct_call(args.op, *data)
         ms = {"kernel": median_ms(kernel, args.min_time), "reference": median_ms(reference, args.min_time)}
         try:
             if peer:
@@ -132,7 +143,7 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         Path(args.out + ".md").write_text(text)
-        Path(args.out + ".json").write_text(json.dumps({"command": command, "git": core_run.git_commit(),
+        Path(args.out + ".json").write_text(json.dumps({"command": command, "op": args.op, "git": core_run.git_commit(),
                                                         "device": torch.cuda.get_device_name(),
                                                         "torch": torch.__version__, "cuda": torch.version.cuda,
                                                         "records": records}, indent=1))

@@ -68,7 +68,8 @@ TORCH_LIBRARY(crfkit, m) {
   m.def("expected_transition_counts(Tensor emissions, Tensor transitions, Tensor lengths, "
         "Tensor start, Tensor end) -> Tensor");
   // Their vector-Jacobian product for an upstream gradient grad_counts (B, T, T), as
-  // marginals_backward (csrc/cpu/marginals_backward.cpp). CPU kernel only; not differentiable.
+  // marginals_backward (csrc/cpu/marginals_backward.cpp, csrc/cuda/marginals_backward.cu). Not
+  // differentiable.
   m.def("expected_transition_counts_backward(Tensor grad_counts, Tensor emissions, Tensor transitions, "
         "Tensor lengths, Tensor start, Tensor end) -> (Tensor, Tensor, Tensor, Tensor)");
   // Decoders return (scores, paths), as crfkit.viterbi / kbest_viterbi and torch.topk do (values

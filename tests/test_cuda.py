@@ -324,6 +324,35 @@ def test_marginals_backward_matches_cpu(dtype, B, L, T, scores):
         assert got[0].abs().sum() > 0
 
 
+# The expected transition counts' backward (the same kernel in the transitions' direction W (B,
+# T, T)) against the CPU kernel, on the same kinds of scores and shapes.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T", [(1, 1, 1), (5, 6, 2), (7, 9, 5), (8, 33, 9), (4, 40, 37), (3, 12, 100),
+                                   (70, 12, 9)])
+@pytest.mark.parametrize("scores", ["random", "forbidden", "large"])
+def test_counts_backward_matches_cpu(dtype, B, L, T, scores):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=20.0 if scores == "large" else 2.0)
+    if scores == "forbidden":
+        inputs = forbid(inputs, seed=B + T)
+    grad = torch.randn(B, T, T, generator=torch.Generator().manual_seed(T), dtype=dtype)
+    want = torch.ops.crfkit.expected_transition_counts_backward(grad, *inputs)
+    got = device_ops().expected_transition_counts_backward(*to(DEVICE, (grad, *inputs)))
+    for name, a, b in zip(("emissions", "transitions", "start", "end"), got, want):
+        assert not torch.isnan(a).any(), name
+        torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
+    if T > 1 and scores == "random":  # not trivially zero
+        assert got[1].abs().sum() > 0
+
+
+def test_counts_backward_checks_its_upstream_gradient():
+    em, tr, ln, s, e = to(DEVICE, random_crf(3, 4, 3))
+    grad = torch.ones(3, 3, 3, dtype=em.dtype, device=em.device)
+    with pytest.raises(ValueError, match=r"grad_counts must be \(batch, num_tags, num_tags\)"):
+        device_ops().expected_transition_counts_backward(grad[:2], em, tr, ln, s, e)
+    with pytest.raises(TypeError, match="grad_counts must have the dtype of emissions"):
+        device_ops().expected_transition_counts_backward(grad.float(), em, tr, ln, s, e)
+
+
 def test_marginals_backward_checks_its_upstream_gradient():
     em, tr, ln, s, e = to(DEVICE, random_crf(3, 4, 3))
     grad = torch.ones_like(em)
@@ -333,17 +362,19 @@ def test_marginals_backward_checks_its_upstream_gradient():
         device_ops().marginals_backward(grad.float(), em, tr, ln, s, e)
 
 
-def test_marginals_are_differentiated_by_the_kernel():
-    # crfkit.marginals' backward on the device is the kernel above (not autograd over the
-    # reference): the same gradients as the CPU kernel, and a third derivative raises as there.
+@pytest.mark.parametrize("op", ["marginals", "expected_transition_counts"])
+def test_second_derivatives_are_taken_by_the_kernel(op):
+    # crfkit.marginals' and crfkit.expected_transition_counts' backward on the device are the
+    # kernels above (not autograd over the reference): the same gradients as the CPU kernels,
+    # and a third derivative raises as there.
     em, tr, ln, s, e = random_crf(5, 8, 4)
-    grad = torch.randn(em.shape, dtype=torch.float64)
+    grad = torch.randn(em.shape if op == "marginals" else (5, 4, 4), dtype=torch.float64)
 
     def gradients(device):
         params = [x.to(device).requires_grad_() for x in (em, tr, s, e)]
         with on_device() if device == DEVICE else contextlib.nullcontext():
-            mu = crfkit.marginals(params[0], params[1], ln.to(device), params[2], params[3])
-            grads = torch.autograd.grad(mu, params, grad.to(device), create_graph=True)
+            out = getattr(crfkit, op)(params[0], params[1], ln.to(device), params[2], params[3])
+            grads = torch.autograd.grad(out, params, grad.to(device), create_graph=True)
             if not (EMULATED and device == DEVICE):  # csrc/autograd.cpp registers crfkit's ops, not the emulator's
                 with pytest.raises(RuntimeError, match="not differentiable"):
                     grads[0].sum().backward()
@@ -487,8 +518,8 @@ def test_opcheck_every_op():
     namespace = "crfkit_emu" if EMULATED else "crfkit"
     with on_device():  # the autograd formulas call the backward ops of the same kernels
         for name, args in cases.items():
-            if op_table.has_kernel(namespace, name, "CPU" if EMULATED else "CUDA"):  # not the counts' backward
-                torch.library.opcheck(getattr(ops, name), args)
+            assert op_table.has_kernel(namespace, name, "CPU" if EMULATED else "CUDA"), name
+            torch.library.opcheck(getattr(ops, name), args)
 
 
 def test_torch_compile_fullgraph():
@@ -531,6 +562,8 @@ RAW = {
         em, tr, torch.zeros(em.shape[0], 1, em.shape[1], dtype=torch.long, device=em.device), ln, s, e),
     "marginals_backward": lambda em, tr, ln, s, e: device_ops().marginals_backward(
         torch.ones_like(em), em, tr, ln, s, e),
+    "expected_transition_counts_backward": lambda em, tr, ln, s, e: device_ops().expected_transition_counts_backward(
+        torch.ones(em.shape[0], em.shape[2], em.shape[2], dtype=em.dtype, device=em.device), em, tr, ln, s, e),
 }
 BAD_VALUES = [
     # (description, mutate(em, tr, ln, s, e), message pattern)

@@ -3,7 +3,8 @@
 # lent for minutes: few, full calls). Run from the repository root on a machine with a CUDA GPU:
 #
 #     bash tools/gpu_checks.sh [STAGES]      # STAGES: comma list of env,build,test,sanitize,
-#                                            # sanitize_chunked,marginals_backward,kbest_ab,bench,host,
+#                                            # sanitize_chunked,marginals_backward,counts_backward,
+#                                            # kbest_ab,bench,host,
 #                                            # host_breakdown,train_step,test_chunked,time_parallel,
 #                                            # host_trace,ab
 #                                            # (default: env..train_step of the first line's set)
@@ -18,6 +19,7 @@
 #                             the time left (percent, default 45)
 #   MARGINALS_BACKWARD_ARGS, MARGINALS_BACKWARD_SHARE  likewise for bench_gpu_marginals_backward.py
 #                             (default: its shapes; 30 percent)
+#   COUNTS_BACKWARD_ARGS, COUNTS_BACKWARD_SHARE  likewise for its --op expected_transition_counts
 #   BUDGET_S                  seconds the whole run may take (default 560)
 #   KBEST_AB_SHAPES           shapes of the kbest_ab stage (default 1x128x9,32x512x9,256x128x9,1024x128x9)
 #   KBEST_AB_ROUNDS, KBEST_AB_KS, KBEST_AB_KERNELS  rounds, K values and kernels of the kbest_ab
@@ -142,6 +144,15 @@ if has marginals_backward; then
     stage marginals_backward "${MARGINALS_BACKWARD_SHARE:-30}" $PY benchmarks/bench_gpu_marginals_backward.py \
         ${MARGINALS_BACKWARD_ARGS:-} --out "$OUT/gpu_marginals_backward"
     tail -12 "$OUT/marginals_backward.log"
+fi
+
+if has counts_backward; then
+    # The same for the expected transition counts' gradient (the same kernel, the transitions'
+    # direction).
+    # shellcheck disable=SC2086
+    stage counts_backward "${COUNTS_BACKWARD_SHARE:-30}" $PY benchmarks/bench_gpu_marginals_backward.py \
+        --op expected_transition_counts ${COUNTS_BACKWARD_ARGS:-} --out "$OUT/gpu_counts_backward"
+    tail -12 "$OUT/counts_backward.log"
 fi
 
 if has host_breakdown; then

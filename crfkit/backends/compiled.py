@@ -54,7 +54,7 @@ def _second_derivative(kernel_name: str, reference_op):
     return backward
 
 
-# marginals_backward has CPU and CUDA kernels; expected_transition_counts_backward a CPU kernel.
+# Both backward ops have CPU and CUDA kernels (a build without CUDA takes the reference there).
 _marginals_backward = _second_derivative("marginals_backward", reference.marginals)
 _expected_transition_counts_backward = _second_derivative("expected_transition_counts_backward",
                                                           reference.expected_transition_counts)

@@ -52,7 +52,7 @@ OPS: Dict[str, Op] = {
     "marginals": Op(
         f"({_CRF}) -> Tensor",
         lambda emissions, transitions, lengths, start, end: torch.empty_like(emissions)),
-    # The marginals' vector-Jacobian product (their autograd formula on the CPU); not differentiable.
+    # The marginals' vector-Jacobian product (their autograd formula); not differentiable.
     "marginals_backward": Op(
         f"(Tensor grad_marginals, {_CRF}) -> {_GRADS}",
         lambda grad_marginals, emissions, transitions, lengths, start, end: _grads_like(emissions)),
@@ -70,7 +70,7 @@ OPS: Dict[str, Op] = {
     "expected_transition_counts": Op(
         f"({_CRF}) -> Tensor",
         lambda emissions, transitions, lengths, start, end: _counts_like(emissions)),
-    # The counts' vector-Jacobian product (their autograd formula on the CPU); not differentiable.
+    # The counts' vector-Jacobian product (their autograd formula); not differentiable.
     "expected_transition_counts_backward": Op(
         f"(Tensor grad_counts, {_CRF}) -> {_GRADS}",
         lambda grad_counts, emissions, transitions, lengths, start, end: _grads_like(emissions)),
@@ -124,8 +124,7 @@ def register_fakes(namespace: str = "crfkit") -> None:
 
 
 def has_kernel(namespace: str, name: str, dispatch_key: str) -> bool:
-    """Whether op `name` of `namespace` has a kernel for dispatch_key ("CPU", "CUDA"):
-    expected_transition_counts_backward has none on CUDA."""
+    """Whether op `name` of `namespace` has a kernel for dispatch_key ("CPU", "CUDA")."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", dispatch_key)
 
 

@@ -1,5 +1,7 @@
-// CUDA kernel of marginals_backward: the vector-Jacobian product of the marginals with an
-// upstream gradient V (B, L, T), for emissions, transitions, start and end.
+// CUDA kernels of marginals_backward: the vector-Jacobian product of the marginals with an
+// upstream gradient V (B, L, T), for emissions, transitions, start and end; and of
+// expected_transition_counts_backward, the same for the expected transition counts with an
+// upstream gradient W (B, T, T).
 //
 // The same mathematics as the CPU kernel (csrc/cpu/marginals_backward.cpp, where the formulas
 // are derived): a Hessian-vector product of log Z, computed as the tangent of the
@@ -10,7 +12,9 @@
 //   dmu_i(j) = mu_i(j) (a_i(j) + b_i(j) - z_i),  z_i = sum_j mu_i(j) (a_i(j) + b_i(j))
 //   dxi_i(s, j) = P_i(s|j) (mu_i(j) (a_{i-1}(s) - mean_i(j)) + dmu_i(j)),  mean_i(j) = sum_s P_i(s|j) a_{i-1}(s)
 // grad_emissions = dmu (0 beyond the length), grad_transitions = sum over sentences and i >= 1 of
-// dxi_i, grad_start = sum of dmu_0, grad_end = sum of dmu_{n-1}.
+// dxi_i, grad_start = sum of dmu_0, grad_end = sum of dmu_{n-1}. For the counts the direction is
+// W_b in the transitions (V = 0): the term s of the forward line j, of dxi_i(s, j) and of the
+// backward line s moves by W(s, j) as well (the CPU file's comment derives it).
 //
 // Layout: one WARP per sentence (not the G-lane groups of common.cuh): the warp's control flow
 // then depends on its own sentence only (its length, and whether log Z is -inf), so the early
@@ -54,7 +58,8 @@ struct MarginalsBackwardParams {
   long long* status;
   int64_t batch = 0, max_len = 0;
   int num_tags = 0;
-  const scalar_t* grad;         // V (B, L, T)
+  const scalar_t* grad;         // V (B, L, T), or null: no direction in the emissions
+  const scalar_t* grad_counts;  // W (B, T, T) [from][to], or null: no direction in the transitions
   scalar_t* grad_emissions;     // (B, L, T), zero-initialised
   double* forward_rows;         // (warps, kNumForwardRows, L, T)
   double* backward_rows;        // (warps, kNumBackwardRows, T)
@@ -67,11 +72,11 @@ __device__ __forceinline__ double warp_sum(double v) { return group_sum(v, kWarp
 __device__ __forceinline__ double warp_max_of(double v) { return group_max(v, kWarpSize); }
 
 // One line of a recursion and of its tangent: out = lse_m(x[m] + line[m * stride]) and
-// mean = sum_m w[m] dx[m], w the line's softmax weights. out = -inf, mean = 0 when every term
-// is -inf.
+// mean = sum_m w[m] (dx[m] + dir[m * stride]), w the line's softmax weights, dir (null: 0) the
+// transitions' tangent laid out as line. out = -inf, mean = 0 when every term is -inf.
 template <typename scalar_t>
-__device__ __forceinline__ void tangent_line(const double* x, const double* dx, const scalar_t* line, int64_t stride,
-                                             int T, double& out, double& mean) {
+__device__ __forceinline__ void tangent_line(const double* x, const double* dx, const scalar_t* line,
+                                             const scalar_t* dir, int64_t stride, int T, double& out, double& mean) {
   double top = neg_inf<double>();
   for (int m = 0; m < T; ++m) top = max_(top, x[m] + static_cast<double>(line[m * stride]));
   if (top == neg_inf<double>()) {
@@ -83,7 +88,8 @@ __device__ __forceinline__ void tangent_line(const double* x, const double* dx, 
   for (int m = 0; m < T; ++m) {
     const double e = exp_(x[m] + static_cast<double>(line[m * stride]) - top);
     sum += e;
-    weighted += e == 0 ? 0.0 : e * dx[m];
+    const double moved = dir == nullptr ? dx[m] : dx[m] + static_cast<double>(dir[m * stride]);
+    weighted += e == 0 ? 0.0 : e * moved;
   }
   out = top + log_(sum);
   mean = weighted / sum;
@@ -108,21 +114,23 @@ __global__ void marginals_backward_kernel(MarginalsBackwardParams<scalar_t> p) {
     const int64_t n = safe_length(p.lengths, s_index, L);
     if (n == 0) continue;
     const scalar_t* emit = p.emissions + s_index * LT;
-    const scalar_t* V = p.grad + s_index * LT;
+    const scalar_t* V = p.grad == nullptr ? nullptr : p.grad + s_index * LT;
+    const scalar_t* W = p.grad_counts == nullptr ? nullptr : p.grad_counts + s_index * T * T;
     scalar_t* out = p.grad_emissions + s_index * LT;
 
     // Forward: alpha and its tangent a, every row kept.
     for (int t = lane; t < T; t += kWarpSize) {
       alpha[t] = static_cast<double>(p.start[t]) + static_cast<double>(emit[t]);
-      a[t] = static_cast<double>(V[t]);
+      a[t] = V == nullptr ? 0.0 : static_cast<double>(V[t]);
     }
     __syncwarp();
     for (int64_t i = 1; i < n; ++i) {
       for (int t = lane; t < T; t += kWarpSize) {
         double line_lse, line_mean;
-        tangent_line(alpha + (i - 1) * T, a + (i - 1) * T, trans + t, T, T, line_lse, line_mean);
+        tangent_line(alpha + (i - 1) * T, a + (i - 1) * T, trans + t, W == nullptr ? W : W + t, T, T, line_lse,
+                     line_mean);
         alpha[i * T + t] = line_lse + static_cast<double>(emit[i * T + t]);
-        a[i * T + t] = line_mean + static_cast<double>(V[i * T + t]);
+        a[i * T + t] = line_mean + (V == nullptr ? 0.0 : static_cast<double>(V[i * T + t]));
         mean[i * T + t] = line_mean;
         lse[i * T + t] = line_lse;
       }
@@ -170,31 +178,45 @@ __global__ void marginals_backward_kernel(MarginalsBackwardParams<scalar_t> p) {
         for (int s = 0; s < T; ++s) {
           const double x = alpha_prev[s] + static_cast<double>(trans[s * T + j]);
           if (x == neg_inf<double>()) continue;
-          pair[s * T + j] += exp_(x - line_lse) * (mu[j] * a_prev[s] + c0);
+          const double moved = W == nullptr ? a_prev[s] : a_prev[s] + static_cast<double>(W[s * T + j]);
+          pair[s * T + j] += exp_(x - line_lse) * (mu[j] * moved + c0);
         }
       }
 
       // beta_{i-1}, b_{i-1} from v = emit_i + beta_i and dv = V_i + b_i.
       for (int t = lane; t < T; t += kWarpSize) {
         v[t] = static_cast<double>(emit[i * T + t]) + beta[t];
-        dv[t] = static_cast<double>(V[i * T + t]) + b[t];
+        dv[t] = (V == nullptr ? 0.0 : static_cast<double>(V[i * T + t])) + b[t];
       }
       __syncwarp();
-      for (int s = lane; s < T; s += kWarpSize) tangent_line(v, dv, trans + (int64_t)s * T, 1, T, beta[s], b[s]);
+      for (int s = lane; s < T; s += kWarpSize) {
+        tangent_line(v, dv, trans + (int64_t)s * T, W == nullptr ? W : W + (int64_t)s * T, 1, T, beta[s], b[s]);
+      }
       __syncwarp();
     }
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cuda(
-    const at::Tensor& grad_marginals_in, const at::Tensor& emissions, const at::Tensor& transitions,
-    const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+// The vector-Jacobian product of the marginals with grad_marginals (B, L, T) or of the expected
+// transition counts with grad_counts (B, T, T): the one given is the direction, the other is
+// undefined (a zero direction).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tangent_backward_cuda(
+    const at::Tensor& grad_marginals_in, const at::Tensor& grad_counts_in, const at::Tensor& emissions,
+    const at::Tensor& transitions, const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& c, Status& status) {
-    const at::Tensor grad = grad_marginals_in.contiguous();
-    check_argument_like(grad, "grad_marginals", "(batch, seq_len, num_tags)", c.emissions.sizes(), c.emissions,
-                        "emissions");
-    launch_check_emissions(c.emissions, c.lengths, status);
     const int64_t B = c.emissions.size(0), L = c.emissions.size(1), T = c.emissions.size(2);
+    at::Tensor grad, grad_counts;
+    if (grad_marginals_in.defined()) {
+      grad = grad_marginals_in.contiguous();
+      check_argument_like(grad, "grad_marginals", "(batch, seq_len, num_tags)", c.emissions.sizes(), c.emissions,
+                          "emissions");
+    }
+    if (grad_counts_in.defined()) {
+      grad_counts = grad_counts_in.contiguous();
+      check_argument_like(grad_counts, "grad_counts", "(batch, num_tags, num_tags)", {B, T, T}, c.emissions,
+                          "emissions");
+    }
+    launch_check_emissions(c.emissions, c.lengths, status);
     auto grad_emissions = at::zeros_like(c.emissions);
     const auto doubles = c.emissions.options().dtype(at::kDouble);
     at::Tensor pair_sums, start_sums, end_sums;  // (warps, T, T), (warps, T), (warps, T)
@@ -220,7 +242,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cu
       auto backward_rows = at::empty({warps, kNumBackwardRows, T}, doubles);
       MarginalsBackwardParams<scalar_t> p;
       set_crf_arguments<scalar_t>(p, c, status);
-      p.grad = grad.data_ptr<scalar_t>();
+      p.grad = grad.defined() ? grad.data_ptr<scalar_t>() : nullptr;
+      p.grad_counts = grad_counts.defined() ? grad_counts.data_ptr<scalar_t>() : nullptr;
       p.grad_emissions = grad_emissions.data_ptr<scalar_t>();
       p.forward_rows = forward_rows.data_ptr<double>();
       p.backward_rows = backward_rows.data_ptr<double>();
@@ -236,9 +259,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cu
   });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cuda(
+    const at::Tensor& grad_marginals, const at::Tensor& emissions, const at::Tensor& transitions,
+    const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+  return tangent_backward_cuda(grad_marginals, at::Tensor(), emissions, transitions, lengths, start, end);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expected_transition_counts_backward_cuda(
+    const at::Tensor& grad_counts, const at::Tensor& emissions, const at::Tensor& transitions,
+    const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+  return tangent_backward_cuda(at::Tensor(), grad_counts, emissions, transitions, lengths, start, end);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(crfkit, CUDA, m) { m.impl("marginals_backward", &marginals_backward_cuda); }
+TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("marginals_backward", &marginals_backward_cuda);
+  m.impl("expected_transition_counts_backward", &expected_transition_counts_backward_cuda);
+}
 
 }  // namespace cuda
 }  // namespace crfkit
