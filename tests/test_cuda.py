@@ -302,46 +302,30 @@ def test_log_partition_with_marginals_and_its_backward_match_cpu(dtype, B, L, T,
     assert torch.equal(counts, got[2])
 
 
-# The marginals' backward (csrc/cuda/marginals_backward.cu), a Hessian-vector product of log Z,
-# against the CPU kernel: T below, at and above a warp (lanes owning 0, 1 and several tags),
-# forbidden transitions with an all-forbidden sentence, scores wide enough that lines span many
-# orders of magnitude, and a batch larger than the warps of the grid.
+# The backward ops of the marginals and of the expected transition counts
+# (csrc/cuda/marginals_backward.cu: a Hessian-vector product of log Z in the direction of the
+# upstream gradient, V (B, L, T) in the emissions or W (B, T, T) in the transitions) against the
+# CPU kernels: T below, at and above a warp (lanes owning 0, 1 and several tags), forbidden
+# transitions with an all-forbidden sentence, scores wide enough that lines span many orders of
+# magnitude, and a batch larger than the warps of the grid.
+@pytest.mark.parametrize("op", ["marginals_backward", "expected_transition_counts_backward"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("B,L,T", [(1, 1, 1), (3, 4, 1), (5, 6, 2), (7, 9, 5), (8, 33, 9), (4, 40, 37),
                                    (6, 11, 33), (3, 12, 100), (70, 12, 9)])
 @pytest.mark.parametrize("scores", ["random", "forbidden", "large"])
-def test_marginals_backward_matches_cpu(dtype, B, L, T, scores):
+def test_second_derivative_kernels_match_cpu(op, dtype, B, L, T, scores):
     inputs = random_crf(B, L, T, dtype=dtype, scale=20.0 if scores == "large" else 2.0)
     if scores == "forbidden":
         inputs = forbid(inputs, seed=B + T)
-    grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(T), dtype=dtype)
-    want = torch.ops.crfkit.marginals_backward(grad, *inputs)
-    got = device_ops().marginals_backward(*to(DEVICE, (grad, *inputs)))
+    shape = (B, L, T) if op == "marginals_backward" else (B, T, T)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(T), dtype=dtype)
+    want = getattr(torch.ops.crfkit, op)(grad, *inputs)
+    got = getattr(device_ops(), op)(*to(DEVICE, (grad, *inputs)))
     for name, a, b in zip(("emissions", "transitions", "start", "end"), got, want):
         assert not torch.isnan(a).any(), name
         torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
     if T > 1 and scores == "random":  # not trivially zero
-        assert got[0].abs().sum() > 0
-
-
-# The expected transition counts' backward (the same kernel in the transitions' direction W (B,
-# T, T)) against the CPU kernel, on the same kinds of scores and shapes.
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("B,L,T", [(1, 1, 1), (5, 6, 2), (7, 9, 5), (8, 33, 9), (4, 40, 37), (3, 12, 100),
-                                   (70, 12, 9)])
-@pytest.mark.parametrize("scores", ["random", "forbidden", "large"])
-def test_counts_backward_matches_cpu(dtype, B, L, T, scores):
-    inputs = random_crf(B, L, T, dtype=dtype, scale=20.0 if scores == "large" else 2.0)
-    if scores == "forbidden":
-        inputs = forbid(inputs, seed=B + T)
-    grad = torch.randn(B, T, T, generator=torch.Generator().manual_seed(T), dtype=dtype)
-    want = torch.ops.crfkit.expected_transition_counts_backward(grad, *inputs)
-    got = device_ops().expected_transition_counts_backward(*to(DEVICE, (grad, *inputs)))
-    for name, a, b in zip(("emissions", "transitions", "start", "end"), got, want):
-        assert not torch.isnan(a).any(), name
-        torch.testing.assert_close(a.cpu(), b, **TOL[dtype], msg=name)
-    if T > 1 and scores == "random":  # not trivially zero
-        assert got[1].abs().sum() > 0
+        assert got[0].abs().sum() > 0 and got[1].abs().sum() > 0
 
 
 def test_counts_backward_checks_its_upstream_gradient():
