@@ -18,7 +18,8 @@ checkpoint; finished runs are skipped):
 4. report    test F1, parameters and tagging speed (sentences/s, same batch size, measured side
              by side in this process) of the teacher and each student: WORKDIR/report.md / .json.
 Every finished run appends a record to WORKDIR/results.jsonl (variant, K, seed, dev_f1, test_f1,
-params, sentences_per_s, wall_s, command, git). Tag new text with the student afterwards:
+params, sentences_per_s, wall_s: training time summed over the processes that trained it, command,
+git). Tag new text with the student afterwards:
     python -m crfkit.tag --model WORKDIR/students/te_seq-k5-seed0/model < sentences.txt
 """
 from __future__ import annotations
@@ -32,7 +33,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -223,7 +223,7 @@ def train_teacher(args, corpus: Corpus) -> str:
     """Stage 1: returns the saved teacher's folder."""
     import transformers
 
-    from .training import fit_tagger, tagging_items
+    from .training import RunClock, fit_tagger, tagging_items
 
     out = os.path.join(args.workdir, "teacher")
     model_dir = os.path.join(out, "model")
@@ -237,14 +237,15 @@ def train_teacher(args, corpus: Corpus) -> str:
     training = _training_arguments(out, args, num_train_epochs=args.teacher_epochs, learning_rate=args.teacher_lr,
                                    head_learning_rate=args.teacher_head_lr, layer_decay=args.layer_decay,
                                    weight_decay=0.01, warmup_steps=0.1)
-    begin = time.perf_counter()
-    trainer = fit_tagger(teacher, tagging_items(corpus.train), tagging_items(corpus.dev), training)
+    clock = RunClock(out)  # the wall time over every process that trained it (resumed runs)
+    trainer = fit_tagger(teacher, tagging_items(corpus.train), tagging_items(corpus.dev), training,
+                         callbacks=[clock])
     if _is_main_process():
         # its weights' digest, as the students' records name their teacher
         _finish_run(args, corpus, trainer.model.tagger, out,
                     {"variant": "teacher", "K": None, "seed": args.seed,
                      "teacher_sha256": _sha256(os.path.join(model_dir, "model.safetensors"))},
-                    time.perf_counter() - begin, trainer)
+                    clock, trainer)
     _barrier()
     return model_dir
 
@@ -310,7 +311,7 @@ def build_student(args, corpus: Corpus, teacher_dir: str, embeddings: str) -> Bi
 def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) -> dict:
     import transformers
 
-    from .training import fit_tagger, fit_tagger_gradually, tagging_items
+    from .training import RunClock, fit_tagger, fit_tagger_gradually, tagging_items
 
     out = os.path.join(args.workdir, "students", spec.name)
     done = os.path.join(out, "result.json")
@@ -343,7 +344,7 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
     def make_args(directory):
         return _training_arguments(directory, args, num_train_epochs=args.student_epochs, seed=spec.seed, **settings)
 
-    begin = time.perf_counter()
+    clock = RunClock(out)  # the wall time over every process and stage that trained it
     trainer = None
     for stage, objective in enumerate(objectives, 1):
         stage_out = out if len(objectives) == 1 else os.path.join(out, f"stage{stage}")
@@ -356,13 +357,13 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
             continue
         if variant.gradual_unfreezing:
             trainer = fit_tagger_gradually(student, items, dev_items, make_args, stage_out, objective=objective,
-                                           cache=cache, hidden_projection=projection) or trainer
+                                           cache=cache, hidden_projection=projection, callbacks=[clock]) or trainer
             if _is_main_process():
                 student.save_pretrained(saved)   # the stage's result: its last round's best
             _barrier()
             continue
         trainer = fit_tagger(student, items, dev_items, make_args(stage_out), objective=objective, cache=cache,
-                             hidden_projection=projection)
+                             hidden_projection=projection, callbacks=[clock])
         student = trainer.model.tagger
     record = None
     if _is_main_process():
@@ -377,16 +378,19 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
                               "seed": spec.seed, "losses": [list(o.losses) for o in objectives] if len(objectives) > 1
                               else list(final.losses), "weighting": final.weighting,
                               **({"gradual_unfreezing": True} if variant.gradual_unfreezing else {})},
-                             time.perf_counter() - begin, trainer)
+                             clock, trainer)
     _barrier()
     return record
 
 
-def _finish_run(args, corpus: Corpus, tagger, out: str, fields: dict, wall_s: float, trainer=None) -> dict:
+def _finish_run(args, corpus: Corpus, tagger, out: str, fields: dict, clock, trainer=None) -> dict:
     """Score the finished run once on validation and test, record it, append to results.jsonl.
-    trainer: the last stage's (None when every stage had finished before this call)."""
+    clock: the run's RunClock (wall_s: its training time over every process, without the scoring
+    below). trainer: the last stage's (None when every stage had finished before this call)."""
     from .training.evaluation import evaluate_tagger, tagging_throughput
 
+    wall_s = clock.seconds()
+    clock.save()
     tagger.eval()
     dev = evaluate_tagger(tagger, corpus.dev_all)
     test = evaluate_tagger(tagger, corpus.test)

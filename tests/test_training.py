@@ -396,6 +396,31 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path):
     for name in whole:
         assert torch.equal(whole[name], resumed[name]), name
     assert (tmp_path / "killed" / "run" / "model" / "model.safetensors").exists()
+    # The run's wall time counts the killed process up to checkpoint 16 (16 steps of at least
+    # 0.3 s) as well as the resumed one.
+    wall = __import__("json").loads((tmp_path / "killed" / "run" / "wall_time.json").read_text())["seconds"]
+    assert wall > 16 * 0.3
+
+
+def test_run_clock_sums_the_processes_that_trained_a_run(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from crfkit.training import RunClock, trainer as trainer_module
+
+    now = [100.0]
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: now[0])
+    first = RunClock(str(tmp_path / "run"))
+    now[0] += 30
+    first.on_save(None, SimpleNamespace(is_world_process_zero=True), None)  # a checkpoint at 30 s
+    now[0] += 12  # then killed: these 12 s are lost with the steps they trained
+    second = RunClock(str(tmp_path / "run"))
+    assert second.seconds() == 30
+    now[0] += 5
+    assert second.seconds() == 35
+    second.on_save(None, SimpleNamespace(is_world_process_zero=False), None)  # other ranks write nothing
+    assert RunClock(str(tmp_path / "run")).seconds() == 30
+    second.save()
+    assert RunClock(str(tmp_path / "run")).seconds() == 35
 
 
 @needs_data

@@ -4,7 +4,8 @@
 
 A BiLSTM+CRF student on the first 96 CoNLL-2003 train sentences, distilled from a teacher-label
 cache that a tiny 1-layer MiniLM teacher (untrained head) writes into OUTPUT_DIR/labels, with
-checkpoints every 4 steps. --sleep slows each step so a test can kill the run mid-way.
+checkpoints every 4 steps, and its RunClock. --sleep slows each step so a test can kill the run
+mid-way.
 """
 import argparse
 import os
@@ -19,7 +20,8 @@ import transformers  # noqa: E402
 
 from crfkit import data, distill  # noqa: E402
 from crfkit.taggers import BiLSTMCRFTagger, TransformerCRFTagger  # noqa: E402
-from crfkit.training import VARIANTS, TaggerTrainingArguments, fit_tagger, init_distributed, tagging_items  # noqa: E402
+from crfkit.training import (VARIANTS, RunClock, TaggerTrainingArguments, fit_tagger, init_distributed,  # noqa: E402
+                             tagging_items)
 
 
 class _Slow(transformers.TrainerCallback):
@@ -60,8 +62,10 @@ def main() -> int:
         learning_rate=1e-2, eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4,
         save_total_limit=2, logging_steps=4, report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
         patience=100)
+    clock = RunClock(training.output_dir)
     fit_tagger(student, items, tagging_items(dev), training, objective=variant.objective, cache=cache,
-               callbacks=[_Slow(args.sleep)] if args.sleep else [])
+               callbacks=[clock] + ([_Slow(args.sleep)] if args.sleep else []))
+    clock.save()
     return 0
 
 

@@ -12,8 +12,9 @@ Needs transformers and accelerate (pip install transformers accelerate) and seqe
 from .data import TaggingCollator, tagging_items
 from .metrics import entity_scores, make_compute_metrics
 from .objectives import LOSSES, VARIANTS, WEIGHTINGS, ObjectiveConfig, TaggingObjective, Variant
-from .trainer import TaggerTrainer, TaggerTrainingArguments, fit_tagger, fit_tagger_gradually, init_distributed
+from .trainer import (RunClock, TaggerTrainer, TaggerTrainingArguments, fit_tagger, fit_tagger_gradually,
+                      init_distributed)
 
-__all__ = ["LOSSES", "ObjectiveConfig", "TaggerTrainer", "TaggerTrainingArguments", "TaggingCollator",
+__all__ = ["LOSSES", "ObjectiveConfig", "RunClock", "TaggerTrainer", "TaggerTrainingArguments", "TaggingCollator",
            "TaggingObjective", "VARIANTS", "Variant", "WEIGHTINGS", "entity_scores", "fit_tagger",
            "fit_tagger_gradually", "init_distributed", "make_compute_metrics", "tagging_items"]

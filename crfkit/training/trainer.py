@@ -15,7 +15,9 @@ logs. crfkit adds only what a CRF tagger needs on top:
 """
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,7 +31,8 @@ from .objectives import ObjectiveConfig, TaggingObjective
 
 transformers = require("transformers", "pip install transformers accelerate")
 
-__all__ = ["TaggerTrainer", "TaggerTrainingArguments", "fit_tagger", "fit_tagger_gradually", "init_distributed"]
+__all__ = ["RunClock", "TaggerTrainer", "TaggerTrainingArguments", "fit_tagger", "fit_tagger_gradually",
+           "init_distributed"]
 
 MODEL_DIR = "model"
 PROJECTION_FILE = "hidden_projection.safetensors"
@@ -55,6 +58,37 @@ class _ObjectiveProgress(transformers.TrainerCallback):
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and hasattr(model, "progress"):
             model.progress = (state.global_step, state.max_steps)
+
+
+class RunClock(transformers.TrainerCallback):
+    """The wall time of a run summed over the processes that trained it (a run killed and resumed,
+    or continued in a later session), not only the last one's. The sum is kept in
+    directory/wall_time.json and written at every checkpoint (and by save()), so a killed process
+    counts up to its last checkpoint: the steps after it are trained again by the next process,
+    whose time counts instead. Pass it in fit_tagger's callbacks; seconds() gives the total."""
+
+    FILE = "wall_time.json"
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, self.FILE)
+        self.before = 0.0
+        if os.path.isfile(self.path):
+            with open(self.path) as f:
+                self.before = float(json.load(f)["seconds"])
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.start
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path + ".tmp", "w") as f:
+            json.dump({"seconds": round(self.seconds(), 1)}, f)
+        os.replace(self.path + ".tmp", self.path)
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.save()
 
 
 class TaggerTrainer(transformers.Trainer):
@@ -161,7 +195,8 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
 def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequence[dict],
                          make_args: Callable[[str], TaggerTrainingArguments], output_dir: str,
                          objective: ObjectiveConfig = ObjectiveConfig(), cache=None,
-                         hidden_projection: Optional[nn.Module] = None) -> Optional[TaggerTrainer]:
+                         hidden_projection: Optional[nn.Module] = None,
+                         callbacks: Sequence = ()) -> Optional[TaggerTrainer]:
     """Gradual unfreezing (the multi-stage distillation paper's Algorithm 1) over fit_tagger:
     round r trains the top r layers of tagger.layer_groups() (the hidden projection counts as the
     top layer of the hidden loss, whose stage leaves out the "output" layer it does not train),
@@ -170,7 +205,8 @@ def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequenc
     make_args(directory) -> the TaggerTrainingArguments of one round (output_dir = directory);
     rounds go to output_dir/unfreeze1, unfreeze2, ...; a finished round is loaded, not retrained,
     so a killed run resumes in the round it stopped in. Parameters frozen by design (a TE table)
-    stay frozen; every other requires_grad flag is restored at the end.
+    stay frozen; every other requires_grad flag is restored at the end. callbacks: as fit_tagger's,
+    for every round.
     Returns the last round's trainer (None when every round had finished before).
     """
     from safetensors.torch import load_model
@@ -199,7 +235,7 @@ def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequenc
                     load_model(hidden_projection, os.path.join(out, PROJECTION_FILE))
                 continue
             trainer = fit_tagger(tagger, train_items, dev_items, make_args(out), objective=objective, cache=cache,
-                                 hidden_projection=hidden_projection)
+                                 hidden_projection=hidden_projection, callbacks=callbacks)
     finally:
         for p, flag in zip(everything, flags):
             p.requires_grad_(flag)
