@@ -100,17 +100,52 @@ __device__ __forceinline__ void store_own_accumulators(scalar_t* out, const scal
   }
 }
 
+// The forward's line t before its emission, lse_s(cur(s) + trans(s, t)) for the normalised
+// alpha row cur: from the factored tables (pbuf = exp(cur)), exactly where the factored sum
+// underflows; -inf where no transition reaches t.
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t forward_column(int t, int T, const scalar_t* cur, const scalar_t* pbuf,
+                                                   const scalar_t* e_col, const scalar_t* col_max,
+                                                   const scalar_t* transitions) {
+  const scalar_t c_max = col_max[t];
+  scalar_t x = neg_inf<scalar_t>();
+  if (c_max != neg_inf<scalar_t>()) {
+    scalar_t sum = 0;
+    for (int s = 0; s < T; ++s) sum += pbuf[s] * e_col[s * T + t];
+    x = sum >= trusted_sum_min<scalar_t>() ? c_max + log_(sum) : exact_column_lse(cur, transitions, T, t);
+  }
+  return x;
+}
+
+// beta_{i-1}(s) = lse_t(trans(s, t) + v(t)), from the factored tables (qbuf = exp(v - v_max)),
+// exactly where the factored sum underflows.
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t backward_row(int s, int T, const scalar_t* vbuf, const scalar_t* qbuf,
+                                                 scalar_t v_max, const scalar_t* e_row_t, const scalar_t* row_max,
+                                                 const scalar_t* transitions) {
+  const scalar_t r_max = row_max[s];
+  scalar_t x = neg_inf<scalar_t>();
+  if (r_max != neg_inf<scalar_t>() && v_max != neg_inf<scalar_t>()) {
+    scalar_t row_sum = 0;
+    for (int t = 0; t < T; ++t) row_sum += qbuf[t] * e_row_t[t * T + s];
+    x = row_sum >= trusted_sum_min<scalar_t>() ? v_max + r_max + log_(row_sum)
+                                               : exact_row_lse(vbuf, transitions, T, s);
+  }
+  return x;
+}
+
 // One group of G lanes per sentence; the grid is persistent (a group takes sentences first,
 // first + the grid's groups, ...). Per sentence: the forward pass (alpha rows), log Z
 // (finish_forward), and for the ops that need it the backward pass (marginals, pairwise
 // marginals); a group's gradients go out at the end.
 //
-// The time loops stay in this body on purpose: moving the forward or the backward pass, or one
-// of their per-tag steps (the factored column sum, the marginals, the pairwise terms, the beta
-// row), into __forceinline__ functions changed the sm_90 machine code of some instantiations
-// (ptxas allocated registers differently, with more spills in places), and an earlier split of
-// this kind ran slower on a GPU. Check such a change with tools/cuda_compile_check/compare_sass.py:
-// the SASS of every instantiation should stay identical.
+// The time loops stay in this body on purpose: moving the forward or the backward pass into
+// __forceinline__ functions changed the sm_90 machine code of some instantiations (ptxas
+// allocated registers differently, with more spills in places), and an earlier split of this
+// kind ran slower on a GPU. The two per-tag steps above (forward_column, backward_row) left the
+// SASS of every instantiation the same but for two registers swapped in 5 places of 2 of them
+// (same instructions, registers, spills). Check such a change with
+// tools/cuda_compile_check/compare_sass.py.
 template <typename scalar_t, Output kOut, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(const FbParams<scalar_t> p) {
   constexpr bool kKeepRows = kOut != Output::kLogPartition;
@@ -218,14 +253,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
         for (int t = lane; t < T; t += G) {
           const scalar_t e = t == lane ? emit_first : emit_i[t];
           bad |= is_nan_or_pos_inf(e);
-          const scalar_t c_max = col_max[t];
-          scalar_t x = kNegInf;
-          if (c_max != kNegInf) {
-            scalar_t sum = 0;
-            for (int s = 0; s < T; ++s) sum += pbuf[s] * e_col[s * T + t];
-            x = sum >= trusted_sum_min<scalar_t>() ? c_max + log_(sum)
-                                                   : exact_column_lse(cur, p.transitions, T, t);
-          }
+          scalar_t x = forward_column(t, T, cur, pbuf, e_col, col_max, p.transitions);
           x += e;
           next[t] = x;
           local = max_(local, x);
@@ -377,14 +405,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
       local = kNegInf;
       if (step) {
         for (int s = lane; s < T; s += G) {
-          const scalar_t r_max = row_max[s];
-          scalar_t x = kNegInf;
-          if (r_max != kNegInf && v_max != kNegInf) {
-            scalar_t row_sum = 0;
-            for (int t = 0; t < T; ++t) row_sum += qbuf[t] * e_row_t[t * T + s];
-            x = row_sum >= trusted_sum_min<scalar_t>() ? v_max + r_max + log_(row_sum)
-                                                       : exact_row_lse(vbuf, p.transitions, T, s);
-          }
+          const scalar_t x = backward_row(s, T, vbuf, qbuf, v_max, e_row_t, row_max, p.transitions);
           beta[s] = x;
           local = max_(local, x);
         }
