@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -142,7 +143,10 @@ def _log(message: str) -> None:
         print(f"[crfkit.pipeline {datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _git_commit() -> Optional[str]:
+    """The checkout's commit (+dirty) when first asked: main() asks at start, so a record names the
+    code its process ran, not a commit made while it trained."""
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -469,6 +473,7 @@ def main(argv=None) -> int:
     from .training import init_distributed
 
     init_distributed()
+    _git_commit()  # read now: the records name the code this process runs
     os.makedirs(args.workdir, exist_ok=True)
     _log(f"workdir {args.workdir}; stages {', '.join(args.stages)}; {len(args.run_specs)} student run(s); "
          f"{machine_description()}")
