@@ -1,21 +1,26 @@
 """Write docs/REPRODUCTION.md, docs/reproduction.json and docs/kbest_ablation.png from the records
 that `python -m crfkit.pipeline` runs append to WORKDIR/results.jsonl (never typed by hand).
 
-    python examples/reproduction_report.py --workdir runs/full
+    python examples/reproduction_report.py --workdir runs/full [--workdir runs/mpnet ...]
 
 Tables: the multi-grained distillation paper's Table 1 on CoNLL-2003 (mean and spread over the
 seeds that finished, the paper's number beside), the K ablation (table and plot), uncertainty
 against equal weighting (its Table 3), the loss combinations (its Table 2), the training-step
 benchmark (benchmarks/results/training_step.json) and the issue's targets with verdicts.
 docs/reproduction_notes.md (hand-written commentary, no numbers) is appended when present.
+More than one --workdir (a run per teacher, e.g. the MPNet-base one): their records are merged; the
+tables keep to the teacher most students name, the others are listed by teacher and encoder.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
+import shlex
 import statistics
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -44,17 +49,19 @@ RECORD_FIELDS = ("run", "variant", "K", "teacher_sha256", "seed", "dev_f1", "tes
 MAIN_POOL = "news"  # the DA pool of Table 1 (pipeline --full: --da-news, no Tang augmentation)
 
 
-def load_records(workdir: Path, previous: dict) -> list[dict]:
+def load_records(workdirs: Sequence[Path], previous: dict) -> list[dict]:
     """The latest record per (variant, K, seed, DA pool, teacher): those already in
     docs/reproduction.json (`previous`, so that records of earlier sessions are kept when their
-    workdir is gone), then workdir/results.jsonl. A record's teacher is the digest of the teacher's weights
-    (a teacher's own record names its own); records written before the pipeline recorded it
+    workdir is gone), then each workdir's results.jsonl. A record's teacher is the digest of the teacher's
+    weights (a teacher's own record names its own); records written before the pipeline recorded it
     (teacher_sha256 None) count as the main teacher's (see main_teacher)."""
     latest = {}
-    path = workdir / "results.jsonl"
-    if not path.exists():
-        raise SystemExit(f"{path} does not exist: run python -m crfkit.pipeline --workdir {workdir} first")
-    records = previous.get("records", []) + [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = list(previous.get("records", []))
+    for workdir in workdirs:
+        path = workdir / "results.jsonl"
+        if not path.exists():
+            raise SystemExit(f"{path} does not exist: run python -m crfkit.pipeline --workdir {workdir} first")
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for record in records:
         kept = {k: record.get(k) for k in RECORD_FIELDS}
         kept["pool"] = pool_name(record)
@@ -84,6 +91,20 @@ def by_teacher(records: list[dict]) -> tuple[str | None, list[dict], dict[str, l
         if r.get("teacher_sha256") not in (None, main):
             others.setdefault(r["teacher_sha256"], []).append(r)
     return main, [r for r in records if r.get("teacher_sha256") in (None, main)], others
+
+
+def encoder_name(teacher_record: dict | None) -> str:
+    """The encoder a teacher was fine-tuned from, read from its record's command (the pipeline's
+    --teacher-encoder: "minilm" by default, "mpnet", or a folder, named by its last part)."""
+    if teacher_record is None:
+        return "?"
+    words = shlex.split(teacher_record.get("command") or "")
+    for i, word in enumerate(words):
+        if word == "--teacher-encoder" and i + 1 < len(words):
+            return os.path.basename(words[i + 1].rstrip("/")) or words[i + 1]
+        if word.startswith("--teacher-encoder="):
+            return os.path.basename(word.split("=", 1)[1].rstrip("/"))
+    return "minilm"
 
 
 def pool_name(record: dict) -> str | None:
@@ -130,16 +151,19 @@ def _paper(variant: str) -> str:
     return f"{PAPER[variant]:.2f}" if variant in PAPER else "-"
 
 
-def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, dict]:
+def build(workdirs: Path | Sequence[Path], ablation_variant: str, default_k: int) -> tuple[str, dict]:
+    workdirs = [Path(workdirs)] if isinstance(workdirs, (str, Path)) else [Path(w) for w in workdirs]
+    workdir = workdirs[0]  # the main run's: its report stage gives the side-by-side speeds
     previous = DOCS / "reproduction.json"
     previous = json.loads(previous.read_text()) if previous.exists() else {}
-    all_records = load_records(workdir, previous)
+    all_records = load_records(workdirs, previous)
     main, records, other_teachers = by_teacher(all_records)
-    out = {"generated": datetime.datetime.now().isoformat(timespec="seconds"), "workdir": str(workdir),
-           "records": all_records}
+    out = {"generated": datetime.datetime.now().isoformat(timespec="seconds"),
+           "workdir": ", ".join(map(str, workdirs)), "records": all_records}
     lines = ["# Reproducing multi-grained k-best distillation on CoNLL-2003", "",
              "Written by `python examples/reproduction_report.py` from the run records of `python -m crfkit.pipeline` "
-             f"(`{workdir}/results.jsonl`; every record, with its command, seed, commit and machine, is in "
+             f"(`{'`, `'.join(f'{w}/results.jsonl' for w in workdirs)}`; every record, with its command, seed, "
+             "commit and machine, is in "
              "`docs/reproduction.json`). Test F1 is entity-level (seqeval, strict IOB2) on the CoNLL-2003 test "
              "split, read once per finished run; model selection used the validation split only. "
              "Mean ± sample standard deviation over the seeds that finished (n). The paper's numbers are its "
@@ -237,18 +261,19 @@ def build(workdir: Path, ablation_variant: str, default_k: int) -> tuple[str, di
 
     if other_teachers:
         lines += ["", "## Runs with another teacher", "",
-                  "Teachers retrained with the same command and seed whose weights came out different (another "
-                  "machine: floating-point sums in another order), with the students distilled from each. They "
-                  "stay out of the tables above, which all share one teacher "
-                  f"(`{(main or '?')[:12]}`).", "",
-                  "| teacher | variant | K | seed | test F1 | paper | dev F1 | machine | date |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "Teachers of the same encoder retrained with the same command and seed whose weights came out "
+                  "different (another machine: floating-point sums in another order), teachers of another encoder "
+                  "(for example MPNet-base), and the students distilled from each. They stay out of the tables "
+                  f"above, which all share one teacher (`{(main or '?')[:12]}`).", "",
+                  "| teacher | encoder | variant | K | seed | test F1 | paper | dev F1 | machine | date |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for digest, rows in sorted(other_teachers.items()):
             rows = sorted(rows, key=lambda r: (r["variant"] != "teacher", r["variant"], r.get("K") or 0, r["seed"]))
+            encoder = encoder_name(next((r for r in rows if r["variant"] == "teacher"), None))
             for r in rows:
-                lines.append(f"| `{digest[:12]}` | {r['variant']} | {r.get('K') if r.get('K') is not None else '-'} | "
-                             f"{r['seed']} | {r['test_f1']:.2f} | {_paper(r['variant'])} | {r['dev_f1']:.2f} | "
-                             f"{r['machine']} | {r['date']} |")
+                lines.append(f"| `{digest[:12]}` | {encoder} | {r['variant']} | "
+                             f"{r.get('K') if r.get('K') is not None else '-'} | {r['seed']} | {r['test_f1']:.2f} | "
+                             f"{_paper(r['variant'])} | {r['dev_f1']:.2f} | {r['machine']} | {r['date']} |")
 
     side_by_side = workdir / "report.json"
     report = json.loads(side_by_side.read_text()) if side_by_side.exists() else previous.get("side_by_side")
@@ -313,12 +338,13 @@ def targets(table1: dict) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", default="runs/full")
+    parser.add_argument("--workdir", action="append", help="a pipeline workdir (default runs/full); repeat "
+                        "for runs with other teachers")
     parser.add_argument("--ablation-variant", default="te_da_seq")
     parser.add_argument("--k", type=int, default=5, help="the K of the SEQ rows of Table 1")
     args = parser.parse_args(argv)
     DOCS.mkdir(exist_ok=True)
-    text, data = build(Path(args.workdir), args.ablation_variant, args.k)
+    text, data = build([Path(w) for w in args.workdir or ["runs/full"]], args.ablation_variant, args.k)
     (DOCS / "REPRODUCTION.md").write_text(text)
     (DOCS / "reproduction.json").write_text(json.dumps(data, indent=2) + "\n")
     print(text)

@@ -80,8 +80,8 @@ def test_records_of_another_teacher_stay_out_of_the_tables(report, tmp_path):
     assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.00 (n = 1) |" in text  # not 88.20
     assert "| + TE + DA + TOKEN-EM | not run yet |" in text
     assert "## Runs with another teacher" in text and f"`{main[:12]}`" in text
-    assert f"| `{other[:12]}` | teacher | - | 0 | 88.20 |" in text
-    assert f"| `{other[:12]}` | te_da_token_em | - | 0 | 84.00 |" in text
+    assert f"| `{other[:12]}` | minilm | teacher | - | 0 | 88.20 |" in text
+    assert f"| `{other[:12]}` | minilm | te_da_token_em | - | 0 | 84.00 |" in text
     assert "| te_da_stagewise | - | 85.50 (n = 1) | 90.00 |" in text   # under "Other students"
     assert "| teacher (minilm + CRF) | 89.00 | 150 | 1.0x |" in text   # side by side kept from the docs
     assert len(data["records"]) == 7
@@ -93,3 +93,38 @@ def test_records_of_another_teacher_stay_out_of_the_tables(report, tmp_path):
     text, data = report.build(workdir, "te_da_seq", 5)
     assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.10 (n = 1) |" in text
     assert [r["teacher_sha256"] for r in data["records"] if r["variant"] == "teacher"] == [main, other]
+
+
+def test_a_second_workdir_with_another_encoder(report, tmp_path):
+    """Runs with another teacher (here an MPNet-base one, in a workdir of its own) are merged and
+    listed by teacher and encoder; the tables keep to the main teacher."""
+    main, mpnet = "a" * 64, "c" * 64
+    first, second = tmp_path / "runs", tmp_path / "mpnet"
+    first.mkdir()
+    second.mkdir()
+
+    def named(variant, seed, test_f1, teacher, command="python -m crfkit.pipeline --full", **kw):
+        return {**record(variant, seed, test_f1, **kw), "teacher_sha256": teacher, "date": "2026-11-28T05:00:00",
+                "command": command}
+
+    (first / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        named("teacher", 0, 89.0, main), named("te", 0, 85.0, main), named("te_seq", 0, 86.0, main, k=5)]))
+    (second / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        named("teacher", 0, 91.5, mpnet, command="python -m crfkit.pipeline --full --teacher-encoder mpnet"),
+        named("te_seq", 0, 87.5, mpnet, k=5)]))
+    text, data = report.build([first, second], "te_da_seq", 5)
+    assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.00 (n = 1) |" in text
+    assert "| + TE + SEQ | 86.00 (n = 1) |" in text
+    assert f"| `{mpnet[:12]}` | mpnet | teacher | - | 0 | 91.50 |" in text
+    assert f"| `{mpnet[:12]}` | mpnet | te_seq | 5 | 0 | 87.50 |" in text
+    assert f"`{first}/results.jsonl`, `{second}/results.jsonl`" in text
+    assert len(data["records"]) == 5
+
+
+@pytest.mark.parametrize("command, encoder", [
+    ("python -m crfkit.pipeline --full", "minilm"),
+    ("python -m crfkit.pipeline --teacher-encoder mpnet --full", "mpnet"),
+    ("python -m crfkit.pipeline --teacher-encoder=/root/gpu_teacher/mpnet/", "mpnet")])
+def test_encoder_name(report, command, encoder):
+    assert report.encoder_name({"command": command}) == encoder
+    assert report.encoder_name(None) == "?"
