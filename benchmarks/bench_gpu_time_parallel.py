@@ -132,7 +132,7 @@ def graph_table(shapes, min_time):
                 os.environ["CRFKIT_CUDA_TIME_PARALLEL"] = mode  # read while capturing
                 row["graph_ms"][mode] = median_ms(graphed(fn), min_time)
                 # Each graph's private memory pool and the cached blocks of the warm-up go back
-                # before the next capture: at (4096, 128, 9) they filled the 139 GiB of an H200.
+                # before the next capture, so that one capture's memory cannot starve the next.
                 gc.collect()
                 torch.cuda.empty_cache()
             os.environ.pop("CRFKIT_CUDA_TIME_PARALLEL", None)

@@ -1,13 +1,13 @@
 """Fine-tune the MPNet-base teacher on a lent GPU machine (the device tool), and bring it back.
 
 Issue 28 asks for the MPNet-base teacher where a session has a GPU. On this project's 2-core CPU
-machine its 4 epochs take about 2 hours (3.9 s a step of 32 sentences, 1756 steps, measured
-2026-11-27: longer than a working session, so it runs across sessions from its checkpoints); on
-an H100 / H200 a few minutes. What makes it awkward is the device
-tool's transfer limits: a call carries at most 64 MiB of working tree, returns at most 8 files
-of 16 MiB (64 MiB in all), and the machine keeps what it holds only while it is warm (30 s after
-a call). The weights (438 MB in float32) therefore travel as float16 (219 MB, a rounding of
-about 1e-4 relative) in pieces, one per call, in calls made back to back:
+machine its 4 epochs take about 2 hours (1756 steps of 32 sentences: longer than a working
+session, so it runs across sessions from its checkpoints); on an H100 / H200 a few minutes.
+What makes it awkward is the device tool's transfer limits: a call carries at most 64 MiB of
+working tree, returns at most 8 files of 16 MiB (64 MiB in all), and the machine keeps what it
+holds only while it is warm (30 s after a call). The weights (438 MB in float32) therefore
+travel as float16 (219 MB, a rounding of about 1e-4 relative) in pieces, one per call, in calls
+made back to back:
 
     python tools/gpu_teacher.py pack            # here: writes .gpu_payload/up1 .. up4, prints the calls
     # device calls, one right after the other (the machine must stay warm):

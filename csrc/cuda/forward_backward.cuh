@@ -142,9 +142,8 @@ __device__ __forceinline__ scalar_t backward_row(int s, int T, const scalar_t* v
 // The time loops stay in this body on purpose: moving the forward or the backward pass into
 // __forceinline__ functions changed the sm_90 machine code of some instantiations (ptxas
 // allocated registers differently, with more spills in places), and an earlier split of this
-// kind ran slower on a GPU. The two per-tag steps above (forward_column, backward_row) left the
-// SASS of every instantiation the same but for two registers swapped in 5 places of 2 of them
-// (same instructions, registers, spills). Check such a change with
+// kind ran slower on a GPU. The two per-tag steps above (forward_column, backward_row) leave the
+// machine code equivalent (benchmarks/results/NOTES.md). Check such a change with
 // tools/cuda_compile_check/compare_sass.py.
 template <typename scalar_t, Output kOut, bool kAllShared>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(const FbParams<scalar_t> p) {
