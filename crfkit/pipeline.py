@@ -440,7 +440,8 @@ def report(args, corpus: Corpus, teacher_dir: str, records: list[dict]) -> dict:
         directory = os.path.join(args.workdir, "students", run, "model")
         speed = tagging_throughput(load_tagger(directory), sentences, batch_size=args.batch_size)["sentences_per_s"]
         k = f", K = {record['K']}" if record.get("K") else ""
-        kind = "MiniLM-2L+CRF" if _variant(RunSpec(record["variant"], 0, 0)).transformer_layers else "BiLSTM+CRF"
+        layers = _variant(RunSpec(record["variant"], 0, 0)).transformer_layers
+        kind = f"{args.teacher_encoder} {layers} layers + CRF" if layers else "BiLSTM+CRF"
         rows.append({"model": f"{kind} {record['variant']}{k}, seed {record['seed']}",
                      "test_f1": record["test_f1"], "dev_f1": record["dev_f1"], "params": record["params"],
                      "trainable_params": record["trainable_params"], "sentences_per_s": speed,

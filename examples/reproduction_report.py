@@ -46,6 +46,7 @@ TABLE3 = [("te_seq", "te_seq_equal", "without DA"), ("te_da_seq", "te_da_seq_equ
 RECORD_FIELDS = ("run", "variant", "K", "teacher_sha256", "seed", "dev_f1", "test_f1", "params", "trainable_params",
                  "sentences_per_s", "wall_s", "epochs", "command", "git", "machine", "date", "losses", "weighting",
                  "test_sentences", "da_pool")
+TEACHERLESS = ("vanilla", "glove")  # Table 1's students that no teacher shapes
 MAIN_POOL = "news"  # the DA pool of Table 1 (pipeline --full: --da-news, no Tang augmentation)
 
 
@@ -181,11 +182,13 @@ def build(workdirs: Path | Sequence[Path], ablation_variant: str, default_k: int
               "| model | ours: test F1 | paper | dev F1 | parameters (trainable) | sentences/s | wall time |",
               "|---|---|---|---|---|---|---|"]
     table1 = {}
+    elsewhere = {r["variant"] for rows in other_teachers.values() for r in rows}
     for variant, label in TABLE1:
         s = summary(records, variant, None, default_k)
         table1[variant] = s
         if s is None:
-            lines.append(f"| {label} | not run yet | {_paper(variant)} | | | | |")
+            missing = "only with another teacher (below)" if variant in elsewhere else "not run yet"
+            lines.append(f"| {label} | {missing} | {_paper(variant)} | | | | |")
             continue
         params = f"{s['params'] / 1e6:.1f}M" + (f" ({s['trainable_params'] / 1e6:.2f}M)"
                                                 if s.get("trainable_params") is not None else "")
@@ -302,6 +305,15 @@ def build(workdirs: Path | Sequence[Path], ablation_variant: str, default_k: int
                          f"{100 * m['share_peer']:.1f}% |")
 
     lines += ["", "## Targets", ""] + targets(table1)
+    for digest, rows in sorted(other_teachers.items()):
+        own = {variant: summary(rows, variant, None, default_k) for variant, _ in TABLE1}
+        if own["teacher"] is None or not any(s for v, s in own.items() if v not in TEACHERLESS + ("teacher",)):
+            continue
+        for variant in TEACHERLESS:  # these students never see a teacher: the main table's runs serve
+            own[variant] = own[variant] or table1.get(variant)
+        encoder = encoder_name(next((r for r in rows if r["variant"] == "teacher"), None))
+        lines += ["", f"With the {encoder} teacher `{digest[:12]}` (its students only; vanilla and GloVe from "
+                  "Table 1):", ""] + targets(own)
     notes = DOCS / "reproduction_notes.md"
     if notes.exists():
         lines += ["", notes.read_text().strip()]
@@ -317,7 +329,7 @@ def targets(table1: dict) -> list[str]:
     teacher = mean("teacher")
     rows.append("- teacher at least 88 F1: "
                 f"{'not run yet' if teacher is None else f'{teacher:.2f}, ' + ('met' if teacher >= 88 else 'NOT met')}")
-    students = {v: mean(v) for v in table1 if v not in ("teacher", "vanilla", "glove") and mean(v) is not None}
+    students = {v: mean(v) for v in table1 if v not in ("teacher",) + TEACHERLESS and mean(v) is not None}
     glove = mean("glove")
     vanilla = mean("vanilla")
     if students and teacher is not None and vanilla is not None:

@@ -78,7 +78,12 @@ def test_records_of_another_teacher_stay_out_of_the_tables(report, tmp_path):
     (workdir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text, data = report.build(workdir, "te_da_seq", 5)
     assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.00 (n = 1) |" in text  # not 88.20
-    assert "| + TE + DA + TOKEN-EM | not run yet |" in text
+    assert "| + TE + DA + TOKEN-EM | only with another teacher (below) |" in text
+    assert "| + TE + DA + TOKEN-POS | not run yet |" in text
+    # the other teacher's own verdicts, against Table 1's vanilla student (80.00)
+    assert f"With the minilm teacher `{other[:12]}`" in text
+    assert "(te_da_token_em, 84.00) within 1.5 F1 of the teacher: gap 4.20, NOT met" in text
+    assert "above vanilla (80.00): +4.00, NOT met" in text
     assert "## Runs with another teacher" in text and f"`{main[:12]}`" in text
     assert f"| `{other[:12]}` | minilm | teacher | - | 0 | 88.20 |" in text
     assert f"| `{other[:12]}` | minilm | te_da_token_em | - | 0 | 84.00 |" in text
@@ -108,17 +113,25 @@ def test_a_second_workdir_with_another_encoder(report, tmp_path):
                 "command": command}
 
     (first / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        named("teacher", 0, 89.0, main), named("te", 0, 85.0, main), named("te_seq", 0, 86.0, main, k=5)]))
+        named("teacher", 0, 89.0, main), named("vanilla", 0, 80.0, main), named("te", 0, 85.0, main),
+        named("te_seq", 0, 86.0, main, k=5)]))
     (second / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         named("teacher", 0, 91.5, mpnet, command="python -m crfkit.pipeline --full --teacher-encoder mpnet"),
-        named("te_seq", 0, 87.5, mpnet, k=5)]))
+        named("te_seq", 0, 87.5, mpnet, k=5), named("te", 0, 86.0, mpnet), named("te_token_pos", 0, 87.0, mpnet)]))
     text, data = report.build([first, second], "te_da_seq", 5)
     assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.00 (n = 1) |" in text
     assert "| + TE + SEQ | 86.00 (n = 1) |" in text
     assert f"| `{mpnet[:12]}` | mpnet | teacher | - | 0 | 91.50 |" in text
     assert f"| `{mpnet[:12]}` | mpnet | te_seq | 5 | 0 | 87.50 |" in text
     assert f"`{first}/results.jsonl`, `{second}/results.jsonl`" in text
-    assert len(data["records"]) == 5
+    assert len(data["records"]) == 8
+    targets = text[text.index("## Targets"):]
+    assert "SEQ (86.00) > TOKEN-POS" not in targets   # the main teacher has no TOKEN-POS run: no verdict
+    mpnet_targets = targets[targets.index(f"With the mpnet teacher `{mpnet[:12]}`"):]
+    assert "teacher at least 88 F1: 91.50, met" in mpnet_targets
+    assert "(te_seq, 87.50) within 1.5 F1 of the teacher: gap 4.00, NOT met" in mpnet_targets
+    assert "above vanilla (80.00): +7.50, met" in mpnet_targets   # Table 1's vanilla: it needs no teacher
+    assert "SEQ (87.50) > TOKEN-POS (87.00) > TE (86.00): met" in mpnet_targets
 
 
 @pytest.mark.parametrize("command, encoder", [

@@ -506,7 +506,7 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     for r in records:
         assert 0 <= r["test_f1"] <= 100 and r["sentences_per_s"] > 0 and r["params"] > 0 and r["git"]
     report = (tmp_path / "report.md").read_text()
-    assert "| teacher" in report and "| MiniLM-2L+CRF bp2_seq, K = 2, seed 0 |" in report
+    assert "| teacher" in report and "| minilm 2 layers + CRF bp2_seq, K = 2, seed 0 |" in report
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert again.returncode == 0 and "done already" in again.stdout
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(records)   # nothing retrained
