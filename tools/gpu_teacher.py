@@ -1,7 +1,7 @@
 """Fine-tune the MPNet-base teacher on a lent GPU machine (the device tool), and bring it back.
 
 Issue 28 asks for the MPNet-base teacher where a session has a GPU. On this project's 2-core CPU
-machine its 4 epochs take about 2 hours (1756 steps of 32 sentences: longer than a working
+machine its 4 epochs take about 2 h 40 min (1756 steps of 32 sentences: longer than a working
 session, so it runs across sessions from its checkpoints); on an H100 / H200 a few minutes.
 What makes it awkward is the device tool's transfer limits: a call carries at most 64 MiB of
 working tree, returns at most 8 files of 16 MiB (64 MiB in all), and the machine keeps what it
