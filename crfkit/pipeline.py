@@ -144,7 +144,7 @@ def _log(message: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _git_commit() -> Optional[str]:
+def git_commit() -> Optional[str]:
     """The checkout's commit (+dirty) when first asked: main() asks at start, so a record names the
     code its process ran, not a commit made while it trained."""
     try:
@@ -168,7 +168,7 @@ def machine_description() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -248,7 +248,7 @@ def train_teacher(args, corpus: Corpus) -> str:
         # its weights' digest, as the students' records name their teacher
         _finish_run(args, corpus, trainer.model.tagger, out,
                     {"variant": "teacher", "K": None, "seed": args.seed,
-                     "teacher_sha256": _sha256(os.path.join(model_dir, "model.safetensors"))},
+                     "teacher_sha256": file_sha256(os.path.join(model_dir, "model.safetensors"))},
                     clock, trainer)
     _barrier()
     return model_dir
@@ -262,7 +262,7 @@ def label_transfer_set(args, corpus: Corpus, teacher_dir: str, with_hidden: bool
 
     teacher = load_tagger(teacher_dir).eval()
     sentences = corpus.transfer + ([tuple(s.tokens) for s in corpus.dev] if with_hidden else [])
-    weights = _sha256(os.path.join(teacher_dir, "model.safetensors"))
+    weights = file_sha256(os.path.join(teacher_dir, "model.safetensors"))
     # named by K, corpus size and teacher, and described without paths, so a moved workdir reuses it
     name = f"labels-k{args.cache_k}-n{len(sentences)}-{weights[:8]}"
     directory = os.path.join(args.workdir, name + (f"-hidden{args.teacher_hidden_layer}" if with_hidden else ""))
@@ -376,7 +376,7 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
         final = objectives[-1]
         record = _finish_run(args, corpus, student, out,
                              {"run": spec.name, "variant": spec.variant,
-                              "teacher_sha256": _sha256(os.path.join(teacher_dir, "model.safetensors")),
+                              "teacher_sha256": file_sha256(os.path.join(teacher_dir, "model.safetensors")),
                               "K": spec.k if any(o.uses_kbest for o in objectives) else None,
                               "da_pool": corpus.pool_description if variant.da else None,
                               "seed": spec.seed, "losses": [list(o.losses) for o in objectives] if len(objectives) > 1
@@ -406,7 +406,7 @@ def _finish_run(args, corpus: Corpus, tagger, out: str, fields: dict, clock, tra
               "epochs": trainer.state.epoch if trainer else None,
               "best_checkpoint": trainer.state.best_model_checkpoint if trainer else None,
               "command": shlex.join([os.path.basename(sys.executable), "-m", "crfkit.pipeline", *sys.argv[1:]]),
-              "git": _git_commit(), "machine": machine_description(),
+              "git": git_commit(), "machine": machine_description(),
               "date": datetime.datetime.now().isoformat(timespec="seconds")}
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(record, f, indent=2)
@@ -446,7 +446,7 @@ def report(args, corpus: Corpus, teacher_dir: str, records: list[dict]) -> dict:
                      "test_f1": record["test_f1"], "dev_f1": record["dev_f1"], "params": record["params"],
                      "trainable_params": record["trainable_params"], "sentences_per_s": speed,
                      "speedup": speed / teacher_speed})
-    result = {"rows": rows, "machine": machine_description(), "git": _git_commit(),
+    result = {"rows": rows, "machine": machine_description(), "git": git_commit(),
               "command": shlex.join([os.path.basename(sys.executable), "-m", "crfkit.pipeline", *sys.argv[1:]]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "batch_size": args.batch_size,
               "throughput_sentences": len(sentences)}
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     from .training import init_distributed
 
     init_distributed()
-    _git_commit()  # read now: the records name the code this process runs
+    git_commit()  # read now: the records name the code this process runs
     os.makedirs(args.workdir, exist_ok=True)
     _log(f"workdir {args.workdir}; stages {', '.join(args.stages)}; {len(args.run_specs)} student run(s); "
          f"{machine_description()}")

@@ -27,3 +27,56 @@ def test_conll_teacher_labels_runs_on_a_tiny_slice(tmp_path):
     for rows in report["kbest_gap"].values():
         for row in rows:  # a coarse-graining never increases the KL divergence
             assert 0 <= row["kbest_kl"] <= row["exact_kl"] + 1e-4
+
+
+def _load_example(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_teacher_targets_statistics_match_brute_force_enumeration():
+    import math
+
+    import torch
+
+    import crfkit
+    from brute_force import all_sequences, marginals
+
+    teacher_targets = _load_example("teacher_targets")
+    g = torch.Generator().manual_seed(3)
+    B, L, T, K = 4, 4, 3, 6
+    emissions = torch.randn(B, L, T, generator=g, dtype=torch.float64) * 2
+    transitions = torch.randn(T, T, generator=g, dtype=torch.float64)
+    start, end = torch.randn(T, generator=g, dtype=torch.float64), torch.randn(T, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([4, 2, 3, 1])
+    log_probs = crfkit.kbest_viterbi(emissions, transitions, K, lengths, start, end).log_probs
+    best = crfkit.viterbi(emissions, transitions, lengths, start, end).paths
+    gold = torch.randint(0, T, (B, L), generator=g) * (torch.arange(L) < lengths[:, None])
+    gold[0] = best[0]  # one sentence whose gold labelling is the teacher's best
+    sums = teacher_targets._statistics(emissions, transitions, start, end, lengths, log_probs, gold)
+
+    expected = {key: 0.0 for key in ("p_best", "p_best_over_0.99", "top5_mass", "top15_mass", "p_gold", "best_is_gold",
+                                     "gold_in_top5", "token_accuracy", "gold_tag_marginal")}
+    for b in range(B):
+        n = int(lengths[b])
+        seqs = all_sequences(emissions[b], transitions, start, end, n)
+        log_z = math.log(sum(math.exp(s) for s, _ in seqs))
+        probs = [math.exp(s - log_z) for s, _ in seqs]
+        truth = tuple(gold[b, :n].tolist())
+        p_gold = probs[[seq for _, seq in seqs].index(truth)]
+        mu = marginals(seqs, n, T)
+        expected["p_best"] += probs[0]
+        expected["p_best_over_0.99"] += probs[0] >= 0.99
+        expected["top5_mass"] += sum(probs[:5])
+        expected["top15_mass"] += sum(probs[:K])  # the cache holds K < 15 rows here
+        expected["p_gold"] += p_gold
+        expected["best_is_gold"] += seqs[0][1] == truth
+        expected["gold_in_top5"] += truth in [seq for _, seq in seqs[:5]]
+        expected["token_accuracy"] += sum(a == t for a, t in zip(seqs[0][1], truth))
+        expected["gold_tag_marginal"] += sum(mu[i][truth[i]] for i in range(n))
+    assert sums["sentences"] == B and sums["tokens"] == int(lengths.sum())
+    assert expected["best_is_gold"] >= 1
+    for key, value in expected.items():
+        assert sums[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key

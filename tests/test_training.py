@@ -509,6 +509,19 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     assert "| teacher" in report and "| minilm 2 layers + CRF bp2_seq, K = 2, seed 0 |" in report
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert again.returncode == 0 and "done already" in again.stdout
+    # what the teacher's targets carry beyond the gold labels, from this workdir's cache
+    targets = subprocess.run([sys.executable, "examples/teacher_targets.py", "--workdir", str(tmp_path),
+                              "--validation-sentences", "16", "--out", str(tmp_path / "targets")],
+                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert targets.returncode == 0, targets.stderr[-3000:]
+    texts = __import__("json").loads((tmp_path / "targets.json").read_text())[0]["texts"]
+    cache, = [p for p in tmp_path.glob("labels-k*") if "hidden" not in p.name]
+    pool = __import__("json").loads((cache / "manifest.json").read_text())["corpus"]["da_pool"]
+    assert [(name, t["sentences"]) for name, t in texts.items()] == [("train", 48), ("DA pool", pool),
+                                                                     ("validation", 16)]
+    for t in texts.values():
+        assert 0 < t["p_best"] <= t["top5_mass"] <= t["top15_mass"] <= 1 + 1e-6
+    assert texts["train"]["p_gold"] <= texts["train"]["p_best"] + 1e-6
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(records)   # nothing retrained
 
 
