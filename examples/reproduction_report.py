@@ -343,8 +343,12 @@ def targets(table1: dict) -> list[str]:
                         f"{students[best] - glove:+.2f}")
     seq, pos, te = mean("te_seq"), mean("te_token_pos"), mean("te")
     if None not in (seq, pos, te):
-        rows.append(f"- SEQ ({seq:.2f}) > TOKEN-POS ({pos:.2f}) > TE ({te:.2f}): "
-                    f"{'met' if seq > pos > te else 'NOT met'} (means; see the spreads above)")
+        def spread(v):
+            s = table1[v]
+            return f"{s['test_mean']:.2f}" + (f" ± {s['test_std']:.2f}" if s["test_std"] is not None else "") + \
+                f", n = {s['n']}"
+        rows.append(f"- SEQ ({spread('te_seq')}) > TOKEN-POS ({spread('te_token_pos')}) > TE ({spread('te')}): "
+                    f"{'met' if seq > pos > te else 'NOT met'} (on the means)")
     return rows or ["- not enough runs yet"]
 
 

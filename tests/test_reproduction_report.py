@@ -50,7 +50,7 @@ def test_tables_means_spreads_and_targets(report, tmp_path):
     assert "teacher at least 88 F1: 89.00, met" in text
     # best distilled: te_seq 87.50, gap 1.50 to the teacher (met), +7.00 over vanilla (met)
     assert "gap 1.50, met" in text and "+7.00, met" in text
-    assert "SEQ (87.50) > TOKEN-POS (86.00) > TE (85.00): met" in text
+    assert "SEQ (87.50 ± 0.71, n = 2) > TOKEN-POS (86.00, n = 1) > TE (85.00, n = 1): met" in text
     assert len(data["records"]) == 10
 
 
@@ -126,12 +126,12 @@ def test_a_second_workdir_with_another_encoder(report, tmp_path):
     assert f"`{first}/results.jsonl`, `{second}/results.jsonl`" in text
     assert len(data["records"]) == 8
     targets = text[text.index("## Targets"):]
-    assert "SEQ (86.00) > TOKEN-POS" not in targets   # the main teacher has no TOKEN-POS run: no verdict
+    assert "SEQ (86.00" not in targets   # the main teacher has no TOKEN-POS run: no verdict
     mpnet_targets = targets[targets.index(f"With the mpnet teacher `{mpnet[:12]}`"):]
     assert "teacher at least 88 F1: 91.50, met" in mpnet_targets
     assert "(te_seq, 87.50) within 1.5 F1 of the teacher: gap 4.00, NOT met" in mpnet_targets
     assert "above vanilla (80.00): +7.50, met" in mpnet_targets   # Table 1's vanilla: it needs no teacher
-    assert "SEQ (87.50) > TOKEN-POS (87.00) > TE (86.00): met" in mpnet_targets
+    assert "SEQ (87.50, n = 1) > TOKEN-POS (87.00, n = 1) > TE (86.00, n = 1): met" in mpnet_targets
 
 
 @pytest.mark.parametrize("command, encoder", [
