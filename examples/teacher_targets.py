@@ -157,6 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(DOCS / "teacher_targets"), help="output path without extension")
     args = parser.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    commit = git_commit()  # read now: the record names the code this process runs, not a later edit
     records = []
     for workdir in map(Path, args.workdir):
         caches = sorted(p for p in workdir.glob("labels-k*") if not p.name.split("-")[-1].startswith("hidden"))
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
             if file_sha256(str(teacher_dir / "model.safetensors")) != record["teacher"]:
                 raise SystemExit(f"{teacher_dir} is not the teacher that labelled {caches[0]}")
             record["texts"].update(validation_text(teacher_dir, record["k"], args.validation_sentences))
-        record.update(git=git_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+        record.update(git=commit, date=datetime.datetime.now().isoformat(timespec="seconds"),
                       machine=machine_description(), command=command)
         records.append(record)
         print(json.dumps(record["texts"], indent=1), flush=True)
