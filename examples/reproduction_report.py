@@ -141,11 +141,12 @@ def summary(records: list[dict], variant: str, k: int | None = None, default_k: 
             "seeds": sorted(r["seed"] for r in chosen)}
 
 
+def _mean_spread(s: dict) -> str:
+    return f"{s['test_mean']:.2f}" + (f" ± {s['test_std']:.2f}" if s["test_std"] is not None else "")
+
+
 def _f1(s: dict | None) -> str:
-    if s is None:
-        return "not run yet"
-    spread = f" ± {s['test_std']:.2f}" if s["test_std"] is not None else ""
-    return f"{s['test_mean']:.2f}{spread} (n = {s['n']})"
+    return "not run yet" if s is None else f"{_mean_spread(s)} (n = {s['n']})"
 
 
 def _paper(variant: str) -> str:
@@ -344,9 +345,7 @@ def targets(table1: dict) -> list[str]:
     seq, pos, te = mean("te_seq"), mean("te_token_pos"), mean("te")
     if None not in (seq, pos, te):
         def spread(v):
-            s = table1[v]
-            return f"{s['test_mean']:.2f}" + (f" ± {s['test_std']:.2f}" if s["test_std"] is not None else "") + \
-                f", n = {s['n']}"
+            return f"{_mean_spread(table1[v])}, n = {table1[v]['n']}"
         rows.append(f"- SEQ ({spread('te_seq')}) > TOKEN-POS ({spread('te_token_pos')}) > TE ({spread('te')}): "
                     f"{'met' if seq > pos > te else 'NOT met'} (on the means)")
     return rows or ["- not enough runs yet"]

@@ -35,13 +35,13 @@ TAG_INDEX = {tag: i for i, tag in enumerate(data.CONLL2003_TAGS)}
 def _statistics(emissions, transitions, start, end, lengths, kbest_log_probs, gold=None) -> dict:
     """Per-sentence sums of one padded batch. emissions (B, L, T), kbest_log_probs (B, K) (-inf
     on missing rows), gold (B, L) tag ids or None (unlabelled text; 0 at padded positions)."""
-    log_z = crfkit.log_partition(emissions, transitions, lengths, start, end)
     p_k = kbest_log_probs.exp()
     sums = {"sentences": len(lengths), "tokens": int(lengths.sum()), "p_best": p_k[:, 0].sum().item(),
             "p_best_over_0.99": (p_k[:, 0] >= 0.99).sum().item(), "top5_mass": p_k[:, :5].sum().item(),
             "top15_mass": p_k[:, :15].sum().item()}
     if gold is not None:
         mask = torch.arange(gold.shape[1])[None, :] < lengths[:, None]
+        log_z = crfkit.log_partition(emissions, transitions, lengths, start, end)
         p_gold = (crfkit.sequence_score(emissions, transitions, gold, lengths, start, end) - log_z).exp()
         best = crfkit.viterbi(emissions, transitions, lengths, start, end).paths
         marginals = crfkit.marginals(emissions, transitions, lengths, start, end)
@@ -113,9 +113,8 @@ def validation_text(teacher_dir: Path, k: int, max_sentences=None, batch_size: i
     for first in range(0, len(sentences), batch_size):
         chunk = sentences[first:first + batch_size]
         out = teacher.teacher_output([tuple(s.tokens) for s in chunk])
-        lengths = out.lengths if out.lengths is not None else torch.full((len(chunk),), out.emissions.shape[1])
-        log_probs = crfkit.kbest_viterbi(out.emissions, out.transitions, k, lengths, out.start, out.end).log_probs
-        _add(total, _statistics(out.emissions, out.transitions, out.start, out.end, lengths, log_probs,
+        log_probs = crfkit.kbest_viterbi(out.emissions, out.transitions, k, out.lengths, out.start, out.end).log_probs
+        _add(total, _statistics(out.emissions, out.transitions, out.start, out.end, out.lengths, log_probs,
                                 _gold(chunk, out.emissions.shape[1])))
     return {"validation": _means(total)}
 
