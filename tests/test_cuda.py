@@ -213,12 +213,16 @@ def test_both_kbest_kernels_decode_like_the_cpu(B, L, T, k, dtype, scores, kerne
     assert torch.equal(got_paths.cpu(), want_paths)
 
 
+@pytest.mark.parametrize("kernel", ["per_tag", "per_sentence"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("B,L,T,k", [(1, 1, 1, 1), (1, 9, 5, 4), (6, 3, 2, 20), (7, 9, 5, 5), (4, 30, 37, 5)])
-def test_kbest_with_log_probs_is_the_separate_ops(dtype, B, L, T, k):
-    # The op behind a k-best without gradient (one status read on the device): the outputs of
-    # kbest_viterbi and log_probs_from_scores(log_partition) on the same device, bit for bit,
-    # and the CPU's (log-probabilities to the tolerance of log Z).
+@pytest.mark.parametrize("B,L,T,k", [(1, 1, 1, 1), (1, 9, 5, 4), (6, 3, 2, 20), (7, 9, 5, 5), (4, 30, 37, 5),
+                                     (0, 4, 3, 3)])
+def test_kbest_with_log_probs_is_the_separate_ops(dtype, B, L, T, k, kernel, monkeypatch):
+    # The op behind a k-best without gradient (one status read on the device; the k-best kernel
+    # writes the log-probabilities with the scores): the outputs of kbest_viterbi and
+    # log_probs_from_scores(log_partition) on the same device, bit for bit, and the CPU's
+    # (log-probabilities to the tolerance of log Z).
+    monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", kernel)
     inputs = forbid(random_crf(B, L, T, dtype=dtype, scale=2.0), seed=B + L + T)
     em, tr, ln, s, e = to(DEVICE, inputs)
     ops = device_ops()
@@ -253,6 +257,65 @@ def test_kbest_kernel_choice_must_be_known(monkeypatch):
     em, tr, ln, s, e = to(DEVICE, random_crf(2, 4, 3))
     with pytest.raises(ValueError, match="CRFKIT_CUDA_KBEST_KERNEL must be per_sentence, per_tag or auto"):
         device_ops().kbest_viterbi(em, tr, 2, ln, s, e)
+
+
+@pytest.mark.parametrize("path", ["sequential", "chunked", "per_tag"])
+def test_decoders_write_their_outputs_whole(path, monkeypatch):
+    # The host does not fill the decoders' outputs: every score and path entry (-1 beyond a
+    # sentence, -inf / -1 in the rows of sequences that do not exist and of dead sentences) is
+    # the kernels' own write. Blocks just freed, full of values no output holds, are what the
+    # allocator hands out next, so an entry left unwritten shows up as 12345 or NaN.
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always" if path == "chunked" else "never")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", "2")
+    monkeypatch.setenv("CRFKIT_CUDA_KBEST_KERNEL", "per_tag" if path == "per_tag" else "per_sentence")
+    inputs = forbid(random_crf(6, 7, 3, dtype=torch.float32, scale=2.0), seed=3)
+    em, tr, ln, s, e = inputs
+    assert int(ln.min()) == 0 and int(ln[2]) > 0  # an empty sentence and a dead one (forbid)
+    B, L, _ = em.shape
+    for k in (1, 4, 40):  # Viterbi; k-best; more rows than the short sentences have sequences
+        want = torch.ops.crfkit.kbest_viterbi(em, tr, k, ln, s, e)
+        for _ in range(2):
+            junk = [torch.full((B, k, L), 12345, dtype=torch.long, device=DEVICE),
+                    torch.full((B, k), math.nan, dtype=torch.float32, device=DEVICE)]
+            del junk
+            got = device_ops().kbest_viterbi(*to(DEVICE, inputs[:2]), k, *to(DEVICE, inputs[2:]))
+            assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), k
+        want_log_probs = torch.ops.crfkit.kbest_viterbi_with_log_probs(em, tr, k, ln, s, e)[2]
+        junk = torch.full((B, k), math.nan, dtype=torch.float32, device=DEVICE)
+        del junk
+        got = device_ops().kbest_viterbi_with_log_probs(*to(DEVICE, inputs[:2]), k, *to(DEVICE, inputs[2:]))
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got[:2], want)), k
+        torch.testing.assert_close(got[2].cpu(), want_log_probs, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("path,T", [("sequential", 3), ("chunked", 3), ("generic", 37)])
+def test_marginals_are_written_whole(path, T, monkeypatch):
+    # Likewise the rows of marginals, of log_partition_with_marginals and of the backward: zero
+    # beyond each sentence and for a dead sentence, written by the kernels (T = 37: the generic
+    # kernel, T = 3: the register kernel, sequential or parallel in time).
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_PARALLEL", "always" if path == "chunked" else "never")
+    monkeypatch.setenv("CRFKIT_CUDA_TIME_CHUNK", "2")
+    inputs = forbid(random_crf(6, 7, T, dtype=torch.float32, scale=2.0), seed=3)
+    em, tr, ln, s, e = inputs
+    B, L, _ = em.shape
+    ones = torch.ones(B, dtype=em.dtype)
+    cpu, ops = torch.ops.crfkit, device_ops()
+    calls = {
+        "marginals": lambda o, x: o.marginals(*x),
+        "log_partition_with_marginals": lambda o, x: o.log_partition_with_marginals(*x)[1],
+        "log_partition_backward": lambda o, x: o.log_partition_backward(ones.to(x[0].device), *x)[0],
+    }
+    for name, call in calls.items():
+        want = call(cpu, inputs)
+        assert (want[ln == 0] == 0).all() and (want[0] != 0).any()
+        assert int(ln[2]) == 0 or (want[2] == 0).all()  # forbid() leaves sentence 2 no sequence
+        for _ in range(2):
+            junk = torch.full((B, L, T), math.nan, dtype=torch.float32, device=DEVICE)
+            del junk
+            got = call(ops, to(DEVICE, inputs)).cpu()
+            torch.testing.assert_close(got, want, **TOL[torch.float32], msg=name)
+            for b in range(B):
+                assert (got[b, int(ln[b]):] == 0).all(), name
 
 
 @pytest.mark.parametrize("B,L,T", [(0, 5, 3), (4, 0, 3), (0, 0, 1)])

@@ -6,7 +6,7 @@
 #                                            # sanitize_chunked,marginals_backward,counts_backward,
 #                                            # kbest_ab,bench,host,
 #                                            # host_breakdown,train_step,test_chunked,time_parallel,
-#                                            # host_trace,ab
+#                                            # host_trace,ab,host_ab,initcheck
 #                                            # (default: env..train_step of the first line's set)
 #
 # Each stage is time-boxed so the whole run ends inside one device call (10 minutes); a stage
@@ -24,10 +24,12 @@
 #   KBEST_AB_SHAPES           shapes of the kbest_ab stage (default 1x128x9,32x512x9,256x128x9,1024x128x9)
 #   KBEST_AB_ROUNDS, KBEST_AB_KS, KBEST_AB_KERNELS  rounds, K values and kernels of the kbest_ab
 #                             stage (default 3; 5 15; per_sentence per_tag)
-#   AB_OLD                    the ab stage: a source tree of other CUDA kernels with its crfkit._C
-#                             built (e.g. .scratch/old, built beside this one); profile_gpu.py
-#                             times both builds alternately, AB_ROUNDS times (default 2), on
-#                             AB_SHAPES (default 1x128x9,256x128x9,32x512x9,1024x128x37)
+#   AB_OLD                    the ab and host_ab stages: a source tree of other CUDA kernels (e.g.
+#                             .gpu_payload/old from `git archive`; the build stage builds it beside
+#                             this one); profile_gpu.py (ab) or profile_gpu_host.py and its
+#                             --breakdown (host_ab) time both builds alternately, AB_ROUNDS times
+#                             (default 2); ab on AB_SHAPES (default 1x128x9,256x128x9,32x512x9,1024x128x37)
+#   INITCHECK_K               the initcheck stage's -k expression (default: kbest or viterbi)
 # Peer libraries for the benchmark: wheels in .whl/ (and pure packages in .whl/pure/) are put
 # on PYTHONPATH first, as the device tool's README describes; without them the peers are
 # reported "not installed".
@@ -85,7 +87,17 @@ if has build; then
         # machine, against about 55 s); the system compiler where there is one (see below).
         export CRFKIT_ARCH=${CRFKIT_ARCH:-native}
         if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
-        MAX_JOBS=$(nproc) stage build 60 $PY setup.py build_ext --inplace || tail -40 "$OUT/build.log"
+        jobs=$(nproc)
+        if [ -n "${AB_OLD:-}" ]; then  # the A/B stages' other tree, built at the same time
+            jobs=$(( jobs / 2 ))
+            (cd "$AB_OLD" && rm -rf build crfkit/_C*.so && MAX_JOBS=$jobs timeout $(( $(left) * 60 / 100 )) \
+                $PY setup.py build_ext --inplace >"$OUT/build_old.log" 2>&1) &
+            old_build=$!
+        fi
+        MAX_JOBS=$jobs stage build 60 $PY setup.py build_ext --inplace || tail -40 "$OUT/build.log"
+        if [ -n "${AB_OLD:-}" ]; then
+            wait "$old_build"; note "build of AB_OLD ($AB_OLD): rc $?"
+        fi
         # An extension must use the process's shared libstdc++ (torch's). The GPU image's
         # default compiler (CC/CXX = /opt/gcc/bin/gcc, g++: wrapper scripts) linked libstdc++
         # into crfkit._C statically, and the first error message that formats a number then
@@ -219,6 +231,30 @@ if has host_trace; then
     # Where the host's time of a log Z forward + backward goes (torch.profiler, CPU side).
     stage host_trace 30 $PY benchmarks/profile_gpu_host.py --trace --shapes 1x128x9
     tail -60 "$OUT/host_trace.log"
+fi
+
+if has initcheck; then
+    # Reads of memory no kernel wrote (the decoders write their outputs whole, unfilled by the
+    # host): initcheck over the decoders' tests, torch's reads of the outputs included.
+    stage initcheck 35 compute-sanitizer --tool initcheck --error-exitcode 9 --print-limit 20 \
+        $PY -m pytest -q -x --tb=short -p no:cacheprovider tests/test_cuda.py -k "${INITCHECK_K:-kbest or viterbi}"
+    tail -8 "$OUT/initcheck.log"
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/initcheck.log" | tail -2 | sed 's/^/initcheck: /' >>"$SUMMARY"
+fi
+
+if has host_ab; then
+    # The host's cost per call (profile_gpu_host.py, then its --breakdown) of AB_OLD's build and
+    # this tree's, alternating.
+    stage host_ab 70 env PY="$PY" OLD="${AB_OLD:?the host_ab stage needs AB_OLD}" ROUNDS="${AB_ROUNDS:-2}" bash -c '
+        for round in $(seq "$ROUNDS"); do
+            for side in old new; do
+                tree=$PWD; [ $side = old ] && tree=$(cd "$OLD" && pwd)
+                echo "== round $round, $side ($tree)"
+                PYTHONPATH=$tree $PY benchmarks/profile_gpu_host.py | grep "^|"
+                PYTHONPATH=$tree $PY benchmarks/profile_gpu_host.py --breakdown | grep "^|"
+            done
+        done'
+    tail -60 "$OUT/host_ab.log"
 fi
 
 if has ab; then

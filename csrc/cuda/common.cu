@@ -19,27 +19,13 @@ constexpr int64_t kMaxValidateBlocks = 1024;  // grid-stride loops cover the res
 // lengths (B,) int64 within [0, L]; transitions (T*T), start, end (T) free of NaN / +inf.
 // Null parameter pointers are skipped.
 template <typename scalar_t>
-__global__ void validate_inputs_kernel(const int64_t* lengths, int64_t batch, int64_t max_len,
-                                       const scalar_t* transitions, const scalar_t* start,
-                                       const scalar_t* end, int64_t num_tags, long long* status) {
-  const int64_t count = batch > num_tags * num_tags ? batch : num_tags * num_tags;
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < count;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    if (idx < batch) {
-      const int64_t n = lengths[idx];
-      if (n < 0 || n > max_len) report(status, kBadLength, idx);
-    }
-    if (transitions != nullptr && idx < num_tags * num_tags && is_nan_or_pos_inf(transitions[idx])) {
-      report(status, kBadTransitions, idx);
-    }
-    if (start != nullptr && idx < num_tags && is_nan_or_pos_inf(start[idx])) report(status, kBadStart, idx);
-    if (end != nullptr && idx < num_tags && is_nan_or_pos_inf(end[idx])) report(status, kBadEnd, idx);
-  }
+__global__ void validate_inputs_kernel(const InputChecks<scalar_t> checks) {
+  check_inputs(checks);
 }
 
 // emissions (B, L, T): the first sentence with NaN / +inf at a position below its length.
 // Flat grid-stride loop (coalesced reads); a sentence with an invalid length is skipped (that
-// error is reported by validate_inputs_kernel and takes precedence).
+// error is reported by check_inputs and takes precedence).
 template <typename scalar_t>
 __global__ void check_emissions_kernel(const scalar_t* emissions, const int64_t* lengths, int64_t batch,
                                        int64_t max_len, int64_t num_tags, long long* status) {
@@ -69,9 +55,16 @@ void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at
   const auto type = transitions.defined() ? transitions.scalar_type() : at::kFloat;
   AT_DISPATCH_FLOATING_TYPES(type, "crfkit_validate_inputs", [&] {
     auto pointer = [](const at::Tensor& x) { return x.defined() ? x.data_ptr<scalar_t>() : nullptr; };
-    validate_inputs_kernel<scalar_t><<<grid_for(count), kValidateThreads, 0, current_stream()>>>(
-        lengths.data_ptr<int64_t>(), batch, max_len, pointer(transitions), pointer(start), pointer(end),
-        num_tags, status.data());
+    InputChecks<scalar_t> checks;
+    checks.lengths = lengths.data_ptr<int64_t>();
+    checks.transitions = pointer(transitions);
+    checks.start = pointer(start);
+    checks.end = pointer(end);
+    checks.status = status.data();
+    checks.batch = batch;
+    checks.max_len = max_len;
+    checks.num_tags = num_tags;
+    validate_inputs_kernel<scalar_t><<<grid_for(count), kValidateThreads, 0, current_stream()>>>(checks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -78,6 +78,11 @@ class Status {
 
   long long* data() { return reinterpret_cast<long long*>(words_.data_ptr<int64_t>()); }
 
+  // Whether one of the op's kernels runs the input checks (input_checks below); checked_launch
+  // launches the standalone check otherwise.
+  bool inputs_checked() const { return inputs_checked_; }
+  void note_inputs_checked() { inputs_checked_ = true; }
+
   // Checked mode: copies the words to the host (one synchronisation) and raises the first error
   // in the order the CPU kernels check: lengths, transitions, start, end, tags, emissions.
   // Deferred mode: returns at once.
@@ -87,11 +92,13 @@ class Status {
 
  private:
   bool deferred_;
+  bool inputs_checked_ = false;
   at::Tensor words_;
 };
 
 // lengths[b] in [0, L] and transitions / start / end free of NaN / +inf (any of the three may
-// be null, e.g. for sequence_score_backward, which has none). One small grid-stride kernel.
+// be null, e.g. for sequence_score_backward, which has none). One small grid-stride kernel, for
+// ops whose kernels do not run input_checks themselves.
 void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at::Tensor& transitions,
                             const at::Tensor& start, const at::Tensor& end, Status& status);
 
@@ -104,12 +111,45 @@ void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengt
 // (CRFKIT_CUDA_TIME_PARALLEL = auto / always / never, CRFKIT_CUDA_TIME_CHUNK = S; common.cu).
 int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes);
 
-// log Z (B,) for CRF arguments checked by checked_cuda_args and validated into `status` by
-// launch_validate_inputs; launched on the current stream, the caller raises
+// log Z (B,) for CRF arguments checked by checked_cuda_args, their values checked into `status`
+// (input_checks) unless another kernel of the op has; launched on the current stream, the caller raises
 // (log_partition.cu; used by kbest_viterbi_with_log_probs in kbest.cu).
 at::Tensor launch_log_partition(const CrfArgs& a, Status& status);
 
 // ---- arguments -----------------------------------------------------------------------------
+// What launch_validate_inputs checks, run instead by the first kernel of an op before its own
+// work (check_inputs, below): a call then queues one launch fewer, and at small batch launches
+// are most of a call's host time.
+// `status` null: this launch checks nothing (no kernel of the op has taken the checks yet, or
+// another already has).
+template <typename scalar_t>
+struct InputChecks {
+  const int64_t* lengths = nullptr;      // (batch,): each in [0, max_len]
+  const scalar_t* transitions = nullptr;  // (T, T), start (T,), end (T,): free of NaN / +inf
+  const scalar_t* start = nullptr;
+  const scalar_t* end = nullptr;
+  long long* status = nullptr;
+  int64_t batch = 0, max_len = 0, num_tags = 0;
+};
+
+// The checks of `a` for the op's first kernel that takes them, recorded in `status`; an empty
+// InputChecks where a kernel of this op already has them.
+template <typename scalar_t>
+InputChecks<scalar_t> input_checks(const CrfArgs& a, Status& status) {
+  InputChecks<scalar_t> c;
+  if (status.inputs_checked()) return c;
+  status.note_inputs_checked();
+  c.lengths = a.lengths.data_ptr<int64_t>();
+  c.transitions = a.transitions.data_ptr<scalar_t>();
+  c.start = a.start.data_ptr<scalar_t>();
+  c.end = a.end.data_ptr<scalar_t>();
+  c.status = status.data();
+  c.batch = a.emissions.size(0);
+  c.max_len = a.emissions.size(1);
+  c.num_tags = a.emissions.size(2);
+  return c;
+}
+
 // Fills what every launch's parameter struct (FbParams, ChunkParams, ViterbiChunkParams,
 // DecodeParams) has: the CRF arguments' pointers, the status words and the sizes.
 template <typename scalar_t, typename Params>
@@ -137,17 +177,20 @@ inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& 
   return a;
 }
 
-// The frame of an op on CRF arguments: checks them, validates them into a Status on their
-// device, runs launch(a, status) (which queues the op's kernels), then raises from the status
-// words (one read back to the host, which waits for the kernels) and returns launch's outputs.
+// The frame of an op on CRF arguments: checks them, runs launch(a, status) (which queues the
+// op's kernels, the first of which usually checks the values too: input_checks), launches the
+// standalone value check where none did, then raises from the status words (one read back to
+// the host, which waits for the kernels) and returns launch's outputs.
 template <typename Launch>
 auto checked_launch(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
                     const at::Tensor& start, const at::Tensor& end, Launch&& launch) {
   const CrfArgs a = checked_cuda_args(emissions, transitions, lengths, start, end);
   const c10::cuda::CUDAGuard guard(a.emissions.device());
   Status status(a.emissions);
-  launch_validate_inputs(a.lengths, a.emissions.size(1), a.transitions, a.start, a.end, status);
   auto outputs = launch(a, status);
+  if (!status.inputs_checked()) {
+    launch_validate_inputs(a.lengths, a.emissions.size(1), a.transitions, a.start, a.end, status);
+  }
   status.raise_if_bad(a.lengths, a.emissions.size(1));
   return outputs;
 }
@@ -165,8 +208,29 @@ __device__ __forceinline__ bool is_nan_or_pos_inf(scalar_t v) {
   return (v != v) || (v == -neg_inf<scalar_t>());
 }
 
-// Length of sentence b, 0 when out of range (validate_inputs_kernel reports that, and the op
-// raises once the kernels are done).
+// The input checks as a grid-stride loop over every thread of a 1-D grid (any grid: a thread
+// checks the entries idx, idx + threads in grid, ...). Kernels run it first, by every thread,
+// before any early return; it reads the inputs only, so no barrier follows it.
+template <typename scalar_t>
+__device__ __forceinline__ void check_inputs(const InputChecks<scalar_t>& c) {
+  if (c.status == nullptr) return;
+  const int64_t count = c.batch > c.num_tags * c.num_tags ? c.batch : c.num_tags * c.num_tags;
+  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < count;
+       idx += (int64_t)gridDim.x * blockDim.x) {
+    if (idx < c.batch) {
+      const int64_t n = c.lengths[idx];
+      if (n < 0 || n > c.max_len) report(c.status, kBadLength, idx);
+    }
+    if (c.transitions != nullptr && idx < c.num_tags * c.num_tags && is_nan_or_pos_inf(c.transitions[idx])) {
+      report(c.status, kBadTransitions, idx);
+    }
+    if (c.start != nullptr && idx < c.num_tags && is_nan_or_pos_inf(c.start[idx])) report(c.status, kBadStart, idx);
+    if (c.end != nullptr && idx < c.num_tags && is_nan_or_pos_inf(c.end[idx])) report(c.status, kBadEnd, idx);
+  }
+}
+
+// Length of sentence b, 0 when out of range (check_inputs reports that, and the op raises once
+// the kernels are done).
 __device__ __forceinline__ int64_t safe_length(const int64_t* lengths, int64_t b, int64_t max_len) {
   const int64_t n = lengths[b];
   return (n < 0 || n > max_len) ? 0 : n;

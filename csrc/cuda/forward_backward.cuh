@@ -289,8 +289,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) forward_backward_kernel(c
     // ---- backward: beta rows (normalised, offset in double), marginals, pairwise marginals ----
     bool skip;
     const scalar_t g = gradient_weight<scalar_t, kOut>(p, b_safe, has_sentence, n, bad, log_z, skip);
-    if (n > 0 && skip) {  // the rows hold alpha: clear them
-      for (int64_t i = 0; i < n; ++i) {
+    // Zero rows: beyond the sentence (the host does not clear the output) and, for a skipped
+    // sentence, its own (they hold alpha).
+    if (has_sentence) {
+      for (int64_t i = skip ? 0 : n; i < L; ++i) {
         for (int t = lane; t < T; t += G) rows[i * T + t] = 0;
       }
     }

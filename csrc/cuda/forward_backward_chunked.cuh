@@ -279,6 +279,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_marginals_kernel(co
   const int64_t c = w.c, b = w.b, len = w.len;
   const bool has = w.has;
   const int64_t steps = warp_max(len);
+  if (has && own) {  // the chunk's positions beyond the sentence: 0 (the host does not clear the rows)
+    scalar_t* chunk_rows = p.rows + (b * p.max_len + c * p.chunk) * T + lane;
+    const int64_t positions = p.max_len - c * p.chunk < p.chunk ? p.max_len - c * p.chunk : p.chunk;
+    for (int64_t i = len; i < positions; ++i) chunk_rows[i * T] = 0;
+  }
   if (steps == 0) return;  // warp-uniform
 
   scalar_t e_col[kLanes], e_row[kLanes], col_max, row_max;

@@ -28,8 +28,15 @@ enum class Output { kLogPartition, kMarginals, kBackward, kWithMarginals };
 // tags, read consecutive addresses.
 __host__ __device__ inline int64_t table_elements(int64_t T) { return 2 * T * T + 2 * T; }
 
+// The kernel also does the call's set-up, so that it costs no launch of its own: the input
+// checks (InputChecks) and zeroing `clear_count` ints at `clear` (the chunked path's flags).
 template <typename scalar_t>
-__global__ void transition_tables_kernel(const scalar_t* transitions, int T, scalar_t* tables) {
+__global__ void transition_tables_kernel(const scalar_t* transitions, int T, scalar_t* tables,
+                                         const InputChecks<scalar_t> checks, int* clear, int64_t clear_count) {
+  check_inputs(checks);
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < clear_count; i += (int64_t)gridDim.x * blockDim.x) {
+    clear[i] = 0;
+  }
   for (int line = blockIdx.x * blockDim.x + threadIdx.x; line < 2 * T; line += gridDim.x * blockDim.x) {
     const bool column = line < T;  // lines [0, T): columns t; [T, 2T): rows s
     const int own = column ? line : line - T;

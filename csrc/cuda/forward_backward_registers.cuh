@@ -402,6 +402,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) register_forward_backward
     register_backward_pass<scalar_t, kOut, kLanes>(emit, rows, offsets, n, steps, T, own, g, skip, log_z, end, col_max,
                                                    row_max, e_col, e_row, own_transitions, own_row, acc, acc_start,
                                                    acc_end);
+    if (has_sentence && own) {  // positions beyond the sentence: 0 (the host does not clear the rows)
+      for (int64_t i = n; i < L; ++i) rows[i * T] = 0;
+    }
     if (kOut == Output::kWithMarginals && has_sentence) {  // the lane's column of the counts
       move_counts_column(p.counts + b * T * T, acc, T, lane, own);
     }

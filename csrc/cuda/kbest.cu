@@ -48,25 +48,48 @@ __host__ __device__ inline KbestArena kbest_arena(int64_t T, int64_t K, int64_t 
   return a;
 }
 
-// Row `row` of sentence b's k-best output, from the final merge's value and code (last tag * K +
-// rank): its score, and its path followed back through the backpointers [(i * T + t) * K + r].
-// A row of value -inf (fewer than K sequences exist) keeps what the host filled in (-inf, -1).
+// Row `row` of sentence b's k-best output, written whole (the host does not fill the outputs):
+// its score `value` and, for a sequence (value > -inf, n > 0), its path followed back from the
+// final merge's code (last tag * K + rank) through the backpointers [(i * T + t) * K + r];
+// -1 beyond the sentence's n positions and everywhere in rows that hold no sequence.
 template <typename scalar_t, typename bp_t>
 __device__ void write_kbest_row(const DecodeParams<scalar_t, bp_t>& p, int64_t b, int64_t n, int64_t row,
                                 scalar_t value, int64_t code, const bp_t* backpointers) {
-  if (value == neg_inf<scalar_t>()) return;
-  const int64_t T = p.num_tags, K = p.list_len;
+  const int64_t T = p.num_tags, K = p.list_len, L = p.max_len;
   p.scores[b * p.rows + row] = value;
-  int64_t* path = p.paths + (b * p.rows + row) * p.max_len;
-  int64_t tag = code / K, rank = code % K;
-  for (int64_t i = n - 1; i >= 0; --i) {
-    path[i] = tag;
-    if (i == 0) break;
-    const int64_t previous = backpointers[(i * T + tag) * K + rank];
-    if (previous >= T * K) break;  // cannot happen with valid data; never read out of range
-    tag = previous / K;
-    rank = previous % K;
+  if (p.log_probs != nullptr) {  // as reference.log_probs_from_scores: log Z clamped to the lowest finite value
+    const scalar_t lowest = -std::numeric_limits<scalar_t>::max();
+    p.log_probs[b * p.rows + row] = value - max_(p.log_z[b], lowest);
   }
+  int64_t* path = p.paths + (b * p.rows + row) * L;
+  int64_t unwritten_from = 0;  // path[unwritten_from, L) gets -1
+  if (value != neg_inf<scalar_t>() && n > 0) {
+    unwritten_from = n;
+    int64_t tag = code / K, rank = code % K;
+    for (int64_t i = n - 1; i >= 0; --i) {
+      path[i] = tag;
+      if (i == 0) break;
+      const int64_t previous = backpointers[(i * T + tag) * K + rank];
+      if (previous >= T * K) {  // cannot happen with valid data; never read out of range
+        for (int64_t j = 0; j < i; ++j) path[j] = -1;
+        break;
+      }
+      tag = previous / K;
+      rank = previous % K;
+    }
+  }
+  for (int64_t i = unwritten_from; i < L; ++i) path[i] = -1;
+}
+
+// The value and code of output row `row` of a sentence of n positions: the final merge's for a
+// good sentence, 0 for row 0 of an empty one (the empty sequence), -inf otherwise (rows beyond
+// the K = list_len sequences, and sentences with bad emissions).
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t kbest_row_value(int64_t row, int64_t n, int64_t K, bool bad,
+                                                    const scalar_t* final_values) {
+  if (bad) return neg_inf<scalar_t>();
+  if (n == 0) return row == 0 ? scalar_t(0) : neg_inf<scalar_t>();
+  return row < K ? final_values[row] : neg_inf<scalar_t>();
 }
 
 template <typename scalar_t, typename bp_t, bool kAllShared>
@@ -80,6 +103,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const Decode
   const int64_t L = p.max_len;
   const int64_t K = p.list_len;
   const scalar_t kNegInf = neg_inf<scalar_t>();
+  check_inputs(p.checks);
 
   unsigned char* cursor = shared_raw;
   unsigned char* const arena = group_arena<kAllShared>(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
@@ -186,16 +210,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const Decode
     __syncwarp();  // final_values / final_codes visible to the group
     if (!sentence.exists) continue;
     const int64_t b = sentence.b;
-    if (bad) {
-      if (lane == 0) report(p.status, kBadEmissions, b);
-      continue;
-    }
-    if (n == 0) {  // exactly one sequence, the empty one, of score 0 (row 0; its path is all -1)
-      if (lane == 0) p.scores[b * p.rows] = 0;
-      continue;
-    }
-    for (int64_t row = lane; row < K; row += G) {  // one backtrace per lane
-      write_kbest_row(p, b, n, row, final_values[row], final_codes[row], backpointers);
+    if (bad && lane == 0) report(p.status, kBadEmissions, b);
+    for (int64_t row = lane; row < p.rows; row += G) {  // one backtrace per lane
+      const scalar_t value = kbest_row_value(row, n, K, bad, final_values);
+      write_kbest_row(p, b, n, row, value, n > 0 && value != kNegInf ? final_codes[row] : 0, backpointers);
     }
   }
 }
@@ -282,6 +300,7 @@ __global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<
   const scalar_t kNegInf = neg_inf<scalar_t>();
   const scalar_t transition = walks ? p.transitions[s * T + t] : scalar_t(0);  // trans[s, t]
   const scalar_t end_score = s < T ? p.end[s] : scalar_t(0);                   // for the final merge
+  check_inputs(p.checks);
 
   scalar_t* const lists_a = reinterpret_cast<scalar_t*>(shared_raw + plan.lists_a);  // [t * K + r]
   scalar_t* const lists_b = reinterpret_cast<scalar_t*>(shared_raw + plan.lists_b);
@@ -335,16 +354,10 @@ __global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<
       });
     }
     __syncthreads();  // final_values / final_codes and every backpointer visible to the block
-    if (sentence_bad) {
-      if (threadIdx.x == 0) report(p.status, kBadEmissions, b);
-      continue;
-    }
-    if (n == 0) {  // exactly one sequence, the empty one, of score 0 (row 0; its path is all -1)
-      if (threadIdx.x == 0) p.scores[b * p.rows] = 0;
-      continue;
-    }
-    for (int64_t row = threadIdx.x; row < K; row += blockDim.x) {  // one backtrace per lane
-      write_kbest_row(p, b, n, row, final_values[row], final_codes[row], backpointers);
+    if (sentence_bad && threadIdx.x == 0) report(p.status, kBadEmissions, b);
+    for (int64_t row = threadIdx.x; row < p.rows; row += blockDim.x) {  // one backtrace per lane
+      const scalar_t value = kbest_row_value(row, n, K, sentence_bad, final_values);
+      write_kbest_row(p, b, n, row, value, n > 0 && value != kNegInf ? final_codes[row] : 0, backpointers);
     }
   }
 }
@@ -380,7 +393,7 @@ KbestKernel kbest_kernel_choice() {
 // memory) or, unless `forced`, outside auto's cases (K <= 5, at most two sentences per multiprocessor).
 template <typename scalar_t, typename bp_t>
 bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced, at::Tensor& scores,
-                          at::Tensor& paths, Status& status) {
+                          at::Tensor& paths, Status& status, const LogProbOutputs& log_probs) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const PerTagPlan plan = per_tag_plan<scalar_t, bp_t>(T, K, L);
   if (T > kWarpSize || plan.backpointers > kSharedBudget) return false;
@@ -403,26 +416,43 @@ bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced
   const auto bytes = a.emissions.options().dtype(at::kByte);
   at::Tensor backpointers = plan.backpointers_in_shared ? at::Tensor() : at::empty({std::max<int64_t>(1, blocks * per_block)}, bytes);
 
-  const auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status);
+  const auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status, log_probs);
   kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, current_stream()>>>(params, plan);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
 
+// log_probs (B, k) = scores - log Z, log Z clamped to the lowest finite value as
+// reference.log_probs_from_scores does (so missing rows stay -inf), by two aten ops.
+at::Tensor log_probs_from_scores(const at::Tensor& scores, const at::Tensor& log_z) {
+  const double lowest = scores.scalar_type() == at::kFloat ? std::numeric_limits<float>::lowest()
+                                                           : std::numeric_limits<double>::lowest();
+  return scores - log_z.clamp_min(lowest).unsqueeze(1);
+}
+
 // scores (B, k), paths (B, k, L) int64: the k best distinct sequences per sentence, descending;
-// rows beyond the number of allowed sequences hold -1 / -inf.
-std::tuple<at::Tensor, at::Tensor> launch_kbest_viterbi(const CrfArgs& a, int64_t k, Status& status) {
+// rows beyond the number of allowed sequences hold -1 / -inf. With log_z (B,) given (queued on
+// the stream before), also log_probs (B, k) = log_probs_from_scores(scores, log_z), written by
+// the k-best kernel with the scores (bit for bit the same subtraction, two launches fewer).
+struct KbestOutputs {
+  at::Tensor scores, paths, log_probs;
+};
+
+KbestOutputs launch_kbest_viterbi(const CrfArgs& a, int64_t k, Status& status, const at::Tensor& log_z = {}) {
   TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   if (k == 1) {  // the 1-best is Viterbi, with the same tie rule: use the cheaper kernel
     auto [best_scores, best_paths] = launch_viterbi(a, status);
-    return {best_scores.unsqueeze(1), best_paths.unsqueeze(1)};
+    const at::Tensor scores = best_scores.unsqueeze(1);
+    return {scores, best_paths.unsqueeze(1), log_z.defined() ? log_probs_from_scores(scores, log_z) : at::Tensor()};
   }
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   // No sentence has more than T^L sequences, so lists longer than that only hold -inf.
   const int64_t K = num_sequences_capped(T, L, k);
   check_sizes(T, K);
-  at::Tensor paths = at::full({B, k, L}, -1, a.lengths.options());
-  at::Tensor scores = at::full({B, k}, -std::numeric_limits<double>::infinity(), a.emissions.options());
+  // Written whole by the kernels: no fill launches (host time, issue 30).
+  at::Tensor paths = at::empty({B, k, L}, a.lengths.options());
+  at::Tensor scores = at::empty({B, k}, a.emissions.options());
+  const LogProbOutputs log_probs{log_z, log_z.defined() ? at::empty({B, k}, a.emissions.options()) : at::Tensor()};
   const KbestKernel choice = kbest_kernel_choice();
   AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_kbest_viterbi_cuda", [&] {
     const int G = lanes_per_sentence(T);
@@ -430,37 +460,37 @@ std::tuple<at::Tensor, at::Tensor> launch_kbest_viterbi(const CrfArgs& a, int64_
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
       if (choice != KbestKernel::kPerSentence &&
-          launch_kbest_per_tag<scalar_t, bp_t>(a, k, K, choice == KbestKernel::kPerTag, scores, paths, status)) {
+          launch_kbest_per_tag<scalar_t, bp_t>(a, k, K, choice == KbestKernel::kPerTag, scores, paths, status,
+                                               log_probs)) {
         return;
       }
       launch_decoder<scalar_t, bp_t>(kbest_kernel<scalar_t, bp_t, true>, kbest_kernel<scalar_t, bp_t, false>, a, k,
-                                     K, arena_bytes, scores, paths, status);
+                                     K, arena_bytes, scores, paths, status, log_probs);
     });
   });
-  return {scores, paths};
+  return {scores, paths, log_probs.log_probs};
 }
 
 std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
                                                       int64_t k, const at::Tensor& lengths,
                                                       const at::Tensor& start, const at::Tensor& end) {
-  return checked_launch(emissions, transitions, lengths, start, end,
-                        [&](const CrfArgs& a, Status& status) { return launch_kbest_viterbi(a, k, status); });
+  return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
+    KbestOutputs out = launch_kbest_viterbi(a, k, status);
+    return std::make_tuple(out.scores, out.paths);
+  });
 }
 
 // kbest_viterbi's outputs and log_probs (B, k) = scores - log Z (log Z clamped to the lowest
-// finite value, as reference.log_probs_from_scores does, so missing rows stay -inf): both
-// kernels and the subtraction queued on the stream, then one status read, where the two ops
-// called in turn read theirs twice.
+// finite value, as reference.log_probs_from_scores does, so missing rows stay -inf): log Z's
+// kernels, then the k-best kernel, which writes the log-probabilities with the scores, then one
+// status read, where the two ops called in turn read theirs twice.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cuda(
     const at::Tensor& emissions, const at::Tensor& transitions, int64_t k, const at::Tensor& lengths,
     const at::Tensor& start, const at::Tensor& end) {
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
-    auto [scores, paths] = launch_kbest_viterbi(a, k, status);
     const at::Tensor log_z = launch_log_partition(a, status);
-    const double lowest = a.emissions.scalar_type() == at::kFloat ? std::numeric_limits<float>::lowest()
-                                                                   : std::numeric_limits<double>::lowest();
-    at::Tensor log_probs = scores - log_z.clamp_min(lowest).unsqueeze(1);
-    return std::make_tuple(scores, paths, log_probs);
+    KbestOutputs out = launch_kbest_viterbi(a, k, status, log_z);
+    return std::make_tuple(out.scores, out.paths, out.log_probs);
   });
 }
 

@@ -83,12 +83,15 @@ __global__ void scale_marginals_kernel(const scalar_t* grad_log_z, const scalar_
 // rounding only). One thread per entry summing all B sentences in order was slow, mostly
 // waiting on one load after another (benchmarks/results/NOTES.md has the timings).
 // Start / end read each sentence's first / last row of marginals; empty sentences (and lengths
-// out of range, reported by validate_inputs_kernel) add nothing.
+// out of range, reported by check_inputs) add nothing. `checks`: the call's input checks, where
+// this kernel runs them.
 template <typename scalar_t>
 __global__ void sum_parameter_grads_kernel(const scalar_t* grad_log_z, const scalar_t* marginals,
                                            const scalar_t* counts, const int64_t* lengths,
                                            scalar_t* grad_transitions, scalar_t* grad_start, scalar_t* grad_end,
-                                           int64_t batch, int64_t max_len, int64_t T) {
+                                           int64_t batch, int64_t max_len, int64_t T,
+                                           const InputChecks<scalar_t> checks) {
+  check_inputs(checks);
   const int64_t count = T * T + 2 * T;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps_per_block = blockDim.x / kWarpSize;
@@ -114,23 +117,24 @@ __global__ void sum_parameter_grads_kernel(const scalar_t* grad_log_z, const sca
 template <typename scalar_t>
 void launch_sum_parameter_grads(const at::Tensor& grad_log_z, const at::Tensor& marginals, const at::Tensor& counts,
                                 const at::Tensor& lengths, at::Tensor& grad_transitions, at::Tensor& grad_start,
-                                at::Tensor& grad_end) {
+                                at::Tensor& grad_end, const InputChecks<scalar_t>& checks = {}) {
   const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
   const int64_t blocks = elementwise_blocks((T * T + 2 * T) * kWarpSize);  // one warp per entry
   const cudaStream_t stream = current_stream();
   sum_parameter_grads_kernel<scalar_t><<<blocks, kElementwiseThreads, 0, stream>>>(
       grad_log_z.data_ptr<scalar_t>(), marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(),
       lengths.data_ptr<int64_t>(), grad_transitions.data_ptr<scalar_t>(), grad_start.data_ptr<scalar_t>(),
-      grad_end.data_ptr<scalar_t>(), B, L, T);
+      grad_end.data_ptr<scalar_t>(), B, L, T, checks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // ---- parallel in time (forward_backward_chunked.cuh; the choice: time_chunk_length, common.cu) --
 // The chunked forward-backward of one call (see forward_backward_chunked.cuh) for T within the
 // register kernel's range: out.log_z and out.rows are allocated by the caller, `tables` filled.
+// `skip` (B,) int: zeroed by the tables kernel.
 template <typename scalar_t, Output kOut, int kLanes>
-void launch_chunked(const CrfArgs& a, const at::Tensor& grad_log_z, const at::Tensor& tables, int64_t S,
-                    FbOutputs& out, Status& status) {
+void launch_chunked(const CrfArgs& a, const at::Tensor& grad_log_z, const at::Tensor& tables, const at::Tensor& skip,
+                    int64_t S, FbOutputs& out, Status& status) {
   constexpr bool kPairwise = kOut == Output::kBackward || kOut == Output::kWithMarginals;
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const int64_t C = (L + S - 1) / S;
@@ -138,7 +142,6 @@ void launch_chunked(const CrfArgs& a, const at::Tensor& grad_log_z, const at::Te
   const cudaStream_t stream = current_stream();
   at::Tensor matrices = at::empty({B * C * T * T}, options);
   at::Tensor row_offsets = at::empty({B * C * T}, options.dtype(at::kDouble));
-  at::Tensor skip = at::zeros({B}, options.dtype(at::kInt));
   const bool keep_rows = kOut != Output::kLogPartition;
   at::Tensor alpha_in = keep_rows ? at::empty({B * C * T}, options) : at::Tensor();
   at::Tensor beta_out = keep_rows ? at::empty({B * C * T}, options) : at::Tensor();
@@ -194,7 +197,8 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   const auto options = a.emissions.options();
   const cudaStream_t stream = current_stream();
   if (kOut == Output::kLogPartition || kWithMarginals) out.log_z = at::empty({B}, options);
-  if (kOut != Output::kLogPartition) out.rows = at::zeros_like(a.emissions);
+  // Written whole by the kernels (zeros beyond each sentence): no fill launch.
+  if (kOut != Output::kLogPartition) out.rows = at::empty_like(a.emissions);
   if (kWithMarginals && B == 0) out.counts = at::zeros({0, T, T}, options);
   if (B == 0) {
     if (kOut == Output::kBackward) {
@@ -204,22 +208,29 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
     }
     return;
   }
-  at::Tensor tables = at::empty({table_elements(T)}, options);
-  transition_tables_kernel<scalar_t><<<(int)std::min<int64_t>((2 * T + 127) / 128, 1024), 128, 0, stream>>>(
-      a.transitions.data_ptr<scalar_t>(), (int)T, tables.data_ptr<scalar_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-
   // The kernel and where its buffers live: the register kernel for small T (no shared memory,
-  // blocks of 4 warps, one group of kLanes >= 8 lanes per sentence), else the generic one.
+  // blocks of 4 warps, one group of kLanes >= 8 lanes per sentence), else the generic one; for
+  // long sentences at small batch and the register kernel's T, the chunked path (parallel in time).
   const bool in_registers = T <= register_max_tags<scalar_t>();
-  if (in_registers) {  // long sentences at small batch: parallel in time
-    if (const int64_t S = time_chunk_length(B, L, T, register_lanes(T))) {
-      if (kWithMarginals) out.counts = at::empty({B, T, T}, options);
-      dispatch_register_lanes<scalar_t>(T, [&](auto lanes) {
-        launch_chunked<scalar_t, kOut, decltype(lanes)::value>(a, grad_log_z, tables, S, out, status);
-      });
-      return;
-    }
+  const int64_t S = in_registers ? time_chunk_length(B, L, T, register_lanes(T)) : 0;
+  const at::Tensor skip = S > 0 ? at::empty({B}, options.dtype(at::kInt)) : at::Tensor();
+  // The tables, and the call's input checks and zeroed `skip`, in one launch.
+  at::Tensor tables = at::empty({table_elements(T)}, options);
+  {
+    constexpr int kThreads = 128;
+    const int64_t work = std::max({2 * T, B, T * T});
+    const auto blocks = (unsigned)std::min<int64_t>((work + kThreads - 1) / kThreads, 1024);
+    transition_tables_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        a.transitions.data_ptr<scalar_t>(), (int)T, tables.data_ptr<scalar_t>(), input_checks<scalar_t>(a, status),
+        S > 0 ? skip.data_ptr<int>() : nullptr, S > 0 ? B : 0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (S > 0) {
+    if (kWithMarginals) out.counts = at::empty({B, T, T}, options);
+    dispatch_register_lanes<scalar_t>(T, [&](auto lanes) {
+      launch_chunked<scalar_t, kOut, decltype(lanes)::value>(a, grad_log_z, tables, skip, S, out, status);
+    });
+    return;
   }
   const size_t arena_bytes = align_up((kOut == Output::kLogPartition ? 3 : 7) * T * sizeof(scalar_t));
   const int64_t accumulator_elements = kPairwise ? T * T + 2 * T : 0;
@@ -367,8 +378,8 @@ at::Tensor expected_transition_counts_cuda(const at::Tensor& emissions, const at
 
 // The backward of log_partition_with_marginals: the gradients of sum_b grad_log_z[b] log Z[b]
 // with respect to emissions (B, L, T), transitions (T, T), start (T,) and end (T,), from that
-// op's marginals (B, L, T) and transition counts (B, T, T). Two small kernels and the lengths'
-// range check (one status read).
+// op's marginals (B, L, T) and transition counts (B, T, T). Two small kernels, the second of
+// which checks the lengths' range (one status read).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_from_marginals_cuda(
     const at::Tensor& grad_log_z_in, const at::Tensor& marginals_in, const at::Tensor& counts_in,
     const at::Tensor& lengths_in) {
@@ -381,7 +392,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
   const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
   check_num_tags(T);
   Status status(marginals);
-  launch_validate_inputs(lengths, L, at::Tensor(), at::Tensor(), at::Tensor(), status);
   auto grad_emissions = at::empty_like(marginals);
   auto grad_transitions = at::empty({T, T}, marginals.options());
   auto grad_start = at::empty({T}, marginals.options());
@@ -395,8 +405,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
           grad_emissions.data_ptr<scalar_t>(), B, L, T);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
+    InputChecks<scalar_t> checks;  // the lengths' range (there are no parameters here)
+    checks.lengths = lengths.data_ptr<int64_t>();
+    checks.status = status.data();
+    checks.batch = B;
+    checks.max_len = L;
     launch_sum_parameter_grads<scalar_t>(grad_log_z, marginals, counts, lengths, grad_transitions, grad_start,
-                                         grad_end);
+                                         grad_end, checks);
   });
   status.raise_if_bad(lengths, L);
   return {grad_emissions, grad_transitions, grad_start, grad_end};

@@ -22,6 +22,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const Deco
   const int64_t slot = (int64_t)blockIdx.x * p.plan.groups_per_block + group;
   const int64_t L = p.max_len;
   const scalar_t kNegInf = neg_inf<scalar_t>();
+  check_inputs(p.checks);
 
   unsigned char* cursor = shared_raw;
   scalar_t* const arena =
@@ -93,21 +94,29 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const Deco
     }
     group_argmax(best, best_tag, G);
     bad = group_max(static_cast<int>(bad), G) != 0;
-    if (lane != 0 || !sentence.exists) continue;
+    if (!sentence.exists) continue;
+    // The path row is written whole (the host does not fill it): lane 0 backtraces [0, n) where
+    // a best sequence exists (-inf: every sequence forbidden), the group writes -1 elsewhere.
+    const bool has_path = !bad && n > 0 && best != kNegInf && best_tag < T;
+    int64_t* path = p.paths + sentence.b * L;
+    for (int64_t i = (has_path ? n : 0) + lane; i < L; i += G) path[i] = -1;
+    if (lane != 0) continue;
     if (bad) {
       report(p.status, kBadEmissions, sentence.b);
     } else if (n == 0) {
       p.scores[sentence.b] = 0;  // the empty sequence; its path is all -1
     } else {
       p.scores[sentence.b] = best;
-      if (best != kNegInf && best_tag < T) {  // -inf: every sequence forbidden, path stays -1
-        int64_t* path = p.paths + sentence.b * L;
+      if (has_path) {
         int tag = best_tag;
         for (int64_t i = n - 1; i >= 0; --i) {
           path[i] = tag;
           if (i == 0) break;
           const uint32_t code = backpointers[i * T + tag];
-          if (code >= (uint32_t)T) break;  // cannot happen with valid data; never read out of range
+          if (code >= (uint32_t)T) {  // cannot happen with valid data; never read out of range
+            for (int64_t j = 0; j < i; ++j) path[j] = -1;
+            break;
+          }
           tag = (int)code;
         }
       }
@@ -123,7 +132,6 @@ namespace {
 // The chunked Viterbi of one call, T <= kLanes within the register kernels' range, chunks of S.
 template <typename scalar_t, int kLanes>
 void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at::Tensor& paths, Status& status) {
-  constexpr int kThreads = 128;  // the one-thread-per-item kernels of phase 4
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const int64_t C = (L + S - 1) / S;
   const auto options = a.emissions.options();
@@ -133,11 +141,14 @@ void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at:
   at::Tensor last_delta = at::empty({B * T}, options);
   at::Tensor backpointers = at::empty({B * L * T}, options.dtype(at::kByte));
   at::Tensor maps = at::empty({B * C * T}, options.dtype(at::kByte));
-  at::Tensor end_tags = at::full({B * C}, -1, options.dtype(at::kInt));
-  at::Tensor bad = at::zeros({B}, options.dtype(at::kInt));
+  at::Tensor end_tags = at::empty({B * C}, options.dtype(at::kInt));  // written whole by the finish kernel
+  at::Tensor bad = at::empty({B}, options.dtype(at::kInt));
+  // Zeroed by a memset: on the host a fraction of an aten fill's time.
+  C10_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr<int>(), 0, B * sizeof(int), stream));
 
   ViterbiChunkParams<scalar_t> params;
   set_chunk_arguments<scalar_t>(params, a, S, C, matrices, status);
+  params.checks = input_checks<scalar_t>(a, status);
   params.boundary = boundary.data_ptr<scalar_t>();
   params.last_delta = last_delta.data_ptr<scalar_t>();
   params.backpointers = backpointers.data_ptr<uint8_t>();
@@ -147,7 +158,6 @@ void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at:
   params.scores = scores.data_ptr<scalar_t>();
   params.paths = paths.data_ptr<int64_t>();
   const auto groups = chunk_group_blocks<kLanes>;
-  auto threads = [](int64_t count) { return (unsigned)((count + kThreads - 1) / kThreads); };
 
   viterbi_chunk_transfer_kernel<scalar_t, kLanes><<<groups(B * C * T), kMaxThreadsPerBlock, 0, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -155,23 +165,20 @@ void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at:
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   viterbi_chunk_decode_kernel<scalar_t, kLanes><<<groups(B * C), kMaxThreadsPerBlock, 0, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  viterbi_chunk_chain_kernel<scalar_t><<<threads(B), kThreads, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  viterbi_chunk_path_kernel<scalar_t><<<threads(B * C), kThreads, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  viterbi_chunk_score_kernel<scalar_t><<<threads(B), kThreads, 0, stream>>>(params);
+  const int finish_threads = (int)std::min<int64_t>((C + kWarpSize - 1) / kWarpSize * kWarpSize, kMaxThreadsPerBlock);
+  viterbi_chunk_finish_kernel<scalar_t><<<(unsigned)B, finish_threads, 0, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-// The decoders' launches, for arguments checked by checked_cuda_args and validated into `status`
-// by launch_validate_inputs; the ops below raise from `status` once everything is launched.
+// The decoders' launches, for arguments checked by checked_cuda_args, their values checked into
+// `status` by the first kernel (input_checks); the ops below raise from `status` once everything is launched.
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
 std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& status) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   check_sizes(T, 1);
-  at::Tensor paths = at::full({B, L}, -1, a.lengths.options());
+  at::Tensor paths = at::empty({B, L}, a.lengths.options());  // written whole by the kernels
   at::Tensor scores = at::empty({B}, a.emissions.options());
   AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_viterbi_cuda", [&] {
     // Long sentences at small batch: parallel in time, for the register kernels' tag counts.

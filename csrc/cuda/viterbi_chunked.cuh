@@ -17,12 +17,11 @@
 //      sequential kernel (max_s (delta[s] + trans[s][t]) in ascending s with a strict '>', then
 //      + emit), with backpointers, and for each end tag t the tag at position c S - 1 its
 //      backpointers lead to (carried along the recursion by shuffles): the chunk's map.
-//   4. viterbi_chunk_chain_kernel (a thread per sentence): the best last tag as the sequential
-//      kernel chooses it, then each chunk's end tag through the maps, last chunk to first;
-//      viterbi_chunk_path_kernel (a thread per chunk): the backtrace inside each chunk;
-//      viterbi_chunk_score_kernel (a thread per sentence): the path's score summed in the
-//      sequential kernel's order, ((start + e_0) + trans) + e_1 ... + end, so that a path equal
-//      to the sequential kernel's comes with the identical score.
+//   4. viterbi_chunk_finish_kernel, a block per sentence: the best last tag as the sequential
+//      kernel chooses it, then each chunk's end tag through the maps, last chunk to first (one
+//      thread); the backtrace inside each chunk (a thread per chunk); the path's score summed in
+//      the sequential kernel's order, ((start + e_0) + trans) + e_1 ... + end, so that a path
+//      equal to the sequential kernel's comes with the identical score (one thread).
 //
 // With exactly representable sums (small integer scores) every value of phase 3 is the
 // sequential kernel's, so paths and ties come out identical; otherwise the boundary values
@@ -55,8 +54,9 @@ struct ViterbiChunkParams {
   int* end_tags;                // (B, C): each chunk's end tag on the best path, -1 where none
   int* bad;                     // (B,): NaN / +inf emissions within the length seen (phase 1)
   scalar_t* scores;             // (B,)
-  int64_t* paths;               // (B, L), filled with -1 by the host
+  int64_t* paths;               // (B, L), written whole by the path kernel (-1 where no tag)
   long long* status;
+  InputChecks<scalar_t> checks;  // run first by the transfer kernel
   int64_t batch, max_len, chunk, chunks;  // chunk = S, chunks = C = ceil(L / S)
   int num_tags;
 };
@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const int T = p.num_tags;
   const int lane = threadIdx.x % kLanes;
   const bool own = lane < T;
+  check_inputs(p.checks);
   const ChunkWork w = chunk_work((int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes, T, p.chunks, p.chunk,
                                  p.batch, p.lengths, p.max_len);
   const int64_t r = w.r, c = w.c, b = w.b, len = w.len;
@@ -199,13 +200,15 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   if (first_position + len == n) p.last_delta[b * T + lane] = v;
 }
 
-// Phase 4a: a thread per sentence: the best last tag (the sequential kernel's choice: the first
-// maximum of delta + end in ascending t), the score of the empty and the impossible sentences,
-// and each chunk's end tag on the best path, through the maps from the last chunk to the first.
+// Phase 4, first step (one thread of sentence b's block): the best last tag (the sequential
+// kernel's choice: the first maximum of delta + end in ascending t), the score of the empty and
+// the impossible sentences, and each chunk's end tag on the best path, through the maps from the
+// last chunk to the first (all C entries of the sentence's end_tags are written: -1 where none).
 template <typename scalar_t>
-__global__ void viterbi_chunk_chain_kernel(const ViterbiChunkParams<scalar_t> p) {
-  const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= p.batch || p.bad[b] != 0) return;  // bad emissions: reported, left unwritten
+__device__ void chain_chunk_end_tags(const ViterbiChunkParams<scalar_t>& p, int64_t b) {
+  int* end_tags = p.end_tags + b * p.chunks;
+  for (int64_t c = 0; c < p.chunks; ++c) end_tags[c] = -1;
+  if (p.bad[b] != 0) return;  // bad emissions: reported, score left unwritten
   const int T = p.num_tags;
   const int64_t n = safe_length(p.lengths, b, p.max_len);
   if (n == 0) {
@@ -227,7 +230,6 @@ __global__ void viterbi_chunk_chain_kernel(const ViterbiChunkParams<scalar_t> p)
     return;
   }
   const int64_t num_chunks = (n + p.chunk - 1) / p.chunk;
-  int* end_tags = p.end_tags + b * p.chunks;
   end_tags[num_chunks - 1] = tag;
   for (int64_t c = num_chunks - 1; c >= 1; --c) {
     const int code = p.maps[(b * p.chunks + c) * T + tag];
@@ -237,36 +239,41 @@ __global__ void viterbi_chunk_chain_kernel(const ViterbiChunkParams<scalar_t> p)
   }
 }
 
-// Phase 4b: a thread per (sentence b, chunk c), c fastest: the path inside the chunk, from its
-// end tag back through the chunk's backpointers.
+// Second step (a thread per chunk c): the path inside the chunk, from its end tag back through
+// the chunk's backpointers. The chunks' output ranges [c S, c S + S) tile the row, and each is
+// written whole: -1 beyond the sentence and where no path exists.
 template <typename scalar_t>
-__global__ void viterbi_chunk_path_kernel(const ViterbiChunkParams<scalar_t> p) {
-  const int64_t id = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const int64_t c = id % p.chunks, b = id / p.chunks;
-  if (b >= p.batch) return;
+__device__ void write_chunk_path(const ViterbiChunkParams<scalar_t>& p, int64_t b, int64_t c) {
   const int T = p.num_tags;
-  int tag = p.end_tags[b * p.chunks + c];
-  if (tag < 0) return;  // no path (or no such chunk)
+  int tag = p.end_tags[b * p.chunks + c];  // -1: no path (or no such chunk)
   const int64_t n = safe_length(p.lengths, b, p.max_len);
   const int64_t first = c * p.chunk, len = chunk_length(n, c, p.chunk);
+  const int64_t last = first + p.chunk < p.max_len ? first + p.chunk : p.max_len;
   int64_t* path = p.paths + b * p.max_len;
   const uint8_t* backpointers = p.backpointers + b * p.max_len * T;
-  for (int64_t i = first + len - 1; i >= first; --i) {
-    path[i] = tag;
-    if (i == first) break;
-    const int code = backpointers[i * T + tag];
-    if (code >= T) break;  // cannot happen with valid data
-    tag = code;
+  int64_t unwritten_from = first;  // path[unwritten_from, last) gets -1
+  if (tag >= 0) {
+    unwritten_from = first + len;
+    for (int64_t i = first + len - 1; i >= first; --i) {
+      path[i] = tag;
+      if (i == first) break;
+      const int code = backpointers[i * T + tag];
+      if (code >= T) {  // cannot happen with valid data
+        for (int64_t j = first; j < i; ++j) path[j] = -1;
+        break;
+      }
+      tag = code;
+    }
   }
+  for (int64_t i = unwritten_from; i < last; ++i) path[i] = -1;
 }
 
-// Phase 5: a thread per sentence with a path: its score, summed along the path in the
-// sequential kernel's order (delta_0 = start + e_0; delta_i = (delta_{i-1} + trans) + e_i;
-// + end), hence bit for bit the sequential kernel's score for the same path.
+// Third step (one thread): the path's score, summed along it in the sequential kernel's order
+// (delta_0 = start + e_0; delta_i = (delta_{i-1} + trans) + e_i; + end), hence bit for bit the
+// sequential kernel's score for the same path.
 template <typename scalar_t>
-__global__ void viterbi_chunk_score_kernel(const ViterbiChunkParams<scalar_t> p) {
-  const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= p.batch || p.end_tags[b * p.chunks] < 0) return;  // scored by the chain kernel
+__device__ void score_chunked_path(const ViterbiChunkParams<scalar_t>& p, int64_t b) {
+  if (p.end_tags[b * p.chunks] < 0) return;  // scored by the first step
   const int T = p.num_tags;
   const int64_t n = safe_length(p.lengths, b, p.max_len);
   const int64_t* path = p.paths + b * p.max_len;
@@ -281,6 +288,18 @@ __global__ void viterbi_chunk_score_kernel(const ViterbiChunkParams<scalar_t> p)
     previous = tag;
   }
   p.scores[b] = score + p.end[previous];
+}
+
+// Phase 4: a block per sentence b, its three steps in turn (one launch instead of three: at
+// small batch the host's time per launch is most of a call's).
+template <typename scalar_t>
+__global__ void viterbi_chunk_finish_kernel(const ViterbiChunkParams<scalar_t> p) {
+  const int64_t b = blockIdx.x;
+  if (threadIdx.x == 0) chain_chunk_end_tags(p, b);
+  __syncthreads();  // end_tags written
+  for (int64_t c = threadIdx.x; c < p.chunks; c += blockDim.x) write_chunk_path(p, b, c);
+  __syncthreads();  // the path written
+  if (threadIdx.x == 0) score_chunked_path(p, b);
 }
 
 }  // namespace

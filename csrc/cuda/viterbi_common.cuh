@@ -47,7 +47,9 @@ struct DecodeParams {
   const scalar_t* end;          // (T,)
   const int64_t* lengths;       // (B,)
   scalar_t* scores;             // (B, rows)
-  int64_t* paths;               // (B, rows, L), filled with -1 by the host
+  const scalar_t* log_z;        // (B,) or null: with it, k-best also writes
+  scalar_t* log_probs;          // (B, rows) = scores - max(log_z, lowest finite)
+  int64_t* paths;               // (B, rows, L), written whole by the kernel (-1 where no tag)
   bp_t* backpointers;           // (slots, L, T, K)
   unsigned char* arena_workspace;  // (slots, arena_bytes) when the arenas are not in shared memory
   long long* status;
@@ -57,9 +59,10 @@ struct DecodeParams {
   int num_tags;
   SharedPlan plan;
   size_t arena_bytes;
+  InputChecks<scalar_t> checks;  // run by the kernel first (check_inputs)
 };
 
-// Sentence index, length (0 when out of range: reported by validate_inputs_kernel) and the
+// Sentence index, length (0 when out of range: reported by check_inputs) and the
 // warp's trip count, for the group's next sentence.
 struct Sentence {
   int64_t b;
@@ -83,26 +86,37 @@ __device__ __forceinline__ Sentence next_sentence(int64_t first, int group, cons
 // L * T * K does not allocate gigabytes (fewer groups then run at once; results are the same).
 constexpr int64_t kBackpointerBudget = int64_t{256} << 20;
 
+// k-best's log-probabilities, written by its kernel with the scores: log_z (B,) in, log_probs
+// (B, k) out (both undefined: none).
+struct LogProbOutputs {
+  at::Tensor log_z, log_probs;
+};
+
 // The parameters every decoder launch shares (the arena fields stay at their defaults: no
 // arena); `backpointers` is the global workspace, undefined when the kernel keeps them in
 // shared memory.
 template <typename scalar_t, typename bp_t>
 DecodeParams<scalar_t, bp_t> decode_params(const CrfArgs& a, int64_t rows, int64_t K, at::Tensor& scores,
-                                           at::Tensor& paths, const at::Tensor& backpointers, Status& status) {
+                                           at::Tensor& paths, const at::Tensor& backpointers, Status& status,
+                                           const LogProbOutputs& log_probs = {}) {
   DecodeParams<scalar_t, bp_t> params{};
   set_crf_arguments<scalar_t>(params, a, status);
   params.scores = scores.data_ptr<scalar_t>();
+  params.log_z = log_probs.log_z.defined() ? log_probs.log_z.data_ptr<scalar_t>() : nullptr;
+  params.log_probs = log_probs.log_probs.defined() ? log_probs.log_probs.data_ptr<scalar_t>() : nullptr;
   params.paths = paths.data_ptr<int64_t>();
   params.backpointers = backpointers.defined() ? reinterpret_cast<bp_t*>(backpointers.data_ptr<uint8_t>()) : nullptr;
   params.rows = rows;
   params.list_len = K;
+  params.checks = input_checks<scalar_t>(a, status);
   return params;
 }
 
 // shared_kernel / generic_kernel: the decoder's kAllShared = true / false variants.
 template <typename scalar_t, typename bp_t, typename Kernel>
 void launch_decoder(Kernel shared_kernel, Kernel generic_kernel, const CrfArgs& a, int64_t rows, int64_t K,
-                    size_t arena_bytes, at::Tensor& scores, at::Tensor& paths, Status& status) {
+                    size_t arena_bytes, at::Tensor& scores, at::Tensor& paths, Status& status,
+                    const LogProbOutputs& log_probs = {}) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   if (B == 0) return;
   const SharedPlan plan = plan_shared(T, arena_bytes, 0, align_up(T * T * sizeof(scalar_t)));
@@ -114,7 +128,7 @@ void launch_decoder(Kernel shared_kernel, Kernel generic_kernel, const CrfArgs& 
   at::Tensor backpointers = at::empty({std::max<int64_t>(1, slots * L * T * K * (int64_t)sizeof(bp_t))}, bytes);
   at::Tensor arena_workspace = plan.arena_in_shared ? at::Tensor() : at::empty({slots * (int64_t)arena_bytes}, bytes);
 
-  auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status);
+  auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status, log_probs);
   params.arena_workspace = arena_workspace.defined() ? arena_workspace.data_ptr<uint8_t>() : nullptr;
   params.plan = plan;
   params.arena_bytes = arena_bytes;
@@ -129,8 +143,8 @@ inline void check_sizes(int64_t T, int64_t K) {
                     ", k = ", K);
 }
 
-// Viterbi's launch (viterbi.cu), for arguments checked by checked_cuda_args and validated into
-// `status` by launch_validate_inputs; k-best's launch (kbest.cu) runs it for k = 1.
+// Viterbi's launch (viterbi.cu), for arguments checked by checked_cuda_args, their values
+// checked into `status` by its first kernel (input_checks); k-best's launch (kbest.cu) runs it for k = 1.
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
 std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& status);
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
@@ -19,6 +20,11 @@ inline int env_int(const char* name, int fallback) {
 inline cudaError_t cudaGetDevice(int* device) { *device = 0; return cudaSuccess; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
+// Kernels run to completion at their launch here, so an asynchronous memset is a plain one.
+inline cudaError_t cudaMemsetAsync(void* to, int value, size_t bytes, cudaStream_t = nullptr) {
+  std::memset(to, value, bytes);
+  return cudaSuccess;
+}
 // CRFKIT_EMU_SMS multiprocessors (default 2) of 2048 threads ...
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int) {
   *value = attribute == cudaDevAttrMaxThreadsPerMultiProcessor ? 2048 : emu::env_int("CRFKIT_EMU_SMS", 2);
