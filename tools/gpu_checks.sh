@@ -242,32 +242,31 @@ if has initcheck; then
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/initcheck.log" | tail -2 | sed 's/^/initcheck: /' >>"$SUMMARY"
 fi
 
+# The A/B stages' loop (a bash -c script, since `stage` runs its command under timeout): AB_ROUNDS
+# rounds, each running the command line RUN with AB_OLD's tree on PYTHONPATH, then this one's.
+ALTERNATE_BUILDS='
+    for round in $(seq "$ROUNDS"); do
+        for side in old new; do
+            tree=$PWD; [ $side = old ] && tree=$(cd "$OLD" && pwd)
+            echo "== round $round, $side ($tree)"
+            export PYTHONPATH=$tree
+            eval "$RUN"
+        done
+    done'
+
 if has host_ab; then
-    # The host's cost per call (profile_gpu_host.py, then its --breakdown) of AB_OLD's build and
-    # this tree's, alternating.
-    stage host_ab 70 env PY="$PY" OLD="${AB_OLD:?the host_ab stage needs AB_OLD}" ROUNDS="${AB_ROUNDS:-2}" bash -c '
-        for round in $(seq "$ROUNDS"); do
-            for side in old new; do
-                tree=$PWD; [ $side = old ] && tree=$(cd "$OLD" && pwd)
-                echo "== round $round, $side ($tree)"
-                PYTHONPATH=$tree $PY benchmarks/profile_gpu_host.py | grep "^|"
-                PYTHONPATH=$tree $PY benchmarks/profile_gpu_host.py --breakdown | grep "^|"
-            done
-        done'
+    # The host's cost per call (profile_gpu_host.py, then its --breakdown) of both builds.
+    stage host_ab 70 env PY="$PY" OLD="${AB_OLD:?the host_ab stage needs AB_OLD}" ROUNDS="${AB_ROUNDS:-2}" \
+        RUN='$PY benchmarks/profile_gpu_host.py | grep "^|"; $PY benchmarks/profile_gpu_host.py --breakdown | grep "^|"' \
+        bash -c "$ALTERNATE_BUILDS"
     tail -60 "$OUT/host_ab.log"
 fi
 
 if has ab; then
-    # This tree's kernels against AB_OLD's (both built), profile_gpu.py of this tree, alternating.
+    # This tree's kernels against AB_OLD's (both built), profile_gpu.py of this tree.
     stage ab 95 env PY="$PY" OLD="${AB_OLD:?the ab stage needs AB_OLD}" ROUNDS="${AB_ROUNDS:-2}" \
-        SHAPES="${AB_SHAPES:-1x128x9,256x128x9,32x512x9,1024x128x37}" bash -c '
-        for round in $(seq "$ROUNDS"); do
-            for side in old new; do
-                tree=$PWD; [ $side = old ] && tree=$(cd "$OLD" && pwd)
-                echo "== round $round, $side ($tree)"
-                PYTHONPATH=$tree $PY benchmarks/profile_gpu.py --shapes "$SHAPES" | grep "^|"
-            done
-        done'
+        SHAPES="${AB_SHAPES:-1x128x9,256x128x9,32x512x9,1024x128x37}" \
+        RUN='$PY benchmarks/profile_gpu.py --shapes "$SHAPES" | grep "^|"' bash -c "$ALTERNATE_BUILDS"
     tail -60 "$OUT/ab.log"
 fi
 

@@ -48,23 +48,13 @@ int64_t grid_for(int64_t count) { return grid_stride_blocks(count, kValidateThre
 
 void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at::Tensor& transitions,
                             const at::Tensor& start, const at::Tensor& end, Status& status) {
-  const int64_t batch = lengths.size(0);
   const int64_t num_tags = transitions.defined() ? transitions.size(0) : 0;
-  const int64_t count = std::max(batch, num_tags * num_tags);
+  const int64_t count = std::max(lengths.size(0), num_tags * num_tags);
   if (count == 0) return;
   const auto type = transitions.defined() ? transitions.scalar_type() : at::kFloat;
   AT_DISPATCH_FLOATING_TYPES(type, "crfkit_validate_inputs", [&] {
-    auto pointer = [](const at::Tensor& x) { return x.defined() ? x.data_ptr<scalar_t>() : nullptr; };
-    InputChecks<scalar_t> checks;
-    checks.lengths = lengths.data_ptr<int64_t>();
-    checks.transitions = pointer(transitions);
-    checks.start = pointer(start);
-    checks.end = pointer(end);
-    checks.status = status.data();
-    checks.batch = batch;
-    checks.max_len = max_len;
-    checks.num_tags = num_tags;
-    validate_inputs_kernel<scalar_t><<<grid_for(count), kValidateThreads, 0, current_stream()>>>(checks);
+    validate_inputs_kernel<scalar_t><<<grid_for(count), kValidateThreads, 0, current_stream()>>>(
+        input_checks_of<scalar_t>(lengths, max_len, transitions, start, end, status));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

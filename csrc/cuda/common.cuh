@@ -132,22 +132,31 @@ struct InputChecks {
   int64_t batch = 0, max_len = 0, num_tags = 0;
 };
 
+// The checks of lengths (B,) against max_len and of transitions / start / end, any of which may
+// be undefined (not checked), reporting into `status`.
+template <typename scalar_t>
+InputChecks<scalar_t> input_checks_of(const at::Tensor& lengths, int64_t max_len, const at::Tensor& transitions,
+                                      const at::Tensor& start, const at::Tensor& end, Status& status) {
+  auto pointer = [](const at::Tensor& x) { return x.defined() ? x.data_ptr<scalar_t>() : nullptr; };
+  InputChecks<scalar_t> c;
+  c.lengths = lengths.data_ptr<int64_t>();
+  c.transitions = pointer(transitions);
+  c.start = pointer(start);
+  c.end = pointer(end);
+  c.status = status.data();
+  c.batch = lengths.size(0);
+  c.max_len = max_len;
+  c.num_tags = transitions.defined() ? transitions.size(0) : 0;
+  return c;
+}
+
 // The checks of `a` for the op's first kernel that takes them, recorded in `status`; an empty
 // InputChecks where a kernel of this op already has them.
 template <typename scalar_t>
 InputChecks<scalar_t> input_checks(const CrfArgs& a, Status& status) {
-  InputChecks<scalar_t> c;
-  if (status.inputs_checked()) return c;
+  if (status.inputs_checked()) return {};
   status.note_inputs_checked();
-  c.lengths = a.lengths.data_ptr<int64_t>();
-  c.transitions = a.transitions.data_ptr<scalar_t>();
-  c.start = a.start.data_ptr<scalar_t>();
-  c.end = a.end.data_ptr<scalar_t>();
-  c.status = status.data();
-  c.batch = a.emissions.size(0);
-  c.max_len = a.emissions.size(1);
-  c.num_tags = a.emissions.size(2);
-  return c;
+  return input_checks_of<scalar_t>(a.lengths, a.emissions.size(1), a.transitions, a.start, a.end, status);
 }
 
 // Fills what every launch's parameter struct (FbParams, ChunkParams, ViterbiChunkParams,

@@ -81,15 +81,21 @@ __device__ void write_kbest_row(const DecodeParams<scalar_t, bp_t>& p, int64_t b
   for (int64_t i = unwritten_from; i < L; ++i) path[i] = -1;
 }
 
-// The value and code of output row `row` of a sentence of n positions: the final merge's for a
-// good sentence, 0 for row 0 of an empty one (the empty sequence), -inf otherwise (rows beyond
-// the K = list_len sequences, and sentences with bad emissions).
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t kbest_row_value(int64_t row, int64_t n, int64_t K, bool bad,
-                                                    const scalar_t* final_values) {
-  if (bad) return neg_inf<scalar_t>();
-  if (n == 0) return row == 0 ? scalar_t(0) : neg_inf<scalar_t>();
-  return row < K ? final_values[row] : neg_inf<scalar_t>();
+// Every output row of sentence b (n positions), rows first, first + stride, ... on this thread
+// (one backtrace each): the final merge's values and codes for a good sentence, 0 for row 0 of
+// an empty one (the empty sequence), -inf otherwise (rows beyond the K = list_len sequences,
+// and sentences with bad emissions). Codes are read only where the merge wrote them.
+template <typename scalar_t, typename bp_t>
+__device__ __forceinline__ void write_kbest_rows(const DecodeParams<scalar_t, bp_t>& p, int64_t b, int64_t n,
+                                                 bool bad, const scalar_t* final_values, const int32_t* final_codes,
+                                                 const bp_t* backpointers, int64_t first, int64_t stride) {
+  const scalar_t kNegInf = neg_inf<scalar_t>();
+  for (int64_t row = first; row < p.rows; row += stride) {
+    scalar_t value = kNegInf;
+    if (!bad && n == 0 && row == 0) value = 0;
+    if (!bad && n > 0 && row < p.list_len) value = final_values[row];
+    write_kbest_row(p, b, n, row, value, n > 0 && value != kNegInf ? final_codes[row] : 0, backpointers);
+  }
 }
 
 template <typename scalar_t, typename bp_t, bool kAllShared>
@@ -211,10 +217,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const Decode
     if (!sentence.exists) continue;
     const int64_t b = sentence.b;
     if (bad && lane == 0) report(p.status, kBadEmissions, b);
-    for (int64_t row = lane; row < p.rows; row += G) {  // one backtrace per lane
-      const scalar_t value = kbest_row_value(row, n, K, bad, final_values);
-      write_kbest_row(p, b, n, row, value, n > 0 && value != kNegInf ? final_codes[row] : 0, backpointers);
-    }
+    write_kbest_rows(p, b, n, bad, final_values, final_codes, backpointers, lane, G);
   }
 }
 
@@ -355,10 +358,7 @@ __global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<
     }
     __syncthreads();  // final_values / final_codes and every backpointer visible to the block
     if (sentence_bad && threadIdx.x == 0) report(p.status, kBadEmissions, b);
-    for (int64_t row = threadIdx.x; row < p.rows; row += blockDim.x) {  // one backtrace per lane
-      const scalar_t value = kbest_row_value(row, n, K, sentence_bad, final_values);
-      write_kbest_row(p, b, n, row, value, n > 0 && value != kNegInf ? final_codes[row] : 0, backpointers);
-    }
+    write_kbest_rows(p, b, n, sentence_bad, final_values, final_codes, backpointers, threadIdx.x, blockDim.x);
   }
 }
 

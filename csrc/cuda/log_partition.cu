@@ -405,13 +405,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
           grad_emissions.data_ptr<scalar_t>(), B, L, T);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    InputChecks<scalar_t> checks;  // the lengths' range (there are no parameters here)
-    checks.lengths = lengths.data_ptr<int64_t>();
-    checks.status = status.data();
-    checks.batch = B;
-    checks.max_len = L;
+    // The lengths' range (there are no parameters here), checked by the second kernel.
     launch_sum_parameter_grads<scalar_t>(grad_log_z, marginals, counts, lengths, grad_transitions, grad_start,
-                                         grad_end, checks);
+                                         grad_end, input_checks_of<scalar_t>(lengths, L, {}, {}, {}, status));
   });
   status.raise_if_bad(lengths, L);
   return {grad_emissions, grad_transitions, grad_start, grad_end};
