@@ -95,9 +95,9 @@ def forbid(inputs, seed, share=0.3):
     return em, tr, ln, s, e
 
 
-def every_output(inputs, on_gpu, k):
-    """Values and gradients of every op, by the CUDA kernels (on_gpu) or the CPU kernels,
-    returned on the CPU. Gradients: of a weighted sum of the finite log Z (through
+def every_output(inputs, on_gpu, k, with_grads=True):
+    """Values and (with_grads) gradients of every op, by the CUDA kernels (on_gpu) or the CPU
+    kernels, returned on the CPU. Gradients: of a weighted sum of the finite log Z (through
     log_partition_with_marginals and its backward), of the scores of random gold tags, of the
     finite Viterbi and k-best scores (through sequence_score_backward)."""
     device = DEVICE if on_gpu else "cpu"
@@ -117,7 +117,7 @@ def every_output(inputs, on_gpu, k):
         finite_z = torch.isfinite(log_z)
         objective = (log_z[finite_z] * weights[finite_z]).sum() + gold_scores.sum() \
             + best.scores[torch.isfinite(best.scores)].sum() + scores[torch.isfinite(scores)].sum()
-        grads = torch.autograd.grad(objective, params, allow_unused=True)
+        grads = torch.autograd.grad(objective, params, allow_unused=True) if with_grads else ()
     grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
     out = dict(log_z=log_z, marginals=marginals, transition_counts=counts,
                viterbi_paths=paths, viterbi_scores=scores,
@@ -131,9 +131,9 @@ def every_output(inputs, on_gpu, k):
 EXACT = ("viterbi_paths", "viterbi_scores", "kbest_paths", "kbest_scores", "gold_scores")
 
 
-def assert_matches_cpu(inputs, k, dtype):
-    got = every_output(inputs, True, k)
-    want = every_output(inputs, False, k)
+def assert_matches_cpu(inputs, k, dtype, with_grads=True):
+    got = every_output(inputs, True, k, with_grads)
+    want = every_output(inputs, False, k, with_grads)
     for name in want:
         if name in EXACT:
             assert torch.equal(got[name], want[name]), name
@@ -335,8 +335,11 @@ def test_batches_larger_than_the_persistent_grid(dtype):
 @pytest.mark.parametrize("B,L,T,k", [(3, 3, 100, 100), (2, 3, 2000, 2)])
 def test_buffers_in_global_memory(B, L, T, k):
     # T = 100 with k = 100: k-best lists too large for shared memory; T = 2000: even the
-    # per-sentence vectors and the transition tables live in global memory.
-    assert_matches_cpu(random_crf(B, L, T, dtype=torch.float32), k, torch.float32)
+    # per-sentence vectors and the transition tables live in global memory. Not the gradients on
+    # the emulator at T = 2000: their kernels reduce each of the T * T entries with a warp's
+    # shuffles, OS-thread barriers there (39 s at T = 400 on 2 CPUs, growing as T * T).
+    with_grads = not (SMALL and T > 1000)
+    assert_matches_cpu(random_crf(B, L, T, dtype=torch.float32), k, torch.float32, with_grads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

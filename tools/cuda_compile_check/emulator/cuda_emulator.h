@@ -6,7 +6,7 @@
 //
 // Execution model: the blocks of a launch run one after the other; the threads of a block are
 // real std::threads (so lanes genuinely interleave, and ThreadSanitizer can see accesses that
-// no barrier orders). __syncthreads is a barrier of the block, __syncwarp one of the warp,
+// no barrier orders), the same threads for every block of the launch. __syncthreads is a barrier of the block, __syncwarp one of the warp,
 // a shuffle is a write to the warp's exchange slots between two warp barriers. Like the
 // hardware, a warp barrier or a shuffle needs ALL 32 lanes: a divergent call deadlocks here
 // (the tests run with a timeout). Dynamic shared memory is an exact-size heap block per block
@@ -98,24 +98,34 @@ struct Launch {
     TORCH_CHECK(shared_bytes <= kMaxSharedBytes, "emulator: ", shared_bytes,
                 " bytes of dynamic shared memory need an opt-in on a real device");
     const std::tuple<Params...> params(std::forward<Args>(args)...);
-    for (unsigned bx = 0; bx < grid.x; ++bx) {
-      Block state(threads.x, shared_bytes);
+    // One OS thread per lane for the whole launch (not per block: a grid-stride kernel of
+    // 4096 blocks would otherwise create a million threads). Between blocks every lane waits
+    // at `between`, whose completion step gives the next block a fresh state.
+    std::unique_ptr<Block> state;
+    unsigned next_block = 0;
+    auto start_next_block = [&]() noexcept {
+      state = std::make_unique<Block>(threads.x, shared_bytes);
       // Garbage, not zeros: a kernel must not rely on fresh shared memory.
-      std::memset(state.shared.get(), 0xA5, shared_bytes);
-      std::vector<std::thread> lanes;
-      lanes.reserve(threads.x);
-      for (unsigned tx = 0; tx < threads.x; ++tx) {
-        lanes.emplace_back([&, tx, bx] {
-          threadIdx = dim3(tx);
+      std::memset(state->shared.get(), 0xA5, shared_bytes);
+      ++next_block;
+    };
+    std::barrier between(static_cast<std::ptrdiff_t>(threads.x), start_next_block);
+    std::vector<std::thread> lanes;
+    lanes.reserve(threads.x);
+    for (unsigned tx = 0; tx < threads.x; ++tx) {
+      lanes.emplace_back([&, tx] {
+        threadIdx = dim3(tx);
+        blockDim = threads;
+        gridDim = grid;
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
+          between.arrive_and_wait();  // block bx - 1 finished in every lane; bx's state is ready
           blockIdx = dim3(bx);
-          blockDim = threads;
-          gridDim = grid;
-          block = &state;
+          block = state.get();
           std::apply(kernel, params);
-        });
-      }
-      for (auto& lane : lanes) lane.join();
+        }
+      });
     }
+    for (auto& lane : lanes) lane.join();
   }
 };
 
