@@ -337,7 +337,7 @@ def test_buffers_in_global_memory(B, L, T, k):
     # T = 100 with k = 100: k-best lists too large for shared memory; T = 2000: even the
     # per-sentence vectors and the transition tables live in global memory. Not the gradients on
     # the emulator at T = 2000: their kernels reduce each of the T * T entries with a warp's
-    # shuffles, OS-thread barriers there (39 s at T = 400 on 2 CPUs, growing as T * T).
+    # shuffles, which are OS-thread barriers there (a cost growing as T * T).
     with_grads = not (SMALL and T > 1000)
     assert_matches_cpu(random_crf(B, L, T, dtype=torch.float32), k, torch.float32, with_grads)
 

@@ -5,14 +5,14 @@
 // kernels' own source.
 //
 // Execution model: the blocks of a launch run one after the other; the threads of a block are
-// real std::threads (so lanes genuinely interleave, and ThreadSanitizer can see accesses that
-// no barrier orders), the same threads for every block of the launch. __syncthreads is a barrier of the block, __syncwarp one of the warp,
-// a shuffle is a write to the warp's exchange slots between two warp barriers. Like the
-// hardware, a warp barrier or a shuffle needs ALL 32 lanes: a divergent call deadlocks here
-// (the tests run with a timeout). Dynamic shared memory is an exact-size heap block per block
-// (AddressSanitizer sees overflows), limited to 48 KiB as without an opt-in on a real device.
-// Atomics take one global mutex. The pretend device has CRFKIT_EMU_SMS multiprocessors of
-// CRFKIT_EMU_BLOCKS_PER_SM blocks (include/cuda_runtime.h).
+// real std::threads, the same ones for every block of the launch (so lanes genuinely
+// interleave, and ThreadSanitizer can see accesses that no barrier orders). __syncthreads is a
+// barrier of the block, __syncwarp one of the warp, a shuffle is a write to the warp's exchange
+// slots between two warp barriers. Like the hardware, a warp barrier or a shuffle needs ALL 32
+// lanes: a divergent call deadlocks here (the tests run with a timeout). Dynamic shared memory
+// is an exact-size heap block per block (AddressSanitizer sees overflows), limited to 48 KiB as
+// without an opt-in on a real device. Atomics take one global mutex. The pretend device has
+// CRFKIT_EMU_SMS multiprocessors of CRFKIT_EMU_BLOCKS_PER_SM blocks (include/cuda_runtime.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -102,12 +102,10 @@ struct Launch {
     // 4096 blocks would otherwise create a million threads). Between blocks every lane waits
     // at `between`, whose completion step gives the next block a fresh state.
     std::unique_ptr<Block> state;
-    unsigned next_block = 0;
     auto start_next_block = [&]() noexcept {
       state = std::make_unique<Block>(threads.x, shared_bytes);
       // Garbage, not zeros: a kernel must not rely on fresh shared memory.
       std::memset(state->shared.get(), 0xA5, shared_bytes);
-      ++next_block;
     };
     std::barrier between(static_cast<std::ptrdiff_t>(threads.x), start_next_block);
     std::vector<std::thread> lanes;
