@@ -138,7 +138,7 @@ def test_several_rounds_per_layer_keep_the_best_round(in_memory, tmp_path):
     assert history[-1].best_score == 0.7
     assert_state_equal(model, states[3])  # layer 2, round 0
     if not in_memory:
-        assert path.exists() and not (tmp_path / "ckpt" / "best.pt.tmp").exists()
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["best.pt"]  # no temporary left
 
 
 def test_never_worse_than_the_start_and_nan_never_best():

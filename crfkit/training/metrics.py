@@ -9,6 +9,7 @@ constrained to the scheme, so their output is always well formed.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,7 +33,12 @@ def entity_scores(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[st
     gold, predicted = [list(g) for g in gold], [list(p) for p in predicted]
     kind = getattr(schemes, scheme)
     kwargs = {"mode": "strict", "scheme": kind, "zero_division": 0}
-    report = metrics.classification_report(gold, predicted, output_dict=True, **kwargs)
+    with warnings.catch_warnings():
+        # With no entity in gold or predicted, seqeval's macro average is a mean over no types;
+        # numpy warns about it, the micro scores read below are still the defined zeros.
+        warnings.filterwarnings("ignore", "Mean of empty slice", RuntimeWarning)
+        warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
+        report = metrics.classification_report(gold, predicted, output_dict=True, **kwargs)
     micro = report["micro avg"]
     return {"precision": float(micro["precision"]), "recall": float(micro["recall"]),
             "f1": float(micro["f1-score"]), "entities": int(micro["support"])}

@@ -81,6 +81,11 @@ class RunClock(transformers.TrainerCallback):
         return self.before + time.perf_counter() - self.start
 
     def save(self) -> None:
+        """Write the total so far; only the main process writes (under torchrun every rank calls
+        this, and two ranks renaming one temporary file race: the second finds it gone)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_rank() != 0:
+            return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path + ".tmp", "w") as f:
             json.dump({"seconds": round(self.seconds(), 1)}, f)
