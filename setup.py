@@ -20,7 +20,9 @@ differs (crfkit/_extension.py). Environment variables:
         <name>    one copy for -march=<name>, e.g. x86-64-v3
     crfkit._C.cpu_isa() (and crfkit.backend_info()["cpu_isa"]) names the copy in use.
     CRFKIT_BUILD_MODE=release   how the C++ kernels are compiled:
-                            release   -O3 (default)
+                            release   -O3 -g0 (default): -g0 cancels the -g of Python's own
+                                      CFLAGS, as debug info in a release build costs build
+                                      time and size (CRFKIT_EXTRA_CFLAGS=-g puts it back)
                             debug     -O0 -g: no optimiser to hide undefined behaviour, and
                                       line-accurate backtraces in gdb
                             sanitize  -O1 -g with AddressSanitizer and UndefinedBehaviorSanitizer
@@ -44,7 +46,7 @@ from setuptools import setup
 # Compile and link flags of each CRFKIT_BUILD_MODE. -fno-sanitize-recover: a UBSan report stops
 # the process, so a test run cannot pass over one.
 BUILD_MODES = {
-    "release": (["-O3"], []),
+    "release": (["-O3", "-g0"], []),
     "debug": (["-O0", "-g"], []),
     "sanitize": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
                   "-fno-sanitize-recover=all"], ["-fsanitize=address,undefined"]),

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 namespace crfkit {

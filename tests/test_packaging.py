@@ -62,7 +62,10 @@ def test_downstream_project_installs_crfkit_from_the_sdist(sdist, tmp_path):
     # setuptools, torch and ninja serve the venv, so nothing needs downloading
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], timeout=300)
     python = str(venv / "bin" / "python")
-    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--no-build-isolation"]
+    # --no-cache-dir: pip caches the wheel it builds from an sdist under the sdist's path, and
+    # pytest reuses its temporary paths: a cached wheel of an older checkout would be installed.
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--no-build-isolation",
+           "--no-cache-dir"]
     env = dict(os.environ, MAX_JOBS="2", CRFKIT_ARCH="dispatch", PIP_NO_INPUT="1")
     env.pop("CRFKIT_CPU_ISA", None)
     env.pop("PYTHONPATH", None)

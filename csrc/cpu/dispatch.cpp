@@ -9,6 +9,8 @@
 //
 // This file is compiled once, for the baseline, as is everything outside the kernel copies: it
 // must run on any x86-64 CPU, and the torch templates m.impl instantiates stay out of the copies.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
 #include "dispatch.h"
 
 #include <torch/library.h>

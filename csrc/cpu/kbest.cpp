@@ -14,7 +14,11 @@
 // follows from two local choices: when merging candidates for (position i, tag t), a smaller
 // predecessor tag wins a tie, and within one predecessor's list the earlier rank wins; the final
 // choice over last tags prefers the smaller tag.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/full.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

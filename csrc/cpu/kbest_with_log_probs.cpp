@@ -8,7 +8,11 @@
 // of its own op (reached by redispatch to the CPU key), so results are those of the two ops, bit
 // for bit, and log_probs is the front end's formula (reference.log_probs_from_scores) computed
 // here, which also saves its two elementwise calls.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

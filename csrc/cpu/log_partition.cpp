@@ -7,7 +7,13 @@
 // lengths (B,) int64. Sentence b uses positions 0 .. lengths[b]-1; padded positions are never
 // read and get zero marginals / gradients. A length-0 sentence has exactly one (empty) tag
 // sequence of score 0: log Z = 0 and no marginals.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -50,7 +50,12 @@
 // so the result does not depend on the number of threads. The CUDA kernel
 // (csrc/cuda/marginals_backward.cu) computes the same formulas with exact lines. The op has no
 // derivative of its own: differentiating its outputs raises (csrc/autograd.cpp).
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

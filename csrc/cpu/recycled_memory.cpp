@@ -1,5 +1,10 @@
 // The recycled buffers of recycled_memory.h.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
 #include "recycled_memory.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <cstdlib>
 #include <c10/util/accumulate.h>

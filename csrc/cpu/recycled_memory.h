@@ -16,7 +16,7 @@
 // kept (crfkit.release_cached_memory()).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -3,7 +3,13 @@
 // tags (B, N, L) int64: N candidate sequences per sentence (N = 1 for gold tags, N = K for
 // k-best paths). The score is accumulated in the same order as the Viterbi kernels (see
 // viterbi.cpp), so the score of a decoded path equals the decoder's score bit for bit.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,7 @@
 // (column_argmax) both run per position, and viterbi_cpu, which k-best calls for k = 1.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -1,5 +1,7 @@
 // Device-side validation of the data every op reads, and the host side that turns the status
 // words into the CPU kernels' error messages (see common.cuh).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
 #include "common.cuh"
 
 #include <atomic>

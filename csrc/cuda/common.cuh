@@ -20,7 +20,13 @@
 // backtraces stop at an out-of-range code), so a bad call raises instead of crashing.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -4,6 +4,9 @@
 // lanes per tag), and k-best with log-probabilities (kbest_viterbi_with_log_probs). The layout,
 // the arithmetic and the tie rule are described in viterbi_common.cuh, which holds what k-best
 // shares with Viterbi (viterbi.cu).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
+#include <ATen/TensorOperators.h>  // Tensor - Tensor
 #include <torch/library.h>
 
 #include <cstdlib>

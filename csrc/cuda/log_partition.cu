@@ -36,6 +36,8 @@
 // over the batch: log Z, the marginals and the expected transition counts (B, T, T). The
 // backward is then log_partition_backward_from_marginals (below): those scaled by the upstream
 // gradient, with no second forward-backward pass and no second status read.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
 #include <torch/library.h>
 
 #include "common.cuh"

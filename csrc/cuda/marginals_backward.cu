@@ -32,6 +32,8 @@
 // -inf scores give weights exactly 0 (lines whose terms are all -inf are skipped), and the
 // tangents stay finite, so no NaN arises; a sentence whose sequences are all forbidden, and a
 // length-0 sentence, get zero gradients. Padded positions of emissions and V are never read.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
 #include <torch/library.h>
 
 #include "common.cuh"

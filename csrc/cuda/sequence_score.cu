@@ -8,6 +8,8 @@
 // the transition / start / end gradients, shared by all sentences, use atomicAdd (the sums of
 // the weights can then differ in the last bits between runs when the weights are not
 // integers; the CPU kernel sums per sentence in a fixed order).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
 #include <torch/library.h>
 
 #include "common.cuh"

@@ -2,6 +2,8 @@
 // identical to the CPU kernel (csrc/cpu/viterbi.cpp) bit for bit. The layout, the arithmetic and
 // the tie rule are described in viterbi_common.cuh, which holds what Viterbi shares with k-best
 // (kbest.cu).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+
 #include <torch/library.h>
 
 #include "common.cuh"

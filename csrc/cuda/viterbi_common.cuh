@@ -28,7 +28,7 @@
 // tag (kbest_per_tag_kernel in kbest.cu; opt-in until timed on a GPU, see KbestKernel).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
