@@ -32,20 +32,10 @@ from typing import Dict, List, Optional
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import run as core_run  # noqa: E402  (machine and commit helpers of benchmarks/run.py)
+
 DEFAULT_OUT = HERE / "results" / "build_time"
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def git_commit(folder: Path) -> str:
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=folder, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def object_seconds(build_temp: Path) -> Dict[str, float]:
@@ -127,12 +117,13 @@ def main(argv: List[str]) -> int:
             parser.error(f"--env expects VAR=VALUE, got {item!r}")
         name, value = item.split("=", 1)
         env[name] = value
-    commit = git_commit(source)
+    commit = core_run.git_commit(source) or "unknown"
     run = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "label": args.label or commit, "commit": commit, "env": env,
         "command": shlex.join(["python", "benchmarks/build_time.py", *argv]),
-        "machine": {"cpu": cpu_model(), "nproc": os.cpu_count(), "load_average_at_start": list(os.getloadavg())},
+        "machine": {"cpu": core_run.cpu_model(), "nproc": os.cpu_count(),
+                    "load_average_at_start": list(os.getloadavg())},
         "python": platform.python_version(), "torch": torch.__version__,
     }
     run.update(build(source, env))

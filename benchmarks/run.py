@@ -63,9 +63,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def git_commit() -> Optional[str]:
+def git_commit(folder: Path = HERE) -> Optional[str]:
+    """`git describe` of the checkout holding folder (default: this one); None outside git."""
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True,
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=folder, capture_output=True,
                              text=True, timeout=10)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
