@@ -43,6 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from . import data, distill  # noqa: E402
+from ._distributed import is_main_process  # noqa: E402
 from .taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger  # noqa: E402
 
 QUICK = {"teacher_epochs": 1.0, "train_sentences": 0, "dev_sentences": 1000, "student_epochs": 6.0,
@@ -134,12 +135,8 @@ def _parse_run(text: str, default_k: int, seed: int) -> RunSpec:
 
 
 # --------------------------------------------------------------------------- helpers
-def _is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def _log(message: str) -> None:
-    if _is_main_process():
+    if is_main_process():
         print(f"[crfkit.pipeline {datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
 
 
@@ -182,7 +179,7 @@ def _training_arguments(output_dir: str, args, **overrides):
     settings = dict(output_dir=output_dir, per_device_train_batch_size=args.batch_size,
                     per_device_eval_batch_size=64, eval_strategy="epoch", save_strategy="epoch", save_total_limit=2,
                     logging_steps=50, report_to="none", use_cpu=not torch.cuda.is_available(), seed=args.seed,
-                    patience=args.patience, disable_tqdm=not _is_main_process(), dataloader_num_workers=0)
+                    patience=args.patience, disable_tqdm=not is_main_process(), dataloader_num_workers=0)
     settings.update(overrides)
     return TaggerTrainingArguments(**settings)
 
@@ -244,7 +241,7 @@ def train_teacher(args, corpus: Corpus) -> str:
     clock = RunClock(out)  # the wall time over every process that trained it (resumed runs)
     trainer = fit_tagger(teacher, tagging_items(corpus.train), tagging_items(corpus.dev), training,
                          callbacks=[clock])
-    if _is_main_process():
+    if is_main_process():
         # its weights' digest, as the students' records name their teacher
         _finish_run(args, corpus, trainer.model.tagger, out,
                     {"variant": "teacher", "K": None, "seed": args.seed,
@@ -362,7 +359,7 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
         if variant.gradual_unfreezing:
             trainer = fit_tagger_gradually(student, items, dev_items, make_args, stage_out, objective=objective,
                                            cache=cache, hidden_projection=projection, callbacks=[clock]) or trainer
-            if _is_main_process():
+            if is_main_process():
                 student.save_pretrained(saved)   # the stage's result: its last round's best
             _barrier()
             continue
@@ -370,7 +367,7 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
                              hidden_projection=projection, callbacks=[clock])
         student = trainer.model.tagger
     record = None
-    if _is_main_process():
+    if is_main_process():
         if len(objectives) > 1:  # the last stage's tagger is the run's model
             student.save_pretrained(os.path.join(out, "model"))
         final = objectives[-1]
@@ -503,7 +500,7 @@ def main(argv=None) -> int:
     elif "report" in args.stages:
         records = [_load_record(args, spec) for spec in args.run_specs]
         records = [r for r in records if r is not None]
-    if "report" in args.stages and _is_main_process():
+    if "report" in args.stages and is_main_process():
         report(args, corpus, teacher_dir, [r for r in records if r is not None])
     return 0
 

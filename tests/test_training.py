@@ -404,33 +404,48 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path):
 
 
 def test_run_clock_sums_the_processes_that_trained_a_run(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
     from crfkit.training import RunClock, trainer as trainer_module
 
     now = [100.0]
     monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.delenv("RANK", raising=False)
     first = RunClock(str(tmp_path / "run"))
     now[0] += 30
-    first.on_save(None, SimpleNamespace(is_world_process_zero=True), None)  # a checkpoint at 30 s
+    first.on_save(None, None, None)  # a checkpoint at 30 s
     now[0] += 12  # then killed: these 12 s are lost with the steps they trained
     second = RunClock(str(tmp_path / "run"))
     assert second.seconds() == 30
     now[0] += 5
     assert second.seconds() == 35
-    second.on_save(None, SimpleNamespace(is_world_process_zero=False), None)  # other ranks write nothing
-    assert RunClock(str(tmp_path / "run")).seconds() == 30
     second.save()
     assert RunClock(str(tmp_path / "run")).seconds() == 35
-    # Under torchrun every rank calls save() at the end; only rank 0 writes.
-    monkeypatch.setattr(trainer_module.torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(trainer_module.torch.distributed, "get_rank", lambda: 1)
+    # Under torchrun every rank saves at each checkpoint and at the end; only rank 0 writes.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
     now[0] += 7
     second.save()
+    second.on_save(None, None, None)
     assert RunClock(str(tmp_path / "run")).seconds() == 35
-    monkeypatch.setattr(trainer_module.torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     second.save()
     assert RunClock(str(tmp_path / "run")).seconds() == 42
+
+
+@pytest.mark.parametrize("rank, group_rank, main", [
+    (None, None, True), ("0", None, True), ("1", None, False),  # torchrun's RANK before a group exists
+    ("1", 0, True), ("0", 1, False),  # once the default group is up, its rank decides
+])
+def test_is_main_process(monkeypatch, rank, group_rank, main):
+    from crfkit._distributed import is_main_process
+
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    if group_rank is not None:
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda: group_rank)
+    assert is_main_process() is main
 
 
 @needs_data

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from .._distributed import is_main_process
 from ..taggers.encoders import require
 from .data import IGNORE_INDEX, TaggingCollator
 from .metrics import make_compute_metrics
@@ -83,8 +84,7 @@ class RunClock(transformers.TrainerCallback):
     def save(self) -> None:
         """Write the total so far; only the main process writes (under torchrun every rank calls
         this, and two ranks renaming one temporary file race: the second finds it gone)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_rank() != 0:
+        if not is_main_process():
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path + ".tmp", "w") as f:
@@ -92,8 +92,7 @@ class RunClock(transformers.TrainerCallback):
         os.replace(self.path + ".tmp", self.path)
 
     def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.save()
+        self.save()
 
 
 class TaggerTrainer(transformers.Trainer):
@@ -188,7 +187,7 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
     checkpoint = transformers.trainer_utils.get_last_checkpoint(args.output_dir) if (
         resume and os.path.isdir(args.output_dir)) else None
     trainer.train(resume_from_checkpoint=checkpoint)
-    if trainer.is_world_process_zero():
+    if is_main_process():
         trainer.model.tagger.save_pretrained(os.path.join(args.output_dir, MODEL_DIR))
         if model.hidden_projection is not None:
             from safetensors.torch import save_model
