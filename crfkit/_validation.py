@@ -13,9 +13,15 @@ that names the argument, says what was expected and what was given:
 A bool is never accepted as an int or a number (True is not 1 here), and NaN or an infinity is
 never a number in range. A value of the wrong type raises TypeError, unless the call site passes
 ``type_error=ValueError`` (some public functions have always raised ValueError for both).
+
+The command lines (crfkit.pipeline, crfkit.tag) check their options with the same rules, at parse
+time rather than when a stage first uses them (perhaps an hour into a run): ``cli_int`` and
+``cli_number`` make argparse ``type=`` functions, and argparse then prints the usage and
+"argument --k: expected a positive int, got '0'".
 """
 from __future__ import annotations
 
+import argparse
 import math
 import reprlib
 from collections.abc import Sequence
@@ -29,6 +35,8 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_reduction",
+    "cli_int",
+    "cli_number",
 ]
 
 # Reductions of a loss computed per item (per sentence or per position): the mean over the
@@ -138,3 +146,28 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
 def check_reduction(reduction, choices: Sequence[str] = LOSS_REDUCTIONS, *, name: str = "reduction") -> str:
     """check_choice for a loss's reduction argument (LOSS_REDUCTIONS by default)."""
     return check_choice(name, reduction, choices)
+
+
+def cli_int(*, minimum: Optional[int] = None, maximum: Optional[int] = None):
+    """An argparse ``type=`` that parses an int and applies check_int's range (the bounds as there)."""
+    def parse(text: str) -> int:
+        try:
+            return check_int("value", int(text), minimum=minimum, maximum=maximum)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {_int_expectation(minimum, maximum)}, got {text!r}") from None
+    parse.__name__ = "int"
+    return parse
+
+
+def cli_number(*, minimum: Optional[float] = None, maximum: Optional[float] = None, open_minimum: bool = False,
+               open_maximum: bool = False):
+    """An argparse ``type=`` that parses a float and applies check_number's range (the bounds as there)."""
+    def parse(text: str) -> float:
+        try:
+            return check_number("value", float(text), minimum=minimum, maximum=maximum, open_minimum=open_minimum,
+                                open_maximum=open_maximum)
+        except ValueError:
+            expected = _number_expectation(minimum, maximum, open_minimum, open_maximum)
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    parse.__name__ = "float"
+    return parse

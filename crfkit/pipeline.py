@@ -42,7 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from . import data, distill  # noqa: E402
+from . import _validation, data, distill  # noqa: E402
 from ._distributed import is_main_process  # noqa: E402
 from .taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger  # noqa: E402
 
@@ -71,49 +71,80 @@ class RunSpec:
         return f"{self.variant}-k{self.k}-seed{self.seed}" + (f"-{self.pool}" if self.pool else "")
 
 
+def _default(key: str) -> str:
+    """The help text's "default: quick value; full value with --full" for an option of QUICK / FULL."""
+    def text(value):
+        if isinstance(value, list):
+            return " ".join(map(str, value))
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    quick, full = QUICK[key], FULL[key]
+    return f"default {text(quick)}" + ("" if quick == full else f"; {text(full)} with --full")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: a count, rate or K out of range is a usage error here, before any
+    stage runs, not a failure (or a silently different run) hours later."""
+    positive_int, count = _validation.cli_int(minimum=1), _validation.cli_int(minimum=0)
+    positive = _validation.cli_number(minimum=0, open_minimum=True)
     parser = argparse.ArgumentParser(prog="python -m crfkit.pipeline", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", help="where checkpoints, caches and results go (default runs/quick, "
                         "runs/full with --full)")
     parser.add_argument("--full", action="store_true", help="full-size settings (defaults below change)")
-    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
-    parser.add_argument("--teacher-encoder", default="minilm", help="'minilm', 'mpnet' or a local model folder")
-    parser.add_argument("--teacher-epochs", type=float)
-    parser.add_argument("--teacher-lr", type=float, default=5e-5, help="encoder learning rate (top layer)")
-    parser.add_argument("--teacher-head-lr", type=float, default=1e-3, help="linear layer, casing and CRF")
-    parser.add_argument("--layer-decay", type=float, default=0.9)
-    parser.add_argument("--train-sentences", type=int, help="first N train sentences (0: all)")
-    parser.add_argument("--dev-sentences", type=int, help="first N validation sentences for selection (0: all)")
-    parser.add_argument("--eval-sentences", type=int, default=0,
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="default: all, in order")
+    parser.add_argument("--teacher-encoder", default="minilm",
+                        help="'minilm', 'mpnet' or a local model folder (default minilm)")
+    parser.add_argument("--teacher-epochs", type=positive, help=_default("teacher_epochs"))
+    parser.add_argument("--teacher-lr", type=positive, default=5e-5,
+                        help="encoder learning rate, top layer (default 5e-5)")
+    parser.add_argument("--teacher-head-lr", type=positive, default=1e-3,
+                        help="linear layer, casing and CRF (default 1e-3)")
+    parser.add_argument("--layer-decay", type=_validation.cli_number(minimum=0, maximum=1, open_minimum=True),
+                        default=0.9, help="encoder layer i of N trains at lr * decay ** (N - 1 - i) (default 0.9)")
+    parser.add_argument("--train-sentences", type=count,
+                        help="first N train sentences (0: all; " + _default("train_sentences") + ")")
+    parser.add_argument("--dev-sentences", type=count, help="first N validation sentences for selection (0: all; "
+                        + _default("dev_sentences") + ")")
+    parser.add_argument("--eval-sentences", type=count, default=0,
                         help="score finished runs on the first N validation / test sentences only (0: all; for tests)")
-    parser.add_argument("--runs", nargs="+", help="student runs: VARIANT or VARIANT@K (default K: --k)")
-    parser.add_argument("--k", type=int, default=5, help="teacher paths for the SEQ losses")
-    parser.add_argument("--cache-k", type=int, help="paths kept in the teacher-label cache (default: the largest "
-                        "K asked for; 15 with --full, so that every run of the K ablation shares one cache)")
-    parser.add_argument("--seeds", nargs="+", type=int)
-    parser.add_argument("--student-epochs", type=float)
-    parser.add_argument("--student-lr", type=float, default=1e-3)
-    parser.add_argument("--student-hidden", type=int, default=300, help="BiLSTM width (both directions)")
-    parser.add_argument("--student-dropout", type=float, default=0.5)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--patience", type=int, default=5, help="early stopping on validation F1 (evaluations)")
+    parser.add_argument("--runs", nargs="+", metavar="VARIANT[@K]",
+                        help="student runs, each VARIANT or VARIANT@K (K: --k unless given; variants: "
+                        "crfkit.training.VARIANTS; " + _default("runs") + ")")
+    parser.add_argument("--k", type=positive_int, default=5, help="teacher paths for the SEQ losses (default 5)")
+    parser.add_argument("--cache-k", type=positive_int, help="paths kept in the teacher-label cache (default: the "
+                        "largest K asked for; 15 with --full, so that every run of the K ablation shares one cache)")
+    parser.add_argument("--seeds", nargs="+", type=count, help="student seeds (" + _default("seeds") + ")")
+    parser.add_argument("--student-epochs", type=positive, help=_default("student_epochs"))
+    parser.add_argument("--student-lr", type=positive, default=1e-3, help="default 1e-3")
+    parser.add_argument("--student-hidden", type=positive_int, default=300,
+                        help="BiLSTM width, both directions together: even (default 300)")
+    parser.add_argument("--student-dropout", type=_validation.cli_number(minimum=0, maximum=1, open_maximum=True),
+                        default=0.5, help="default 0.5")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="training batch size (default 32)")
+    parser.add_argument("--patience", type=positive_int, default=5,
+                        help="early stopping on validation F1, in evaluations (default 5)")
     parser.add_argument("--da-news", action=argparse.BooleanOptionalAction,
                         help="DA pool: the 2,687 sentences of real news in gensim's test data, teacher-labelled "
                         "(default: off, on with --full)")
-    parser.add_argument("--da-augment", type=int, help="DA pool: Tang et al. samples per train sentence, "
+    parser.add_argument("--da-augment", type=count, help="DA pool: Tang et al. samples per train sentence, "
                         "teacher-labelled (default 0)")
-    parser.add_argument("--teacher-hidden-layer", type=int, default=3,
+    parser.add_argument("--teacher-hidden-layer", type=count, default=3,
                         help="the teacher layer that the hidden loss (te_da_stagewise) distils: 3 of MiniLM's 6, "
-                        "half way up as in the multi-stage paper (6-7 of 12)")
-    parser.add_argument("--seed", type=int, default=0, help="the teacher's seed")
+                        "half way up as in the multi-stage paper (6-7 of 12); 0 is the embeddings")
+    parser.add_argument("--seed", type=count, default=0, help="the teacher's seed (default 0)")
     args = parser.parse_args(argv)
+    if args.student_hidden % 2:
+        parser.error(f"argument --student-hidden: expected an even int (split over two directions), "
+                     f"got {args.student_hidden}")
     defaults = FULL if args.full else QUICK
     args.workdir = args.workdir or ("runs/full" if args.full else "runs/quick")
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.run_specs = [_parse_run(text, args.k, seed) for text in args.runs for seed in args.seeds]
+    try:
+        args.run_specs = [_parse_run(text, args.k, seed) for text in args.runs for seed in args.seeds]
+    except ValueError as error:
+        parser.error(f"argument --runs: {error}")
     if not (args.da_augment or args.da_news) and any(_variant(spec).da for spec in args.run_specs):
         parser.error("the DA variants need a pool of unlabelled text: give --da-news or --da-augment 1 (or more)")
     pool = "-".join((["news"] if args.da_news else []) + ([f"aug{args.da_augment}"] if args.da_augment else []))
@@ -128,10 +159,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _parse_run(text: str, default_k: int, seed: int) -> RunSpec:
     from .training import VARIANTS
 
-    variant, _, k = text.partition("@")
+    variant, at, k = text.partition("@")
     if variant not in VARIANTS:
-        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    return RunSpec(variant, int(k) if k else default_k, seed)
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if not at:
+        return RunSpec(variant, default_k, seed)
+    if not (k.isdecimal() and int(k) >= 1):
+        raise ValueError(f"K in {text!r} must be a positive int (VARIANT@K, e.g. te_seq@10), got {k!r}")
+    return RunSpec(variant, int(k), seed)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -258,6 +293,9 @@ def label_transfer_set(args, corpus: Corpus, teacher_dir: str, with_hidden: bool
     import functools
 
     teacher = load_tagger(teacher_dir).eval()
+    if with_hidden and args.teacher_hidden_layer > teacher.num_layers:
+        raise SystemExit(f"--teacher-hidden-layer {args.teacher_hidden_layer}: the teacher "
+                         f"({args.teacher_encoder}) has layers 0 (embeddings) .. {teacher.num_layers}")
     sentences = corpus.transfer + ([tuple(s.tokens) for s in corpus.dev] if with_hidden else [])
     weights = file_sha256(os.path.join(teacher_dir, "model.safetensors"))
     # named by K, corpus size and teacher, and described without paths, so a moved workdir reuses it

@@ -20,6 +20,8 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from ._validation import cli_int  # noqa: E402
+
 __all__ = ["entities", "main"]
 
 
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--format", choices=("entities", "conll", "json"), default="entities")
     parser.add_argument("--tokenize", action="store_true",
                         help="plain text in: split it into sentences and CoNLL-style words first")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=cli_int(minimum=1), default=32, help="sentences per batch (default 32)")
     args = parser.parse_args(argv)
 
     from .taggers import load_tagger

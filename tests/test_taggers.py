@@ -255,3 +255,8 @@ def test_tag_command(tmp_path, monkeypatch, capsys):
     assert words == ["The", "EU", "did", "n't", "agree", ".", "", "Bonn", ""]
     with pytest.raises(SystemExit):
         tag.main(["--model", str(tmp_path / "missing")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:   # before the model is loaded or stdin read
+        tag.main(["--model", str(tmp_path), "--batch-size", "0"])
+    assert info.value.code == 2
+    assert "argument --batch-size: expected a positive int, got '0'" in capsys.readouterr().err

@@ -487,6 +487,52 @@ def test_pipeline_arguments():
         pipeline.parse_args(["--full", "--runs", "te_da_seq", "--no-da-news"])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--k", "0"], "argument --k: expected a positive int, got '0'"),
+    (["--cache-k", "0"], "argument --cache-k: expected a positive int, got '0'"),
+    (["--train-sentences", "-5"], "argument --train-sentences: expected a non-negative int, got '-5'"),
+    (["--eval-sentences", "-1"], "argument --eval-sentences: expected a non-negative int, got '-1'"),
+    (["--batch-size", "0"], "argument --batch-size: expected a positive int, got '0'"),
+    (["--seeds", "0", "x"], "argument --seeds: expected a non-negative int, got 'x'"),
+    (["--student-epochs", "-1"], "argument --student-epochs: expected a finite positive number, got '-1'"),
+    (["--teacher-lr", "nan"], "argument --teacher-lr: expected a finite positive number, got 'nan'"),
+    (["--student-dropout", "1"], "argument --student-dropout: expected a number in [0, 1), got '1'"),
+    (["--layer-decay", "0"], "argument --layer-decay: expected a number in (0, 1], got '0'"),
+    (["--student-hidden", "301"], "argument --student-hidden: expected an even int"),
+    (["--runs", "te_seq@0"], "argument --runs: K in 'te_seq@0' must be a positive int"),
+    (["--runs", "te_seq@ten"], "argument --runs: K in 'te_seq@ten' must be a positive int"),
+    (["--runs", "nonsense"], "argument --runs: unknown variant 'nonsense'; choose from vanilla, glove"),
+])
+def test_pipeline_rejects_bad_options_before_any_stage(argv, message, capsys):
+    """A count, rate or K out of range is a usage error (exit 2) naming the option, at parse
+    time: not a failure hours into a run, nor a silently different run (a negative
+    --train-sentences used to drop the last sentences)."""
+    from crfkit import pipeline
+
+    with pytest.raises(SystemExit) as info:
+        pipeline.parse_args(argv)
+    assert info.value.code == 2
+    assert f"python -m crfkit.pipeline: error: {message}" in capsys.readouterr().err
+
+
+def test_pipeline_label_stage_rejects_a_hidden_layer_the_teacher_lacks(monkeypatch):
+    """--teacher-hidden-layer is checked against the trained teacher's depth as soon as it is
+    loaded, with the option named (not an IndexError inside the labelling loop)."""
+    import types
+
+    from crfkit import pipeline
+
+    class SixLayerTeacher(torch.nn.Module):
+        num_layers = 6
+
+    monkeypatch.setattr(pipeline, "load_tagger", lambda directory: SixLayerTeacher())
+    args = pipeline.parse_args(["--runs", "te_da_stagewise", "--da-augment", "1", "--teacher-hidden-layer", "7"])
+    corpus = types.SimpleNamespace(transfer=[], dev=[], train=[], pool=[])
+    with pytest.raises(SystemExit, match=r"--teacher-hidden-layer 7: the teacher \(minilm\) has layers "
+                                         r"0 \(embeddings\) \.\. 6"):
+        pipeline.label_transfer_set(args, corpus, "unused", with_hidden=True)
+
+
 @needs_data
 @pytest.mark.skipif(importlib.util.find_spec("gensim") is None,
                     reason="needs gensim: pip install --no-deps gensim==4.4.0")

@@ -1,4 +1,5 @@
 """crfkit._validation: the scalar-argument checks shared by the package."""
+import argparse
 import math
 
 import pytest
@@ -12,6 +13,8 @@ from crfkit._validation import (
     check_int,
     check_number,
     check_reduction,
+    cli_int,
+    cli_number,
 )
 
 NAN, INF = float("nan"), float("inf")
@@ -212,3 +215,39 @@ def test_check_reduction():
         check_reduction(None)
     with pytest.raises(ValueError, match=r"^pool must be one of 'mean', 'sum', 'none', got 'max'$"):
         check_reduction("max", name="pool")
+
+
+# --------------------------------------------------------------------------- argparse types
+def _parser(option_type):
+    parser = argparse.ArgumentParser(prog="prog", exit_on_error=False)
+    parser.add_argument("--value", type=option_type)
+    return parser
+
+
+@pytest.mark.parametrize("option_type,text,expected", [
+    (cli_int(minimum=1), "3", 3), (cli_int(minimum=0), "0", 0), (cli_int(), "-4", -4),
+    (cli_int(minimum=1, maximum=5), "5", 5),
+    (cli_number(minimum=0, open_minimum=True), "1e-3", 1e-3), (cli_number(), "-2.5", -2.5),
+    (cli_number(minimum=0, maximum=1, open_maximum=True), "0", 0.0),
+])
+def test_cli_types_accept(option_type, text, expected):
+    value = _parser(option_type).parse_args(["--value", text]).value
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize("option_type,text,message", [
+    (cli_int(minimum=1), "0", "expected a positive int, got '0'"),
+    (cli_int(minimum=0), "-1", "expected a non-negative int, got '-1'"),
+    (cli_int(minimum=1), "2.0", "expected a positive int, got '2.0'"),
+    (cli_int(minimum=1), "x", "expected a positive int, got 'x'"),
+    (cli_int(minimum=1, maximum=5), "6", "expected an int in 1 .. 5, got '6'"),
+    (cli_number(minimum=0, open_minimum=True), "0", "expected a finite positive number, got '0'"),
+    (cli_number(minimum=0, open_minimum=True), "nan", "expected a finite positive number, got 'nan'"),
+    (cli_number(), "inf", "expected a finite number, got 'inf'"),
+    (cli_number(minimum=0, maximum=1, open_maximum=True), "1", "expected a number in [0, 1), got '1'"),
+    (cli_number(), "fast", "expected a finite number, got 'fast'"),
+])
+def test_cli_types_reject_with_the_option_named(option_type, text, message):
+    with pytest.raises(argparse.ArgumentError) as info:
+        _parser(option_type).parse_args(["--value", text])
+    assert str(info.value) == f"argument --value: {message}"
