@@ -20,18 +20,20 @@ from .constraints import Constraints
 
 
 
-def reduce_per_sentence(values: Tensor, reduction: str, lengths: Optional[Tensor], batch_and_length) -> Tensor:
+def reduce_per_sentence(values: Tensor, reduction: str, lengths: Optional[Tensor] = None,
+                        batch_and_length=None) -> Tensor:
     """values (B,) per sentence -> reduced as `reduction` says (one of CRF_REDUCTIONS): 'none',
     'sum', 'mean' over sentences, or 'token_mean' (the sum over the real tokens: lengths.sum(),
-    or B * L when lengths is None; batch_and_length = (B, L))."""
+    or B * L when lengths is None; batch_and_length = (B, L)). An empty batch, or one without a
+    real token, gives 0 (with zero gradients), not the NaN of 0 / 0."""
     if reduction == "none":
         return values
-    if reduction == "sum":
+    if reduction == "sum" or values.numel() == 0:
         return values.sum()
     if reduction == "mean":
         return values.mean()
     num_tokens = batch_and_length[0] * batch_and_length[1] if lengths is None else lengths.sum()
-    return values.sum() / num_tokens
+    return values.sum() / (num_tokens.clamp(min=1) if isinstance(num_tokens, Tensor) else max(num_tokens, 1))
 
 
 class CRF(nn.Module):
@@ -101,6 +103,10 @@ class CRF(nn.Module):
         return lengths
 
     def _args(self, emissions, lengths, mask):
+        # Checked here, not left to the ops: they would name the transitions, which the caller never passed.
+        if isinstance(emissions, Tensor) and emissions.dim() == 3 and emissions.shape[2] != self.num_tags:
+            raise ValueError(f"emissions must have num_tags = {self.num_tags} (the CRF's) in its last dimension, "
+                             f"got shape {tuple(emissions.shape)}")
         transitions, start, end = self._parameters_for(emissions)
         return transitions, self._lengths(emissions, lengths, mask), start, end
 

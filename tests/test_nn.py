@@ -28,6 +28,27 @@ def test_nll_is_the_negative_log_likelihood(backend):
         crf.nll(em, tags, ln, reduction="avg")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "token_mean"])
+def test_a_batch_without_tokens_gives_zero_loss_not_nan(reduction):
+    """No sentences, or only empty ones: the loss is 0 with zero gradients (0 / 0 was NaN for
+    'mean' over no sentences and 'token_mean' over no tokens)."""
+    crf = crfkit.CRF(4).double()
+    no_tokens = [((0, 5), None), ((3, 5), torch.zeros(3, dtype=torch.long)), ((2, 0), None)]
+    for (batch, seq_len), lengths in no_tokens:
+        em = torch.randn(batch, seq_len, 4, dtype=torch.float64, requires_grad=True)
+        tags = torch.zeros(batch, seq_len, dtype=torch.long)
+        loss = crf.nll(em, tags, lengths, reduction=reduction)
+        loss.backward()
+        assert loss.item() == 0.0
+        assert not em.grad.any() and not crf.transitions.grad.any()
+    em, _, ln, _, _ = random_crf(4, 6, 4)
+    ln[1] = 0   # one empty sentence among real ones changes nothing but the count
+    tags = torch.randint(0, 4, (4, 6))
+    per_sentence = crf.nll(em, tags, ln, reduction="none")
+    expected = {"mean": per_sentence.mean(), "sum": per_sentence.sum(), "token_mean": per_sentence.sum() / ln.sum()}
+    torch.testing.assert_close(crf.nll(em, tags, ln, reduction=reduction), expected[reduction])
+
+
 def test_mask_and_lengths_agree(backend):
     crf = crfkit.CRF(3)
     em = torch.randn(3, 5, 3)
@@ -88,6 +109,16 @@ def test_crf_learns_a_transition_pattern(backend):
     # Half the sentences start with 0, half with 1: the best possible NLL is log 2.
     assert first > 5.0 and loss.item() < math.log(2) + 0.05
     assert torch.equal(crf.decode(em).paths[:, 1:], 1 - crf.decode(em).paths[:, :-1])
+
+
+def test_emissions_for_another_number_of_tags_are_refused():
+    crf = crfkit.CRF(5)
+    em, tags = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
+    message = re.escape("emissions must have num_tags = 5 (the CRF's) in its last dimension, got shape (2, 3, 4)")
+    for call in (lambda: crf(em, tags), lambda: crf.decode(em), lambda: crf.kbest(em, 2), lambda: crf.marginals(em),
+                 lambda: crf.log_partition(em), lambda: crf.log_likelihood(em, tags)):
+        with pytest.raises(ValueError, match=message):
+            call()
 
 
 def test_bad_construction():

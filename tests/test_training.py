@@ -207,6 +207,23 @@ def test_objective_config_bad_input():
         ObjectiveConfig(("hard", "hard"))
 
 
+@pytest.mark.parametrize("setting,message", [
+    ({"patience": 0}, "patience must be a positive int, got 0"),
+    ({"patience": 2.5}, r"patience must be an int, got 2.5 \(float\)"),
+    ({"layer_decay": 0.0}, r"layer_decay must be a number in \(0, 1\], got 0.0"),
+    ({"layer_decay": 1.5}, r"layer_decay must be a number in \(0, 1\], got 1.5"),
+    ({"head_learning_rate": -1e-3}, "head_learning_rate must be a finite positive number, got -0.001"),
+    ({"head_learning_rate": float("nan")}, "head_learning_rate must be a finite positive number, got nan"),
+])
+def test_training_arguments_bad_input(tmp_path, setting, message):
+    from crfkit.training import TaggerTrainingArguments
+
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        TaggerTrainingArguments(str(tmp_path), report_to="none", use_cpu=True, **setting)
+    args = TaggerTrainingArguments(str(tmp_path), report_to="none", use_cpu=True, layer_decay=0.9, patience=1)
+    assert (args.layer_decay, args.patience, args.head_learning_rate) == (0.9, 1, None)
+
+
 @needs_data
 @pytest.mark.parametrize("name", sorted(__import__("crfkit.training", fromlist=["VARIANTS"]).VARIANTS))
 def test_every_variant_takes_a_step(name, cache, slice_):

@@ -51,20 +51,12 @@ from .._arguments import check_tensor, prepare, prepare_lengths
 from .._validation import check_number, check_reduction
 from ..reference import safe_logsumexp  # -inf with gradient 0 (not NaN) when every term is -inf
 from ..distribution import LinearChainCRF
+from ..nn import reduce_per_sentence  # (B,) -> 'mean' (0 for B = 0, not NaN), 'sum' or 'none'
 
 NEG_INF = float("-inf")
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def reduce_per_sentence(per_sentence: Tensor, reduction: str) -> Tensor:
-    """(B,) -> scalar by 'mean' (0 for B = 0, not NaN) or 'sum'; 'none' returns it as it is."""
-    if reduction == "none":
-        return per_sentence
-    if reduction == "sum" or per_sentence.numel() == 0:
-        return per_sentence.sum()
-    return per_sentence.mean()
-
-
 def log1mexp(x: Tensor) -> Tensor:
     """log(1 - exp(x)) for x <= 0, accurate everywhere (Maechler 2012): log(-expm1(x)) near 0,
     log1p(-exp(x)) far from it. log1mexp(0) = -inf, log1mexp(-inf) = 0."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .._distributed import is_main_process
+from .._validation import check_int, check_number
 from ..taggers.encoders import require
 from .data import IGNORE_INDEX, TaggingCollator
 from .metrics import make_compute_metrics
@@ -51,6 +52,15 @@ class TaggerTrainingArguments(transformers.TrainingArguments):
     head_learning_rate: Optional[float] = field(default=None, metadata={"help": "rate of head, CRF and loss weights"})
     layer_decay: float = field(default=1.0, metadata={"help": "layer-wise learning-rate decay towards the input"})
     patience: int = field(default=5, metadata={"help": "early-stopping patience (evaluations)"})
+
+    def __post_init__(self):
+        # checked before TrainingArguments' own set-up, which may take seconds (devices, accelerate)
+        if self.head_learning_rate is not None:
+            check_number("head_learning_rate", self.head_learning_rate, minimum=0, open_minimum=True,
+                         type_error=ValueError)
+        check_number("layer_decay", self.layer_decay, minimum=0, maximum=1, open_minimum=True, type_error=ValueError)
+        check_int("patience", self.patience, minimum=1, type_error=ValueError)
+        super().__post_init__()
 
 
 class _ObjectiveProgress(transformers.TrainerCallback):
