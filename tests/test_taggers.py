@@ -213,6 +213,29 @@ def test_bad_input():
         load_tagger("/nonexistent/folder")
 
 
+def test_a_damaged_saved_tagger_is_named_in_the_error(tmp_path):
+    """Each broken file of a saved tagger gives an error naming that file (crfkit.tag turns a
+    ValueError / FileNotFoundError into a usage error), not a bare JSON or safetensors error."""
+    import re
+
+    from crfkit.taggers import BiLSTMCRFTagger, load_tagger
+
+    BiLSTMCRFTagger(LABELS, ["<pad>", "<unk>", "eu"], embedding_dim=4, hidden_size=4).save_pretrained(str(tmp_path))
+    config, weights = tmp_path / "config.json", tmp_path / "model.safetensors"
+    good_config = config.read_text()
+    weights.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=re.escape(f"{weights} is not a readable safetensors file")):
+        load_tagger(str(tmp_path))
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{weights} does not exist")):
+        load_tagger(str(tmp_path))
+    for text, found in [('{"format": ', "not JSON"), ("[1, 2]", "format 'list'"),
+                        (good_config.replace('"format"', '"fmt"'), "format None")]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"{config} is not a crfkit tagger config ({found}")):
+            load_tagger(str(tmp_path))
+
+
 def test_loading_never_unpickles(tmp_path, monkeypatch):
     from crfkit.taggers import BiLSTMCRFTagger, load_tagger
 

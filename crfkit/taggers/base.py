@@ -213,15 +213,20 @@ class CRFTagger(nn.Module):
     def from_pretrained(cls, directory: str, device: Optional[torch.device] = None) -> "CRFTagger":
         """Load a tagger saved by save_pretrained (of this class, or any tagger class when called
         on CRFTagger / through crfkit.taggers.load_tagger). Returns it in eval mode."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_model
 
         path = os.path.join(os.fspath(directory), CONFIG_NAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist: {directory!r} is not a saved crfkit tagger")
         with open(path) as f:
-            record = json.load(f)
-        if record.get("format") != TAGGER_FORMAT:
-            raise ValueError(f"{path} is not a crfkit tagger config (format {record.get('format')!r})")
+            try:
+                record = json.load(f)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} is not a crfkit tagger config (not JSON: {error})") from None
+        if not isinstance(record, dict) or record.get("format") != TAGGER_FORMAT:
+            found = record.get("format") if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{path} is not a crfkit tagger config (format {found!r})")
         target = _REGISTRY.get(record["tagger"])
         if target is None:
             raise ValueError(f"{path} names an unknown tagger class {record['tagger']!r}; known: {sorted(_REGISTRY)}")
@@ -230,7 +235,13 @@ class CRFTagger(nn.Module):
         config = dict(record["config"])
         config["scheme"] = record["scheme"]
         tagger = target.build_from_saved(os.fspath(directory), record["labels"], config)
-        load_model(tagger, os.path.join(directory, WEIGHTS_NAME), strict=True, device=str(device or "cpu"))
+        weights = os.path.join(os.fspath(directory), WEIGHTS_NAME)
+        if not os.path.isfile(weights):
+            raise FileNotFoundError(f"{weights} does not exist: the tagger in {directory!r} has no weights")
+        try:
+            load_model(tagger, weights, strict=True, device=str(device or "cpu"))
+        except SafetensorError as error:  # a truncated or overwritten file
+            raise ValueError(f"{weights} is not a readable safetensors file: {error}") from None
         return tagger.eval()
 
 
