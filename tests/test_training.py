@@ -616,7 +616,7 @@ def test_pipeline_tiny_end_to_end(tmp_path):
 @pytest.mark.slow
 @needs_data
 def test_quick_main_job(tmp_path):
-    """The README's main job with its quick defaults (about 20 minutes on 2 cores)."""
+    """The README's main job with its quick defaults (about 15 minutes on 2 cores)."""
     result = subprocess.run([sys.executable, "-m", "crfkit.pipeline", "--workdir", str(tmp_path)],
                             env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
