@@ -14,8 +14,9 @@ O(n T^2) per sentence, no enumeration.
 
 Sentences that allow no sequence at all (every sequence forbidden, log Z = -inf) have no
 distribution; their entropy, cross entropy and KL divergence are defined as 0 so that one such
-sentence cannot turn a batch loss into NaN. A length-0 sentence has one (empty) sequence: its
-entropy, cross entropy and KL divergence are 0 too.
+sentence cannot turn a batch loss into NaN, and log_prob is -inf there, with gradient 0. A
+length-0 sentence has one (empty) sequence: its entropy, cross entropy and KL divergence are 0
+too.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from . import functional as crf_ops
 from ._arguments import prepare
+from .reference import log_likelihood_from_scores
 
 
 class LinearChainCRF:
@@ -93,8 +95,7 @@ class LinearChainCRF:
     def log_prob(self, tags: Tensor) -> Tensor:
         """log P(tags | x): tags (B, L) -> (B,), or (B, N, L) -> (B, N)."""
         scores = crf_ops.sequence_score(self.emissions, self.transitions, tags, self.lengths, self.start, self.end)
-        log_z = self.log_partition
-        return scores - (log_z if tags.dim() == 2 else log_z.unsqueeze(1))
+        return log_likelihood_from_scores(scores, self.log_partition)
 
     @property
     def argmax(self) -> Tensor:

@@ -26,7 +26,8 @@ Conventions, the same in every backend:
   log Z = 0, marginals 0, Viterbi path all -1 with score 0, k-best row 0 = that empty path
   (score 0, log_prob 0) and the other rows missing.
 - If every sequence of a sentence is forbidden: log Z = -inf, marginals 0, gradients 0 (no NaN),
-  Viterbi path -1 with score -inf, every k-best row missing.
+  Viterbi path -1 with score -inf, every k-best row missing; the log-likelihood of any sequence
+  (crfkit.CRF, LinearChainCRF.log_prob, the compat layers) is -inf with gradient 0.
 - k-best rows that hold no sequence (fewer than k allowed sequences) have path -1 and
   score / log_prob -inf.
 - Ties: sequences of equal score are ordered by their tags read from the LAST position

@@ -17,6 +17,7 @@ from . import functional as crf_ops
 from ._arguments import check_tensor
 from ._validation import CRF_REDUCTIONS, check_int, check_reduction
 from .constraints import Constraints
+from .reference import log_likelihood_from_scores
 
 
 
@@ -120,7 +121,7 @@ class CRF(nn.Module):
         """log P(tags | x) per sentence: (B,), <= 0."""
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
         score = crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
-        return score - crf_ops.log_partition(emissions, transitions, lengths, start, end)
+        return log_likelihood_from_scores(score, crf_ops.log_partition(emissions, transitions, lengths, start, end))
 
     def nll(self, emissions: Tensor, tags: Tensor, lengths=None, mask=None, reduction: str = "mean") -> Tensor:
         """Negative log-likelihood of gold tags (B, L), >= 0.

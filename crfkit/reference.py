@@ -195,6 +195,17 @@ def log_probs_from_scores(scores: Tensor, log_z: Tensor) -> Tensor:
     return scores - log_z.clamp(min=torch.finfo(log_z.dtype).min).unsqueeze(1)
 
 
+def log_likelihood_from_scores(scores: Tensor, log_z: Tensor) -> Tensor:
+    """log P(y) = s(y) - log Z of given sequences: scores (B,) or (B, N), log_z (B,).
+
+    Where log Z = -inf (every sequence of the sentence forbidden, so each score is -inf too)
+    the result is -inf with gradient 0, not NaN: the sequence has no probability, and such a
+    sentence gives no gradient (as its marginals give none). Unlike log_probs_from_scores, the
+    upstream gradient there need not be 0: a loss sums these."""
+    log_z = log_z if scores.dim() == 1 else log_z.unsqueeze(1)
+    return torch.where(log_z == NEG_INF, NEG_INF, scores - log_z)
+
+
 def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=None) -> Tensor:
     """Score of given tag sequences: tags (B, L) -> (B,), or (B, N, L) -> (B, N)."""
     lengths, start, end = _defaults(emissions, lengths, start, end)

@@ -111,6 +111,50 @@ def test_crf_learns_a_transition_pattern(backend):
     assert torch.equal(crf.decode(em).paths[:, 1:], 1 - crf.decode(em).paths[:, :-1])
 
 
+def _log_likelihood_by_front_end(name, emissions, transitions, tags):
+    """log P(tags) (B,) and the leaf parameters, from one of the four front ends that compute it."""
+    from crfkit.compat.allennlp import ConditionalRandomField
+    from crfkit.compat.pytorch_crf import CRF as TorchCrfCRF
+    from crfkit.distribution import LinearChainCRF
+
+    if name == "distribution":
+        return LinearChainCRF(emissions, transitions).log_prob(tags), transitions
+    module = {"CRF": lambda: crfkit.CRF(4), "pytorch_crf": lambda: TorchCrfCRF(4, batch_first=True),
+              "allennlp": lambda: ConditionalRandomField(4)}[name]().double()
+    with torch.no_grad():
+        module.transitions.copy_(transitions)
+        for other in ("start", "end", "start_transitions", "end_transitions"):
+            if getattr(module, other, None) is not None:
+                getattr(module, other).zero_()
+    if name == "CRF":
+        return module.log_likelihood(emissions, tags), module.transitions
+    if name == "pytorch_crf":
+        return module(emissions, tags, reduction="none"), module.transitions
+    return torch.stack([module(emissions[b:b + 1], tags[b:b + 1]) for b in range(len(tags))]), module.transitions
+
+
+@pytest.mark.parametrize("front_end", ["CRF", "distribution", "pytorch_crf", "allennlp"])
+def test_a_sentence_without_any_allowed_sequence_has_log_likelihood_minus_inf_not_nan(backend, front_end):
+    """README's convention: where every sequence is forbidden (log Z = -inf), log P(y) is -inf
+    (the CRF's loss +inf) with no gradient, and the other sentences are untouched; s(y) - log Z
+    alone is -inf - -inf = NaN."""
+    em, transitions, _, _, _ = random_crf(3, 5, 4)
+    em[0, 2] = -math.inf   # sentence 0: no tag allowed at position 2
+    em = em.detach().requires_grad_()
+    transitions = transitions.detach().requires_grad_()
+    tags = torch.randint(0, 4, (3, 5))
+    log_likelihood, leaf = _log_likelihood_by_front_end(front_end, em, transitions, tags)
+    assert log_likelihood[0].item() == -math.inf
+    expected = crfkit.sequence_score(em, leaf, tags)[1:] - crfkit.log_partition(em, leaf)[1:]
+    torch.testing.assert_close(log_likelihood[1:], expected)
+    log_likelihood[1:].sum().backward(retain_graph=True)
+    em_grad, leaf_grad = em.grad.clone(), leaf.grad.clone()
+    log_likelihood.sum().backward()   # adding the -inf sentence adds no gradient
+    assert not em_grad[0].any() and torch.isfinite(em.grad).all()
+    torch.testing.assert_close(em.grad, 2 * em_grad)
+    torch.testing.assert_close(leaf.grad, 2 * leaf_grad)
+
+
 def test_emissions_for_another_number_of_tags_are_refused():
     crf = crfkit.CRF(5)
     em, tags = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as crf_ops
+from ..reference import log_likelihood_from_scores
 from .._arguments import HALF_DTYPES
 from .._validation import check_int
 
@@ -196,8 +197,9 @@ class ConditionalRandomField(nn.Module):
         lengths = None if mask is None else crf_ops.lengths_from_mask(mask)
         inputs, transitions, start, end = self._in_one_dtype(inputs, self.transitions, self.start_transitions,
                                                              self.end_transitions)
-        log_likelihood = (crf_ops.sequence_score(inputs, transitions, tags, lengths, start, end)
-                          - crf_ops.log_partition(inputs, transitions, lengths, start, end))
+        score = crf_ops.sequence_score(inputs, transitions, tags, lengths, start, end)
+        log_z = crf_ops.log_partition(inputs, transitions, lengths, start, end)
+        log_likelihood = log_likelihood_from_scores(score, log_z)
         return log_likelihood.sum()
 
     def viterbi_tags(self, logits: Tensor, mask: Optional[Tensor] = None,

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as crf_ops
+from ..reference import log_likelihood_from_scores
 from .._arguments import HALF_DTYPES
 from .._validation import CRF_REDUCTIONS, check_int, check_reduction
 from ..nn import reduce_per_sentence
@@ -90,8 +91,9 @@ class CRF(nn.Module):
         check_reduction(reduction, CRF_REDUCTIONS)
         emissions, tags, lengths = self._batch_first(emissions, tags, mask)
         transitions, start, end, emissions = self._scores(emissions)
-        log_likelihood = (crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
-                          - crf_ops.log_partition(emissions, transitions, lengths, start, end))
+        score = crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
+        log_z = crf_ops.log_partition(emissions, transitions, lengths, start, end)
+        log_likelihood = log_likelihood_from_scores(score, log_z)
         return reduce_per_sentence(log_likelihood, reduction, lengths, emissions.shape[:2])
 
     def decode(self, emissions: Tensor, mask: Optional[Tensor] = None) -> List[List[int]]:
