@@ -207,6 +207,24 @@ def test_objective_config_bad_input():
         ObjectiveConfig(("hard", "hard"))
 
 
+def test_fit_tagger_refuses_empty_splits_before_training(tmp_path):
+    """An empty training or validation split is named at once (it used to be torch's sampler
+    error, or a KeyError about eval_f1 after the first epoch had trained)."""
+    from crfkit.data import Sentence
+    from crfkit.taggers import BiLSTMCRFTagger
+    from crfkit.training import TaggerTrainingArguments, fit_tagger, tagging_items
+
+    tagger = BiLSTMCRFTagger(["O", "B-PER", "I-PER"], ["<pad>", "<unk>", "john"], embedding_dim=4, hidden_size=4)
+    items = tagging_items([Sentence(("John", "runs"), tags=("B-PER", "O"))])
+    args = TaggerTrainingArguments(str(tmp_path), eval_strategy="epoch", save_strategy="epoch", report_to="none",
+                                   use_cpu=True)
+    with pytest.raises(ValueError, match="^train_items is empty: fit_tagger needs at least one sentence to train on$"):
+        fit_tagger(tagger, [], items, args)
+    with pytest.raises(ValueError, match="^dev_items is empty: fit_tagger needs at least one sentence to select on$"):
+        fit_tagger(tagger, items, iter(()), args)
+    assert not any(tmp_path.iterdir())   # nothing trained, nothing written
+
+
 @pytest.mark.parametrize("setting,message", [
     ({"patience": 0}, "patience must be a positive int, got 0"),
     ({"patience": 2.5}, r"patience must be an int, got 2.5 \(float\)"),

@@ -166,6 +166,10 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
     validation text too; its gold tags are not used).
     Returns the trainer, its model holding the best weights (trainer.model.tagger).
     """
+    train_items, dev_items = list(train_items), list(dev_items)
+    for name, items, use in (("train_items", train_items, "train on"), ("dev_items", dev_items, "select on")):
+        if not items:
+            raise ValueError(f"{name} is empty: fit_tagger needs at least one sentence to {use}")
     if args.eval_strategy == "no" or args.save_strategy != args.eval_strategy:
         raise ValueError("fit_tagger selects the best model on validation: give eval_strategy and save_strategy "
                          f"the same value (got {args.eval_strategy!r} and {args.save_strategy!r})")
@@ -187,9 +191,9 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
                                k=objective.k if cache is not None else None,
                                teacher_emissions=objective.needs_teacher_crf,
                                teacher_hidden=objective.needs_teacher_hidden)
-    eval_items = list(dev_items) if select_on == "loss" else [dict(item, id=None) for item in dev_items]
+    eval_items = dev_items if select_on == "loss" else [dict(item, id=None) for item in dev_items]
     trainer = TaggerTrainer(
-        model=model, args=args, data_collator=collator, train_dataset=list(train_items),
+        model=model, args=args, data_collator=collator, train_dataset=train_items,
         eval_dataset=eval_items, compute_metrics=make_compute_metrics(tagger.labels), select_on=select_on,
         callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=args.patience), _ObjectiveProgress(),
                    *callbacks],
