@@ -33,8 +33,9 @@ def reduce_per_sentence(values: Tensor, reduction: str, lengths: Optional[Tensor
         return values.sum()
     if reduction == "mean":
         return values.mean()
-    num_tokens = batch_and_length[0] * batch_and_length[1] if lengths is None else lengths.sum()
-    return values.sum() / (num_tokens.clamp(min=1) if isinstance(num_tokens, Tensor) else max(num_tokens, 1))
+    if lengths is None:
+        return values.sum() / max(batch_and_length[0] * batch_and_length[1], 1)
+    return values.sum() / lengths.sum().clamp(min=1)
 
 
 class CRF(nn.Module):

@@ -127,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="DA pool: the 2,687 sentences of real news in gensim's test data, teacher-labelled "
                         "(default: off, on with --full)")
     parser.add_argument("--da-augment", type=count, help="DA pool: Tang et al. samples per train sentence, "
-                        "teacher-labelled (default 0)")
+                        "teacher-labelled (" + _default("da_augment") + ")")
     parser.add_argument("--teacher-hidden-layer", type=count, default=3,
                         help="the teacher layer that the hidden loss (te_da_stagewise) distils: 3 of MiniLM's 6, "
                         "half way up as in the multi-stage paper (6-7 of 12); 0 is the embeddings")

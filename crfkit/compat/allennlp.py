@@ -36,9 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as crf_ops
-from ..reference import log_likelihood_from_scores
 from .._arguments import HALF_DTYPES
 from .._validation import check_int
+from ..reference import log_likelihood_from_scores
 
 # A decoded sentence: its tags and their score.
 ViterbiDecoding = Tuple[List[int], float]

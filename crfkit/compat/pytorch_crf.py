@@ -27,10 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as crf_ops
-from ..reference import log_likelihood_from_scores
 from .._arguments import HALF_DTYPES
 from .._validation import CRF_REDUCTIONS, check_int, check_reduction
 from ..nn import reduce_per_sentence
+from ..reference import log_likelihood_from_scores
 
 
 
