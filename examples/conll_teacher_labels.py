@@ -39,6 +39,7 @@ from torch import nn  # noqa: E402
 
 import crfkit  # noqa: E402
 from crfkit import data, distill  # noqa: E402
+from crfkit._validation import cli_int  # noqa: E402
 from crfkit.constraints import allowed_transitions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -154,14 +155,15 @@ def kbest_gap(teacher, student, batches, ks):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train", type=int, default=3000, help="CoNLL train sentences for the teacher head")
-    parser.add_argument("--student-train", type=int, default=100, help="sentences for the weak student")
-    parser.add_argument("--valid", type=int, default=500, help="valid sentences for F1 and the k-best gap")
-    parser.add_argument("--transfer", type=int, default=3000, help="unlabelled train sentences to label")
-    parser.add_argument("--augment", type=int, default=1, help="Tang et al. samples per transfer sentence")
-    parser.add_argument("--k", type=int, default=15, help="K of the cache")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32)
+    positive, count = cli_int(minimum=1), cli_int(minimum=0)
+    parser.add_argument("--train", type=positive, default=3000, help="CoNLL train sentences for the teacher head")
+    parser.add_argument("--student-train", type=positive, default=100, help="sentences for the weak student")
+    parser.add_argument("--valid", type=positive, default=500, help="valid sentences for F1 and the k-best gap")
+    parser.add_argument("--transfer", type=positive, default=3000, help="unlabelled train sentences to label")
+    parser.add_argument("--augment", type=count, default=1, help="Tang et al. samples per transfer sentence")
+    parser.add_argument("--k", type=positive, default=15, help="K of the cache")
+    parser.add_argument("--epochs", type=positive, default=8)
+    parser.add_argument("--batch-size", type=positive, default=32)
     parser.add_argument("--workdir", default="/tmp/crfkit_conll_teacher")
     parser.add_argument("--out", default=str(HERE / "results" / "conll_teacher_labels"))
     args = parser.parse_args(argv)

@@ -22,6 +22,8 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+from crfkit._validation import cli_int
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", action="append", help="a pipeline workdir (default runs/full); repeat "
                         "for runs with other teachers")
     parser.add_argument("--ablation-variant", default="te_da_seq")
-    parser.add_argument("--k", type=int, default=5, help="the K of the SEQ rows of Table 1")
+    parser.add_argument("--k", type=cli_int(minimum=1), default=5, help="the K of the SEQ rows of Table 1")
     args = parser.parse_args(argv)
     DOCS.mkdir(exist_ok=True)
     text, data = build([Path(w) for w in args.workdir or ["runs/full"]], args.ablation_variant, args.k)

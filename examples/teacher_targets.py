@@ -25,6 +25,7 @@ import torch
 
 import crfkit
 from crfkit import data, distill
+from crfkit._validation import cli_int
 from crfkit.pipeline import file_sha256, git_commit, machine_description
 from crfkit.taggers import load_tagger
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", action="append", required=True,
                         help="a pipeline workdir with teacher/model and one labels-k* cache; repeat for more")
     parser.add_argument("--no-validation", action="store_true", help="skip running the teacher on validation")
-    parser.add_argument("--validation-sentences", type=int, help="only the first N validation sentences")
+    parser.add_argument("--validation-sentences", type=cli_int(minimum=1), help="only the first N validation sentences")
     parser.add_argument("--out", default=str(DOCS / "teacher_targets"), help="output path without extension")
     args = parser.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])

@@ -80,3 +80,19 @@ def test_teacher_targets_statistics_match_brute_force_enumeration():
     assert expected["best_is_gold"] >= 1
     for key, value in expected.items():
         assert sums[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
+
+@pytest.mark.parametrize("example, argv, message", [
+    ("conll_teacher_labels", ["--train", "-5"], "argument --train: expected a positive int, got '-5'"),
+    ("conll_teacher_labels", ["--augment", "-1"], "argument --augment: expected a non-negative int, got '-1'"),
+    ("conll_teacher_labels", ["--batch-size", "0"], "argument --batch-size: expected a positive int, got '0'"),
+    ("teacher_targets", ["--workdir", "w", "--validation-sentences", "-3"],
+     "argument --validation-sentences: expected a positive int, got '-3'"),
+    ("reproduction_report", ["--k", "0"], "argument --k: expected a positive int, got '0'"),
+])
+def test_example_command_lines_refuse_out_of_range_counts(example, argv, message, capsys):
+    # A negative sentence count used to slice from the end (train[:-5]) without a word.
+    with pytest.raises(SystemExit) as exit_info:
+        _load_example(example).main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
