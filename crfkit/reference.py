@@ -36,16 +36,19 @@ def _defaults(emissions: Tensor, lengths: Optional[Tensor], start: Optional[Tens
 
 
 def _check_values(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor):
-    """NaN / +inf checks that the compiled kernels do while they scan."""
+    """NaN / +inf checks that the compiled kernels do while they scan, with their messages."""
     def bad(x):
-        return bool((torch.isnan(x) | (x == float("inf"))).any())
+        return torch.isnan(x) | (x == float("inf"))
 
-    for name, x in (("transitions", transitions), ("start", start), ("end", end)):
-        if bad(x):
-            raise ValueError(f"crfkit: {name} contains NaN or +inf (use -inf to forbid)")
+    for name, x, what in (("transitions", transitions, "a transition"), ("start", start, "a first tag"),
+                          ("end", end, "a last tag")):
+        if bool(bad(x).any()):
+            raise ValueError(f"crfkit: {name} contains NaN or +inf (use -inf to forbid {what})")
     valid = _valid_positions(lengths, emissions.shape[1]).unsqueeze(-1)
-    if bad(emissions.masked_fill(~valid, 0)):
-        raise ValueError("crfkit: emissions contains NaN or +inf within the lengths (use -inf to forbid a tag)")
+    bad_sentences = (bad(emissions) & valid).flatten(1).any(1).nonzero()
+    if len(bad_sentences):
+        raise ValueError(f"crfkit: emissions[{int(bad_sentences[0])}] contains NaN or +inf within its length "
+                         "(use -inf to forbid a tag)")
 
 
 def _valid_positions(lengths: Tensor, L: int) -> Tensor:

@@ -55,15 +55,17 @@ CASES = [
      "lengths is on meta"),
     ("NaN emission", lambda em, tr, kw: (em.index_put((torch.tensor(1), torch.tensor(0), torch.tensor(2)),
                                                       torch.tensor(math.nan)), tr, kw),
-     ValueError, "emissions.*NaN or \\+inf"),
+     ValueError, r"^crfkit: emissions\[1\] contains NaN or \+inf within its length \(use -inf to forbid a tag\)$"),
     ("+inf emission", lambda em, tr, kw: (em.index_put((torch.tensor(0), torch.tensor(0), torch.tensor(0)),
                                                        torch.tensor(math.inf)), tr, kw),
-     ValueError, "emissions.*NaN or \\+inf"),
+     ValueError, r"^crfkit: emissions\[0\] contains NaN or \+inf within its length \(use -inf to forbid a tag\)$"),
     ("NaN transition", lambda em, tr, kw: (em, tr.index_put((torch.tensor(0), torch.tensor(1)),
                                                             torch.tensor(math.nan)), kw),
-     ValueError, "transitions contains NaN or \\+inf"),
+     ValueError, r"^crfkit: transitions contains NaN or \+inf \(use -inf to forbid a transition\)$"),
     ("+inf start", lambda em, tr, kw: (em, tr, {**kw, "start": torch.tensor([0.0, math.inf, 0.0])}), ValueError,
-     "start contains NaN or \\+inf"),
+     r"^crfkit: start contains NaN or \+inf \(use -inf to forbid a first tag\)$"),
+    ("NaN end", lambda em, tr, kw: (em, tr, {**kw, "end": torch.tensor([0.0, 0.0, math.nan])}), ValueError,
+     r"^crfkit: end contains NaN or \+inf \(use -inf to forbid a last tag\)$"),
 ]
 
 
