@@ -4,6 +4,7 @@ import importlib.util
 import io
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -147,11 +148,16 @@ def test_transformer_truncation_keeps_every_word(teacher):
     long_sentence = ["word"] * 40
     teacher.max_pieces = 16
     try:
-        batch = teacher.featurize([long_sentence, ["EU"]])
+        with pytest.warns(UserWarning, match="a sentence has more than max_pieces = 16 word pieces"):
+            batch = teacher.featurize([long_sentence, ["EU"]])
         assert batch["input_ids"].shape[1] == 16
         emissions = teacher.eval().emissions(batch)
         assert emissions.shape == (2, 40, len(LABELS)) and torch.isfinite(emissions).all()
-        assert [len(p) for p in teacher.predict([long_sentence, ["EU"]])] == [40, 1]
+        with pytest.warns(UserWarning, match="max_pieces"):
+            assert [len(p) for p in teacher.predict([long_sentence, ["EU"]])] == [40, 1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # 14 pieces and the 2 special ones fill max_pieces exactly: no warning
+            teacher.featurize([["word"] * 14, ["EU"]])
     finally:
         teacher.max_pieces = 256
 

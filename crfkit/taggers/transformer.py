@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -83,10 +84,15 @@ class TransformerCRFTagger(CRFTagger):
                                  padding=True, return_tensors="pt")
         lengths = torch.tensor([len(s) for s in sentences], dtype=torch.long)
         casing = casing_tensor(sentences, int(lengths.max()) if len(sentences) else 0)
-        batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
-                 "word_index": word_index_from_word_ids(encoded, encoded["input_ids"].shape[1]),
-                 "casing": casing, "lengths": lengths}
-        return batch
+        word_index = word_index_from_word_ids(encoded, encoded["input_ids"].shape[1])
+        full = encoded["attention_mask"].sum(1) >= self.max_pieces
+        if len(sentences) and bool((full & (word_index.max(1).values + 1 < lengths)).any()):
+            warnings.warn(f"crfkit: a sentence has more than max_pieces = {self.max_pieces} word pieces; the "
+                          "encoder sees only its first pieces, and the words past them are tagged from their "
+                          "casing and the CRF alone. Split long sentences (python -m crfkit.tag --tokenize does) "
+                          "or raise max_pieces.", stacklevel=2)
+        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
+                "word_index": word_index, "casing": casing, "lengths": lengths}
 
     def _words(self, batch: Mapping[str, Tensor], pieces: Tensor) -> Tensor:
         """(B, P, H) piece states -> (B, L, H) word states (word_pooling over each word's pieces)."""
