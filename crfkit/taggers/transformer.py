@@ -41,7 +41,8 @@ class TransformerCRFTagger(CRFTagger):
     dropout: on the word features before the linear layer. casing_dim: width of the casing
     embedding (0: none). num_layers: keep only the encoder's first num_layers layers (a small
     transformer student initialised from the teacher's encoder); None keeps all.
-    max_pieces: word pieces per sentence (longer sentences are truncated for the encoder only).
+    max_pieces: word pieces per sentence (longer sentences are truncated for the encoder only, with a
+    warning: their words past the limit are tagged from casing and the CRF alone).
     word_pooling: "first", "mean" or "max" piece of each word.
     """
 
