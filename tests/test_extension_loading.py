@@ -135,7 +135,10 @@ def test_another_checkouts_extension_is_not_loaded(tmp_path):
     # a copy without its own _C must not load the installed checkout's binary.
     import importlib.metadata
 
-    direct_url = importlib.metadata.distribution("crfkit").read_text("direct_url.json") or "{}"
+    # The installed distribution is the one with direct_url.json; a crfkit.egg-info lying in the
+    # checkout (on sys.path under `python -m pytest`) would otherwise be found first.
+    direct_url = next((d.read_text("direct_url.json") for d in importlib.metadata.distributions(name="crfkit")
+                       if d.read_text("direct_url.json")), "{}")
     if not json.loads(direct_url).get("dir_info", {}).get("editable"):
         pytest.skip("crfkit is not installed in editable mode here")
     installed = glob.glob(os.path.join(json.loads(direct_url)["url"].removeprefix("file://"), "crfkit", "_C.*.so"))

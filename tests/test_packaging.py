@@ -36,7 +36,15 @@ def _run(command, **kwargs):
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out), ROOT], timeout=600)
+    # setuptools writes crfkit.egg-info into the tree it builds from; left there, it shadows the
+    # installed metadata for any `python -m` run in the checkout, so remove it unless it was there.
+    egg_info = os.path.join(ROOT, "crfkit.egg-info")
+    had_egg_info = os.path.exists(egg_info)
+    try:
+        _run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out), ROOT], timeout=600)
+    finally:
+        if not had_egg_info:
+            shutil.rmtree(egg_info, ignore_errors=True)
     (path,) = out.glob("crfkit-*.tar.gz")
     return path
 
