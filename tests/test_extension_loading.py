@@ -138,10 +138,10 @@ def test_another_checkouts_extension_is_not_loaded(tmp_path):
     # The installed distribution is the one with direct_url.json; a crfkit.egg-info lying in the
     # checkout (on sys.path under `python -m pytest`) would otherwise be found first.
     direct_urls = (d.read_text("direct_url.json") for d in importlib.metadata.distributions(name="crfkit"))
-    direct_url = next(filter(None, direct_urls), "{}")
-    if not json.loads(direct_url).get("dir_info", {}).get("editable"):
+    origin = json.loads(next(filter(None, direct_urls), "{}"))
+    if not origin.get("dir_info", {}).get("editable"):
         pytest.skip("crfkit is not installed in editable mode here")
-    installed = glob.glob(os.path.join(json.loads(direct_url)["url"].removeprefix("file://"), "crfkit", "_C.*.so"))
+    installed = glob.glob(os.path.join(origin["url"].removeprefix("file://"), "crfkit", "_C.*.so"))
     if not installed:
         pytest.skip("the installed checkout has no built extension")
     package_copy(tmp_path, extension=False)
