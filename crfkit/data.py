@@ -31,6 +31,7 @@ __all__ = [
     "Sentence",
     "Vocabulary",
     "conll2003_path",
+    "iob1_to_bio",
     "load_conll2003",
     "load_news_sentences",
     "news_text_path",
@@ -91,6 +92,7 @@ def read_conll(
     *,
     separator: Optional[str] = None,
     max_sentences: Optional[int] = None,
+    encoding: str = "utf-8",
 ) -> list[Sentence]:
     """Read a CoNLL-format file into a list of Sentence.
 
@@ -99,9 +101,13 @@ def read_conll(
         must have exactly len(columns) columns. WNUT-16 style files: ``columns=("tokens", "tags")``.
     separator: the column separator; None splits on any run of whitespace (spaces or tabs).
     max_sentences: stop after this many sentences (None reads the whole file).
+    encoding: the file's text encoding, ASCII-compatible (default UTF-8; a byte-order mark at
+        the start is dropped). A line that does not decode is a ValueError naming the file and line, e.g. a
+        latin-1 file read as UTF-8: pass ``encoding="latin-1"``.
 
     Blank (whitespace-only) lines end a sentence; ``-DOCSTART-`` lines and the blank line after
-    them are skipped, so no sentence is empty.
+    them are skipped, so no sentence is empty. A malformed line is a ValueError naming the file
+    and line, quoting (the start of) the line.
     """
     columns = tuple(columns)
     for name in columns:
@@ -113,6 +119,12 @@ def read_conll(
     if "tokens" not in named:
         raise ValueError(f"columns must include 'tokens', got {columns}")
     check_int("max_sentences", max_sentences, minimum=0, optional=True, type_error=ValueError)
+    try:
+        ascii_compatible = "\n -".encode(encoding) == b"\n -"
+    except (LookupError, TypeError):
+        raise ValueError(f"encoding: unknown text encoding {encoding!r}") from None
+    if not ascii_compatible:  # lines are split on the byte b"\n" before decoding
+        raise ValueError(f"encoding: {encoding!r} is not ASCII-compatible; convert the file to UTF-8 first")
     # (column index, field) pairs of the columns that are kept.
     kept = [(index, name) for index, name in enumerate(columns) if name not in (None, "_")]
 
@@ -126,10 +138,20 @@ def read_conll(
             sentences.append(Sentence(**fields))
             current.clear()
 
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    # Read bytes and decode line by line, so that an undecodable byte is reported with its file
+    # and line (a text-mode file raises from inside a read-ahead buffer, with neither).
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
             if max_sentences is not None and len(sentences) >= max_sentences:
                 break
+            try:
+                line = raw.decode(encoding)
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not {encoding} text ({error.reason} at byte "
+                                 f"{error.start} of the line); pass read_conll(..., encoding=...) with the "
+                                 "file's encoding, e.g. 'latin-1'") from None
+            if line_number == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the first word
             if not line.strip():
                 finish()
                 continue
@@ -140,12 +162,36 @@ def read_conll(
             if len(parts) != len(columns):
                 raise ValueError(
                     f"{path}:{line_number}: expected {len(columns)} columns {columns}, "
-                    f"got {len(parts)}: {line.rstrip()!r}"
+                    f"got {len(parts)}: {_quote_prefix(line.rstrip())}"
                 )
             current.append(parts)
         if max_sentences is None or len(sentences) < max_sentences:
             finish()
     return sentences
+
+
+def _quote_prefix(text: str, limit: int = 120) -> str:
+    """repr of text, cut to its first `limit` characters (a malformed line may be megabytes)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+def iob1_to_bio(tags: Sequence[str]) -> tuple[str, ...]:
+    """IOB1 tags -> BIO (IOB2) tags of the same entities: an ``I-X`` that starts an entity (first
+    in the sentence, after ``O`` or after a tag of another type) becomes ``B-X``; IOB1's ``B-X``
+    (an entity right after another of the same type) stays. BIO input is returned unchanged.
+
+        [replace(s, tags=iob1_to_bio(s.tags)) for s in read_conll("eng.train")]   # dataclasses.replace
+    """
+    converted, previous = [], None
+    for tag in tags:
+        prefix, _, kind = tag.partition("-")
+        if prefix == "I" and kind and kind != previous:
+            tag = f"B-{kind}"
+        converted.append(tag)
+        previous = kind if kind and prefix in ("B", "I") else None
+    return tuple(converted)
 
 
 def load_conll2003(split: str, max_sentences: Optional[int] = None) -> list[Sentence]:

@@ -17,9 +17,11 @@ checkpoint; finished runs are skipped):
              a run finishes;
 4. report    test F1, parameters and tagging speed (sentences/s, same batch size, measured side
              by side in this process) of the teacher and each student: WORKDIR/report.md / .json.
-Every finished run appends a record to WORKDIR/results.jsonl (variant, K, seed, dev_f1, test_f1,
-params, sentences_per_s, wall_s: training time summed over the processes that trained it, command,
-git). Tag new text with the student afterwards:
+Every finished run writes its record to its folder's result.json (atomically: whole or not at
+all) and appends it to WORKDIR/results.jsonl (variant, K, seed, dev_f1, test_f1, params,
+sentences_per_s, wall_s: training time summed over the processes that trained it, command, git);
+a rerun adds a record that a kill kept out of results.jsonl. A --workdir that cannot be written is
+a usage error before any stage runs. Tag new text with the student afterwards:
     python -m crfkit.tag --model WORKDIR/students/te_seq-k5-seed0/model < sentences.txt
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch  # noqa: E402
 
 from . import _validation, data, distill  # noqa: E402
 from ._distributed import is_main_process  # noqa: E402
+from ._files import atomic_write, ensure_writable_directory  # noqa: E402
 from .taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger  # noqa: E402
 
 QUICK = {"teacher_epochs": 1.0, "train_sentences": 0, "dev_sentences": 1000, "student_epochs": 6.0,
@@ -53,6 +56,8 @@ FULL = {"teacher_epochs": 4.0, "train_sentences": 0, "dev_sentences": 0, "studen
                  "te_exact_kl"],
         "seeds": [0, 1, 2], "da_augment": 0, "da_news": True, "cache_k": 15}
 STAGES = ("teacher", "label", "students", "report")
+RESULT = "result.json"      # in a run's folder: its record, written (atomically) when it finishes
+RESULTS = "results.jsonl"   # in the workdir: every finished run's record, one per line
 
 
 @dataclass(frozen=True)
@@ -263,7 +268,7 @@ def train_teacher(args, corpus: Corpus) -> str:
 
     out = os.path.join(args.workdir, "teacher")
     model_dir = os.path.join(out, "model")
-    if os.path.isfile(os.path.join(out, "result.json")):
+    if _finished_record(args, out) is not None:
         _log(f"teacher: done already ({model_dir})")
         return model_dir
     _log(f"teacher: fine-tuning {args.teacher_encoder} + CRF on {len(corpus.train)} sentences, "
@@ -353,10 +358,9 @@ def train_student(args, corpus: Corpus, teacher_dir: str, cache, spec: RunSpec) 
     from .training import RunClock, fit_tagger, fit_tagger_gradually, tagging_items
 
     out = os.path.join(args.workdir, "students", spec.name)
-    done = os.path.join(out, "result.json")
-    if os.path.isfile(done):
-        with open(done) as f:
-            return json.load(f)
+    done = _finished_record(args, out)
+    if done is not None:
+        return done
     variant = _variant(spec)
     objectives = [replace(o, k=spec.k) if o.needs_teacher else o for o in variant.objectives]
     items = tagging_items(corpus.train)
@@ -443,13 +447,57 @@ def _finish_run(args, corpus: Corpus, tagger, out: str, fields: dict, clock, tra
               "command": shlex.join([os.path.basename(sys.executable), "-m", "crfkit.pipeline", *sys.argv[1:]]),
               "git": git_commit(), "machine": machine_description(),
               "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    with open(os.path.join(out, "result.json"), "w") as f:
-        json.dump(record, f, indent=2)
-    with open(os.path.join(args.workdir, "results.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    # result.json marks the run finished: written whole or not at all, then its line in results.jsonl
+    atomic_write(os.path.join(out, RESULT), (json.dumps(record, indent=2) + "\n").encode("utf-8"))
+    _append_to_results(args.workdir, record)
     _log(f"{fields['variant']}: dev F1 {record['dev_f1']:.2f}, test F1 {record['test_f1']:.2f}, "
          f"{record['sentences_per_s']:.0f} sentences/s, {wall_s / 60:.1f} min")
     return record
+
+
+def _finished_record(args, out: str) -> Optional[dict]:
+    """The record of a finished run in folder out (its result.json), or None when it has not
+    finished. Makes sure the record is in results.jsonl too: a kill between writing result.json and
+    appending its line would otherwise lose that line for good, the run being skipped from then
+    on. A result.json that is not JSON (an older crfkit wrote it in place and was killed) is
+    treated as absent: the run resumes from its last checkpoint and is scored again."""
+    path = os.path.join(out, RESULT)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        record = None
+    if not isinstance(record, dict):
+        _log(f"warning: {path} is damaged (not a JSON record); scoring the run again")
+        if is_main_process():
+            os.unlink(path)
+        return None
+    if is_main_process():
+        _append_to_results(args.workdir, record)
+    return record
+
+
+def _append_to_results(workdir: str, record: dict) -> None:
+    """Append record to workdir/results.jsonl unless it is there already. A line cut short by a
+    kill during an earlier append is left as it is (readers skip it); the record goes on a line
+    of its own after it."""
+    path = os.path.join(workdir, RESULTS)
+    text = ""
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    for line in text.splitlines():
+        try:
+            if json.loads(line) == record:
+                return
+        except json.JSONDecodeError:
+            continue
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(("\n" if text and not text.endswith("\n") else "") + json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _barrier() -> None:
@@ -506,11 +554,15 @@ def report(args, corpus: Corpus, teacher_dir: str, records: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:  # a read-only or mistyped workdir fails now, not at the teacher's first checkpoint
+        ensure_writable_directory(args.workdir, "--workdir")
+    except OSError as error:
+        print(f"python -m crfkit.pipeline: error: argument {error.strerror}", file=sys.stderr)
+        return 2
     from .training import init_distributed
 
     init_distributed()
     git_commit()  # read now: the records name the code this process runs
-    os.makedirs(args.workdir, exist_ok=True)
     _log(f"workdir {args.workdir}; stages {', '.join(args.stages)}; {len(args.run_specs)} student run(s); "
          f"{machine_description()}")
     corpus = Corpus(args)

@@ -49,7 +49,9 @@ def entities(tokens, tags) -> list[tuple[str, str, int, int]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m crfkit.tag", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m crfkit.tag", description=__doc__.split("\n\n")[0],
+                                     epilog="Input is read as UTF-8 whatever the locale; a byte that is not UTF-8 "
+                                     "becomes U+FFFD (the replacement character) instead of stopping the run.")
     parser.add_argument("--model", required=True, help="a folder written by a tagger's save_pretrained")
     parser.add_argument("--format", choices=("entities", "conll", "json"), default="entities")
     parser.add_argument("--tokenize", action="store_true",
@@ -63,22 +65,45 @@ def main(argv=None) -> int:
         tagger = load_tagger(args.model)
     except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
+    text = _read_stdin()
     if args.tokenize:
         from .data import tokenize_text
 
-        sentences = [list(words) for words in tokenize_text(sys.stdin.read())]
+        sentences = [list(words) for words in tokenize_text(text)]
     else:
-        sentences = [line.split() for line in sys.stdin if line.strip()]
-    for tokens, tags in zip(sentences, tagger.predict(sentences, batch_size=args.batch_size)):
-        if args.format == "conll":
-            print("\n".join(f"{w}\t{t}" for w, t in zip(tokens, tags)) + "\n")
-        elif args.format == "json":
-            print(json.dumps({"tokens": tokens, "tags": tags,
-                              "entities": [{"text": e[0], "type": e[1], "start": e[2], "end": e[3]}
-                                           for e in entities(tokens, tags)]}, ensure_ascii=False))
-        else:
-            print(" | ".join(f"{text}\t{kind}" for text, kind, _, _ in entities(tokens, tags)))
+        sentences = [line.split() for line in text.split("\n") if line.strip()]
+    try:
+        tagged = tagger.predict(sentences, batch_size=args.batch_size)
+    except ValueError as error:  # e.g. a sentence that the CRF allows no tag sequence for
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    try:
+        for tokens, tags in zip(sentences, tagged):
+            if args.format == "conll":
+                print("\n".join(f"{w}\t{t}" for w, t in zip(tokens, tags)) + "\n")
+            elif args.format == "json":
+                print(json.dumps({"tokens": tokens, "tags": tags,
+                                  "entities": [{"text": e[0], "type": e[1], "start": e[2], "end": e[3]}
+                                               for e in entities(tokens, tags)]}, ensure_ascii=False))
+            else:
+                print(" | ".join(f"{text}\t{kind}" for text, kind, _, _ in entities(tokens, tags)))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (`| head -n 1`): stop quietly, as command-line tools do, with the
+        # shell's status for a SIGPIPE; stdout goes to /dev/null so that Python's own flush at exit
+        # does not raise again (the recipe of Python's signal module documentation).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
     return 0
+
+
+def _read_stdin() -> str:
+    """All of stdin as text: its bytes decoded as UTF-8 with replacement, so neither the locale
+    (C, C.UTF-8: surrogate escapes; en_US.UTF-8: strict) nor one bad byte decides the outcome."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a text stream without bytes underneath (io.StringIO in tests, IDEs)
+        return sys.stdin.read()
+    return stream.read().decode("utf-8", errors="replace")
 
 
 if __name__ == "__main__":

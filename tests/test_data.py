@@ -3,6 +3,7 @@ package) and on small hand-written files, and the Vocabulary helper."""
 
 import importlib.util
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -172,6 +173,53 @@ def test_reader_errors(tmp_path):
         read_conll(path, max_sentences=-1)
     with pytest.raises(FileNotFoundError):
         read_conll(tmp_path / "missing.txt")
+
+
+def test_reader_drops_a_byte_order_mark(tmp_path):
+    """A UTF-8 file saved with a byte-order mark (Windows editors) used to read "\ufeff-DOCSTART-"
+    as a one-word training sentence."""
+    path = tmp_path / "bom.txt"
+    path.write_bytes("-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\n".encode("utf-8-sig"))
+    assert read_conll(path) == [Sentence(("EU",), ("NNP",), ("B-NP",), ("B-ORG",))]
+    path.write_bytes("\ufeffEU NNP B-NP B-ORG\n".encode("utf-8"))
+    assert read_conll(path)[0].tokens == ("EU",)
+
+
+def test_reader_names_the_file_and_line_of_text_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("Paris NNP B-NP B-LOC\n\nK\u00f6ln NNP B-NP B-LOC\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:3: not utf-8 text .*encoding=") as info:
+        read_conll(path)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert read_conll(path, encoding="latin-1")[1].tokens == ("K\u00f6ln",)
+    with pytest.raises(ValueError, match="encoding: unknown text encoding 'nonsense'"):
+        read_conll(path, encoding="nonsense")
+    with pytest.raises(ValueError, match="'utf-16' is not ASCII-compatible"):
+        read_conll(path, encoding="utf-16")
+
+
+def test_reader_quotes_only_the_start_of_a_huge_malformed_line(tmp_path):
+    path = tmp_path / "huge.txt"
+    path.write_text("A DT B-NP O\n" + "x" * 1_000_000 + "\n")
+    with pytest.raises(ValueError, match=r"huge\.txt:2: expected 4 columns .* got 1: 'x{120}'\.\.\. "
+                       r"\(1,000,000 characters\)$") as info:
+        read_conll(path)
+    assert len(str(info.value)) < 400 + len(str(path))
+
+
+@pytest.mark.parametrize("iob1, bio", [
+    (("I-ORG", "O", "I-PER", "I-PER"), ("B-ORG", "O", "B-PER", "I-PER")),
+    (("I-LOC", "B-LOC", "I-LOC", "I-PER"), ("B-LOC", "B-LOC", "I-LOC", "B-PER")),   # IOB1's B-: same type follows
+    (("O", "B-PER", "I-PER", "O"), ("O", "B-PER", "I-PER", "O")),                    # BIO stays BIO
+    ((), ()),
+])
+def test_iob1_to_bio(iob1, bio):
+    from crfkit.constraints import allowed_transitions
+
+    assert data.iob1_to_bio(iob1) == bio
+    assert data.iob1_to_bio(bio) == bio
+    rules = allowed_transitions(["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC"], "BIO")
+    assert rules.is_allowed([rules.labels.index(t) for t in bio])
 
 
 # -- Vocabulary ----------------------------------------------------------------------------

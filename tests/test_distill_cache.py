@@ -3,6 +3,7 @@ and refusal, a real SIGKILL part-way and resume, two torchrun ranks, lazy loadin
 import builtins
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -247,6 +248,71 @@ def test_foreign_and_corrupt_files(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         TeacherLabelCache(tmp_path / "foreign-nothing")
+
+
+def test_the_reader_refuses_a_shard_of_another_cache(tmp_path):
+    """A shard copied in from another labelling run (another K, teacher, or another shard's
+    place) used to be read as this cache's: foreign paths for some sentences, a shape error for
+    others. Each is a CacheMismatchError naming the file."""
+    import shutil
+
+    corpus = toy_corpus(20)
+    mine, _ = label(tmp_path / "mine", corpus, k=5)
+    label(tmp_path / "other-k", corpus, k=3)
+    label(tmp_path / "other-teacher", corpus, k=5, teacher_info={"model": "another"})
+    target = tmp_path / "mine" / "shard-00001.safetensors"
+    original = target.read_bytes()
+    for source, found in [(tmp_path / "other-k" / "shard-00001.safetensors", "config_hash .*k '3' \\(expected '5'\\)"),
+                          (tmp_path / "other-teacher" / "shard-00001.safetensors", "config_hash"),
+                          (tmp_path / "mine" / "shard-00000.safetensors", "shard_index '0' \\(expected '1'\\)")]:
+        shutil.copyfile(source, target)
+        cache = load_cache(tmp_path / "mine")
+        assert torch.equal(cache[0].paths, mine[0].paths)   # shard 0 is still read
+        with pytest.raises(CacheMismatchError, match=f"^{re.escape(str(target))} is not shard 1 of the cache in "
+                                                     f".*: {found}.*copied from another labelling run"):
+            cache[8]
+    target.write_bytes(original)
+    assert torch.equal(load_cache(tmp_path / "mine")[8].paths, mine[8].paths)
+
+
+def test_the_reader_names_a_truncated_shard(tmp_path):
+    corpus = toy_corpus(20)
+    label(tmp_path, corpus)
+    target = tmp_path / "shard-00001.safetensors"
+    data = target.read_bytes()
+    for damaged in (data[:len(data) // 2], data[:6]):
+        target.write_bytes(damaged)
+        with pytest.raises(ValueError, match=f"^{re.escape(str(target))} is not a readable shard .*delete the file "
+                                             "and run label_corpus again"):
+            load_cache(tmp_path)[9]
+
+
+def test_a_second_writer_of_a_cache_is_refused_while_the_first_runs(tmp_path):
+    """label_corpus deleted the temporary files of a live writer (which then died on its rename);
+    now the directory is locked for the whole labelling job and a second job is refused with a
+    CacheBusyError naming the first."""
+    from crfkit.distill import CacheBusyError
+
+    corpus = toy_corpus(30)
+    refusals = []
+
+    class Intruder(ToyTeacher):
+        def __call__(self, items):
+            if self.calls == 2:  # the first job is part way: one shard written, more to come
+                with pytest.raises(CacheBusyError, match=f"is being labelled by another job \\(pid {os.getpid()} "
+                                                         "on .*, started .*\\); one labelling job per directory"):
+                    label(tmp_path, corpus)
+                refusals.append(sorted(os.listdir(tmp_path)))
+            return super().__call__(items)
+
+    cache, teacher = label(tmp_path, corpus, teacher=Intruder(3))
+    assert refusals and len(cache) == 30 and cache.complete
+    reference, _ = label(tmp_path / "reference", corpus)
+    assert_same_records(reference, cache)
+    # the lock is released with the job: a later call opens the finished cache at once
+    again, teacher = label(tmp_path, corpus)
+    assert teacher.calls == 0 and len(again) == 30
+    assert not (tmp_path / cache_mod.WRITER_INFO).exists()
 
 
 def test_bad_arguments(tmp_path):

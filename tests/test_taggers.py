@@ -289,3 +289,161 @@ def test_tag_command(tmp_path, monkeypatch, capsys):
         tag.main(["--model", str(tmp_path), "--batch-size", "0"])
     assert info.value.code == 2
     assert "argument --batch-size: expected a positive int, got '0'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- bad input, damage
+def _tiny_bilstm(**kwargs):
+    from crfkit.taggers import BiLSTMCRFTagger
+
+    return BiLSTMCRFTagger(kwargs.pop("labels", LABELS), ["<pad>", "<unk>", "eu"], embedding_dim=4,
+                           hidden_size=kwargs.pop("hidden_size", 4), **kwargs)
+
+
+def test_predict_refuses_a_sentence_that_no_tag_sequence_is_allowed_for():
+    """Viterbi's documented -1 path used to be read as a label index: every word got the last label."""
+    tagger = _tiny_bilstm()
+    with torch.no_grad():  # every emission -inf but I-PER's, and BIO forbids I-PER at the start
+        tagger.head.weight.zero_()
+        tagger.head.bias.fill_(float("-inf"))
+        tagger.head.bias[LABELS.index("I-PER")] = 0.0
+    with pytest.raises(ValueError, match=r"^predict: sentence 1 \('EU rejects'\) has no tag sequence that the CRF "
+                                         r"allows: every sequence scores -inf"):
+        tagger.predict([[], ["EU", "rejects"]])
+    assert tagger.predict([[]]) == [[]]
+    with torch.no_grad():  # B-PER allowed as well: the path is B-PER I-PER ...
+        tagger.head.bias[LABELS.index("B-PER")] = -5.0
+    assert tagger.predict([["EU", "rejects", "it"]]) == [["B-PER", "I-PER", "I-PER"]]
+
+
+def _edit_config(directory, edit):
+    path = directory / "config.json"
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("damage, error, message", [
+    (lambda r: r.update(labels=r["labels"][:-1]), ValueError,
+     r"model\.safetensors does not hold the weights of the tagger .*config\.json describes \(8 labels\): "
+     r"crf\.transitions is \(9, 9\) in the file, \(8, 8\) in the tagger; .*; 5 more$"),
+    (lambda r: r.pop("labels"), ValueError,
+     r"config\.json: 'labels' must be the non-empty list of tag names, got None"),
+    (lambda r: r.update(labels="O B-PER"), ValueError, r"config\.json: 'labels' must be the non-empty list"),
+    (lambda r: r.pop("scheme"), ValueError, r"config\.json: 'scheme' must be a tagging scheme name or null"),
+    (lambda r: r.pop("tagger"), ValueError, r"config\.json: 'tagger' must be the tagger class's name"),
+    (lambda r: r["config"].update(colour="blue"), ValueError,
+     r"config\.json: 'config' holds arguments that BiLSTMCRFTagger does not take: \['colour'\]"),
+    (lambda r: r["config"].update(hidden_size=5), ValueError,
+     r"config\.json describes a BiLSTMCRFTagger that cannot be built: hidden_size .* must be even, got 5"),
+    (lambda r: r.update(scheme="BIOLU"), ValueError,
+     r"config\.json describes a BiLSTMCRFTagger that cannot be built: .*BIOLU"),
+])
+def test_a_damaged_config_is_an_error_naming_the_file(tmp_path, damage, error, message):
+    from crfkit.taggers import load_tagger
+
+    _tiny_bilstm().save_pretrained(str(tmp_path))
+    _edit_config(tmp_path, damage)
+    with pytest.raises(error, match=message) as info:
+        load_tagger(str(tmp_path))
+    assert str(tmp_path) in str(info.value) and info.value.__cause__ is None
+
+
+def test_another_taggers_weights_or_a_missing_vocabulary_are_named(tmp_path):
+    from crfkit.taggers import load_tagger
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    _tiny_bilstm().save_pretrained(str(mine))
+    _tiny_bilstm(hidden_size=6, char_cnn=True).save_pretrained(str(other))
+    good = (mine / "model.safetensors").read_bytes()
+    (mine / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"mine/model\.safetensors does not hold the weights of the tagger "
+                                         r".*mine/config\.json describes \(9 labels\): .* in the file, .* in the "
+                                         r"tagger; .*; \d+ more$"):
+        load_tagger(str(mine))
+    (mine / "model.safetensors").write_bytes(good)
+    vocab = (mine / "vocab.json").read_text()
+    (mine / "vocab.json").write_text('{"words": ["eu"]}')
+    with pytest.raises(ValueError, match=r"vocab\.json: 'words' must start with '<pad>', '<unk>'"):
+        load_tagger(str(mine))
+    (mine / "vocab.json").write_text("{")
+    with pytest.raises(ValueError, match=r"vocab\.json is not a saved BiLSTMCRFTagger.s vocabulary \(not JSON"):
+        load_tagger(str(mine))
+    (mine / "vocab.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"mine/vocab\.json does not exist: it should be a saved BiLSTM"):
+        load_tagger(str(mine))
+    (mine / "vocab.json").write_text(vocab)
+    assert load_tagger(str(mine)).num_tags == 9
+
+
+def test_the_tag_command_prints_a_damaged_model_as_a_usage_error(tmp_path, capsys):
+    from crfkit import tag
+
+    _tiny_bilstm().save_pretrained(str(tmp_path))
+    _edit_config(tmp_path, lambda r: r.update(labels=r["labels"][:-1]))
+    with pytest.raises(SystemExit) as info:
+        tag.main(["--model", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "does not hold the weights" in err and "Traceback" not in err
+
+
+@needs_data
+def test_a_transformer_tagger_copied_without_its_encoder_folder_is_named(tmp_path, teacher):
+    import shutil
+
+    from crfkit.taggers import load_tagger
+
+    teacher.save_pretrained(str(tmp_path))
+    shutil.rmtree(tmp_path / "encoder")
+    with pytest.raises(FileNotFoundError, match=r"encoder/config\.json does not exist: a saved TransformerCRFTagger "
+                                                r"keeps its tokenizer and encoder configuration in encoder/"):
+        load_tagger(str(tmp_path))
+
+
+@needs_data
+def test_a_transformer_tagger_takes_words_with_lone_surrogates(teacher):
+    """Python's stdin gives a lone surrogate for a byte that is not UTF-8 (C / C.UTF-8 locales);
+    the tokenizer refused it with a TypeError. It is read as U+FFFD."""
+    escaped = b"K\xf6ln".decode("utf-8", errors="surrogateescape")
+    assert escaped == "K\udcf6ln"
+    batch = teacher.featurize([[escaped, "EU"]])
+    assert torch.equal(batch["input_ids"], teacher.featurize([["K\ufffdln", "EU"]])["input_ids"])
+    assert len(teacher.predict([[escaped, "EU"]])[0]) == 2
+
+
+def _tag_everything_b_org(directory):
+    tagger = _tiny_bilstm()
+    with torch.no_grad():
+        tagger.head.weight.zero_()
+        tagger.head.bias.copy_(torch.tensor([0.0, 0, 0, 50, 0, 0, 0, 0, 0]))
+    tagger.save_pretrained(str(directory))
+
+
+def test_the_tag_command_decodes_bad_bytes_with_replacement(tmp_path, monkeypatch, capsys):
+    from crfkit import tag
+
+    _tag_everything_b_org(tmp_path)
+    for errors in ("strict", "surrogateescape"):  # an en_US.UTF-8 desktop; a C locale
+        stdin = io.TextIOWrapper(io.BytesIO(b"K\xf6ln rejects\n"), encoding="utf-8", errors=errors)
+        monkeypatch.setattr("sys.stdin", stdin)
+        assert tag.main(["--model", str(tmp_path), "--format", "conll"]) == 0
+        assert capsys.readouterr().out.splitlines()[:2] == ["K\ufffdln\tB-ORG", "rejects\tB-ORG"]
+    with pytest.raises(SystemExit):
+        tag.main(["--help"])
+    assert "replacement character" in capsys.readouterr().out
+
+
+def test_the_tag_command_stops_quietly_when_its_reader_does(tmp_path):
+    """`python -m crfkit.tag ... | head -n 1` ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    _tag_everything_b_org(tmp_path / "model")
+    (tmp_path / "in.txt").write_text("EU rejects German call\n" * 6000)   # > a pipe's 64 KiB of output
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (f"{sys.executable} -m crfkit.tag --model {tmp_path / 'model'} < {tmp_path / 'in.txt'} "
+              f"2> {tmp_path / 'err.txt'} | head -n 1; echo \"status ${{PIPESTATUS[0]}}\"")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300, cwd=root,
+                         env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    assert out.stdout.splitlines() == ["EU\tORG | rejects\tORG | German\tORG | call\tORG", "status 141"]
+    assert (tmp_path / "err.txt").read_text() == ""

@@ -4,6 +4,7 @@ pipeline on a tiny slice (the quick main job itself is marked slow)."""
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -223,6 +224,76 @@ def test_fit_tagger_refuses_empty_splits_before_training(tmp_path):
     with pytest.raises(ValueError, match="^dev_items is empty: fit_tagger needs at least one sentence to select on$"):
         fit_tagger(tagger, items, iter(()), args)
     assert not any(tmp_path.iterdir())   # nothing trained, nothing written
+
+
+def test_fit_tagger_refuses_gold_tags_its_scheme_forbids_before_training(tmp_path):
+    """An IOB1 copy of the data read into a BIO tagger (I-ORG after O) used to train silently with
+    a CRF loss of +inf on each such sentence (the Trainer's logs filter inf out)."""
+    from crfkit.data import Sentence, iob1_to_bio
+    from crfkit.taggers import BiLSTMCRFTagger
+    from crfkit.training import TaggerTrainingArguments, check_gold_tags, fit_tagger, tagging_items
+
+    tagger = BiLSTMCRFTagger(LABELS, ["<pad>", "<unk>", "eu"], embedding_dim=4, hidden_size=4)
+    good = Sentence(("EU", "rejects"), tags=("B-ORG", "O"))
+    iob1 = Sentence(("the", "EU", "commission"), tags=("O", "I-ORG", "I-ORG"))
+    args = TaggerTrainingArguments(str(tmp_path / "run"), eval_strategy="epoch", save_strategy="epoch",
+                                   report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match=r"^train_items\[1\] \('the EU commission'\): tag 'I-ORG' of word 1 \('EU'\) "
+                                         r"may not follow 'O' under the tagger's BIO scheme; if the data is IOB1 .*"
+                                         r"crfkit\.data\.iob1_to_bio"):
+        fit_tagger(tagger, tagging_items([good, iob1]), tagging_items([good]), args)
+    with pytest.raises(ValueError, match=r"^dev_items\[0\] .*: its first tag 'I-ORG' may not start a sentence"):
+        fit_tagger(tagger, tagging_items([good]), tagging_items([Sentence(("EU",), tags=("I-ORG",))]), args)
+    with pytest.raises(ValueError, match=r"^train_items\[0\] \('EU'\): tag 'B-XYZ' is not one of the tagger's labels"):
+        fit_tagger(tagger, tagging_items([Sentence(("EU",), tags=("B-XYZ",))]), tagging_items([good]), args)
+    assert not (tmp_path / "run" / "model").exists()   # nothing trained
+    converted = Sentence(iob1.tokens, tags=iob1_to_bio(iob1.tags))
+    check_gold_tags(tagging_items([good, converted]), tagger)   # BIO after conversion
+    unconstrained = BiLSTMCRFTagger(LABELS, ["<pad>", "<unk>"], scheme=None, embedding_dim=4, hidden_size=4)
+    check_gold_tags(tagging_items([iob1]), unconstrained)
+    check_gold_tags(tagging_items([iob1], with_tags=False), tagger)   # no gold: nothing to check
+
+
+def _make_read_only(directory):
+    """Make directory unwritable for this process (root ignores permission bits: chattr +i), or
+    skip when this filesystem cannot. Returns the function that undoes it."""
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        return lambda: os.chmod(directory, 0o755)
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a read-only directory here (root, and chattr +i is refused)")
+    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+def test_fit_tagger_into_a_read_only_folder_fails_before_training(tmp_path, monkeypatch):
+    """It used to train until its first checkpoint (hours at full size) before PermissionError."""
+    from crfkit.data import Sentence
+    from crfkit.taggers import BiLSTMCRFTagger
+    from crfkit.training import TaggerTrainer, TaggerTrainingArguments, fit_tagger, tagging_items
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("fit_tagger started training")
+
+    monkeypatch.setattr(TaggerTrainer, "train", no_training)
+    tagger = BiLSTMCRFTagger(LABELS, ["<pad>", "<unk>", "eu"], embedding_dim=4, hidden_size=4)
+    items = tagging_items([Sentence(("EU", "rejects"), tags=("B-ORG", "O"))])
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    undo = _make_read_only(read_only)
+    try:
+        for output_dir in (read_only, read_only / "run"):
+            args = TaggerTrainingArguments(str(output_dir), eval_strategy="epoch", save_strategy="epoch",
+                                           report_to="none", use_cpu=True)
+            with pytest.raises(PermissionError, match=f"^.*output_dir '{re.escape(str(output_dir))}' is not a "
+                                                      "writable directory"):
+                fit_tagger(tagger, items, items, args)
+    finally:
+        undo()
+    (tmp_path / "a-file").write_text("")
+    args = TaggerTrainingArguments(str(tmp_path / "a-file"), eval_strategy="epoch", save_strategy="epoch",
+                                   report_to="none", use_cpu=True)
+    with pytest.raises(NotADirectoryError, match="output_dir .*a-file' is a file, not a directory"):
+        fit_tagger(tagger, items, items, args)
 
 
 @pytest.mark.parametrize("setting,message", [
@@ -548,6 +619,58 @@ def test_pipeline_rejects_bad_options_before_any_stage(argv, message, capsys):
         pipeline.parse_args(argv)
     assert info.value.code == 2
     assert f"python -m crfkit.pipeline: error: {message}" in capsys.readouterr().err
+
+
+def test_pipeline_refuses_a_workdir_it_cannot_write_before_any_stage(tmp_path, capsys):
+    """--workdir FILE ended in a FileExistsError traceback; a read-only one would have trained the
+    teacher before failing."""
+    from crfkit import pipeline
+
+    (tmp_path / "a-file").write_text("")
+    assert pipeline.main(["--workdir", str(tmp_path / "a-file")]) == 2
+    assert capsys.readouterr().err == (f"python -m crfkit.pipeline: error: argument --workdir "
+                                       f"'{tmp_path / 'a-file'}' is a file, not a directory\n")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    undo = _make_read_only(read_only)
+    try:
+        assert pipeline.main(["--workdir", str(read_only / "runs")]) == 2
+    finally:
+        undo()
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m crfkit.pipeline: error: argument --workdir '{read_only / 'runs'}' is not a "
+                          "writable directory")
+
+
+def test_pipeline_run_records_survive_a_kill_between_their_two_writes(tmp_path, monkeypatch):
+    """result.json was written in place, then appended to results.jsonl: a kill during the first
+    write left an empty result.json that failed every rerun, and a kill between the two lost the
+    run's line for good (reruns skipped the run)."""
+    import json
+
+    from crfkit import pipeline
+
+    args = pipeline.parse_args(["--workdir", str(tmp_path)])
+    run = tmp_path / "students" / "vanilla-k5-seed0"
+    run.mkdir(parents=True)
+    record = {"run": "vanilla-k5-seed0", "variant": "vanilla", "test_f1": 80.5, "date": "2026-12-01T00:00:00"}
+    (run / "result.json").write_text(json.dumps(record))          # killed before results.jsonl
+    (tmp_path / "results.jsonl").write_text('{"run": "teacher", "test_f1": 90.1}\n{"run": "vanil')  # a cut line
+    assert pipeline._finished_record(args, str(run)) == record
+    assert pipeline._finished_record(args, str(run)) == record       # once only
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert lines[0] == '{"run": "teacher", "test_f1": 90.1}' and lines[1] == '{"run": "vanil'
+    assert [json.loads(line) for line in lines[2:]] == [record]
+    (run / "result.json").write_text("")                            # an older crfkit, killed mid-write
+    assert pipeline._finished_record(args, str(run)) is None and not (run / "result.json").exists()
+
+    def killed(*args, **kwargs):  # the process dies between writing the temporary file and renaming it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.atomic_write(str(run / "result.json"), json.dumps(record).encode())
+    assert os.listdir(run) == []                                    # no result.json, no temporary file
 
 
 def test_pipeline_label_stage_rejects_a_hidden_layer_the_teacher_lacks(monkeypatch):

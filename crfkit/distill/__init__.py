@@ -30,6 +30,7 @@ Modules:
 from .alignment import align_labels_to_pieces, align_to_words, first_piece_mask, word_index_from_word_ids
 from .augment import AugmentedSentence, PosUnigrams, augment_sentence, augment_sentences
 from .cache import (
+    CacheBusyError,
     CachedBatch,
     CachedLabels,
     CacheMismatchError,
@@ -58,6 +59,7 @@ from .weighting import FixedWeights, ScheduledWeights, UncertaintyWeighting
 __all__ = [
     "AdaptiveTheta",
     "AugmentedSentence",
+    "CacheBusyError",
     "CacheMismatchError",
     "CachedBatch",
     "CachedLabels",

@@ -61,7 +61,10 @@ Crash safety
     shard size, marginals); a resume that asks for something else is refused with a
     CacheMismatchError naming the differences. After the last shard the manifest is rewritten
     with complete = true and the shard list. Only one labelling job may write to a directory at a
-    time (the ranks of one torchrun job count as one).
+    time (the ranks of one torchrun job count as one): label_corpus holds an flock on
+    .label_corpus.lock from start to finish (the kernel releases it when the process dies, so a
+    kill leaves no stale lock), and a second job is refused with a CacheBusyError naming the first
+    (pid, host, command, start time, from .label_corpus.writer.json).
 
 torchrun / torch.distributed
     If torch.distributed is initialised, or RANK and WORLD_SIZE (> 1) are set in the environment
@@ -83,11 +86,12 @@ import json
 import math
 import operator
 import os
+import platform
 import re
-import secrets
+import sys
 import warnings
 from collections import OrderedDict
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -96,10 +100,12 @@ from safetensors import safe_open
 from safetensors.torch import save as _safetensors_save
 from torch import Tensor
 
+from .._files import atomic_write
 from .._validation import check_int
 from ..functional import KBest, kbest_viterbi, log_partition, marginals
 
 __all__ = [
+    "CacheBusyError",
     "CacheMismatchError",
     "CachedBatch",
     "CachedLabels",
@@ -113,6 +119,8 @@ __all__ = [
 FORMAT = "crfkit-teacher-labels"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+WRITER_LOCK = ".label_corpus.lock"        # held (flock) by the one job labelling the directory
+WRITER_INFO = ".label_corpus.writer.json"  # who holds it: pid, host, command, start time
 DEFAULT_SHARD_SIZE = 1024
 _SHARD_RE = re.compile(r"^shard-(\d+)\.safetensors$")
 _TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-z]+-[0-9a-f]+$")
@@ -184,6 +192,10 @@ class CacheMismatchError(ValueError):
     """A directory holds teacher labels of a different run (another K, teacher, corpus, ...)."""
 
 
+class CacheBusyError(RuntimeError):
+    """Another job is labelling the directory (label_corpus holds its writer lock)."""
+
+
 # --------------------------------------------------------------------------- fingerprints
 
 
@@ -239,39 +251,7 @@ def _config_hash(config: Mapping) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# --------------------------------------------------------------------------- atomic files
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. a platform without directory handles
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    """Write data to path so that path is either absent / its old content, or all of data."""
-    directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid():x}-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_directory(directory)
+# --------------------------------------------------------------------------- files
 
 
 def _shard_name(index: int) -> str:
@@ -306,7 +286,7 @@ def _read_manifest(directory: str) -> Optional[dict]:
 
 def _write_manifest(directory: str, manifest: Mapping) -> None:
     data = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n"
-    _atomic_write(os.path.join(directory, MANIFEST), data)
+    atomic_write(os.path.join(directory, MANIFEST), data)
 
 
 def _paths_dtype(num_tags: int) -> torch.dtype:
@@ -386,9 +366,43 @@ def _on_rank0(ctx: _Distributed, function: Callable[[], Any]):
             outcome = ("error", type(error).__name__, str(error))
     outcome = ctx.broadcast(outcome)
     if outcome[0] == "error":
-        kinds = {"CacheMismatchError": CacheMismatchError, "ValueError": ValueError, "TypeError": TypeError}
+        kinds = {"CacheMismatchError": CacheMismatchError, "CacheBusyError": CacheBusyError,
+                 "ValueError": ValueError, "TypeError": TypeError}
         raise kinds.get(outcome[1], RuntimeError)(f"{outcome[2]} (raised on rank 0)" if ctx.rank else outcome[2])
     return outcome[1]
+
+
+# --------------------------------------------------------------------------- the writer lock
+
+
+def _lock_for_writing(directory: str):
+    """Take the directory's writer lock, or raise CacheBusyError naming the job that holds it.
+
+    filelock's FileLock is an flock on POSIX: the kernel drops it when its process ends, however
+    it ends (a SIGKILL included), so a killed job never leaves a stale lock behind. Without the
+    lock, a second job would delete the first one's temporary shard files (see Crash safety)."""
+    import filelock
+
+    lock = filelock.FileLock(os.path.join(directory, WRITER_LOCK), thread_local=False)
+    try:
+        lock.acquire(blocking=False)
+    except filelock.Timeout:
+        raise CacheBusyError(f"{directory} is being labelled by another job ({_describe_writer(directory)}); "
+                             "one labelling job per directory: wait for it to finish (then this call resumes or "
+                             "returns its cache), or label into another directory") from None
+    writer = {"pid": os.getpid(), "host": platform.node(), "command": " ".join(sys.argv) or sys.executable,
+              "started": datetime.now().isoformat(timespec="seconds")}
+    atomic_write(os.path.join(directory, WRITER_INFO), json.dumps(writer).encode("utf-8"))
+    return lock
+
+
+def _describe_writer(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, WRITER_INFO), encoding="utf-8") as f:
+            writer = json.load(f)
+        return f"pid {writer['pid']} on {writer['host']}, started {writer['started']}: {writer['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its details are not written yet"
 
 
 # --------------------------------------------------------------------------- labelling
@@ -524,7 +538,8 @@ def label_corpus(
     distributed     None: split across ranks when torch.distributed is initialised or RANK /
                     WORLD_SIZE are set; False: never; True: require it
     Raises CacheMismatchError if the directory holds labels of another K / teacher / corpus /
-    shard size / marginals setting.
+    shard size / marginals setting, and CacheBusyError (at once, without waiting) while another
+    job is labelling the directory.
     """
     check_int("k", k, minimum=1, type_error=ValueError)
     check_int("batch_size", batch_size, minimum=1, type_error=ValueError)
@@ -543,6 +558,7 @@ def label_corpus(
     num_sentences = len(sentences)
 
     ctx = _Distributed(distributed, dist_timeout)
+    lock = None  # rank 0's writer lock, held until the manifest is final
     try:
         fingerprint = corpus_fingerprint if corpus_fingerprint is not None else _corpus_fingerprint(sentences)
         seen = ctx.all_gather((num_sentences, fingerprint))
@@ -565,7 +581,13 @@ def label_corpus(
             request["with_emissions"] = True
         if with_hidden:
             request["with_hidden"] = True
-        plan = _on_rank0(ctx, lambda: _prepare_directory(directory, request, shard_size))
+        def lock_and_prepare():
+            nonlocal lock
+            os.makedirs(directory, exist_ok=True)
+            lock = _lock_for_writing(directory)
+            return _prepare_directory(directory, request, shard_size)
+
+        plan = _on_rank0(ctx, lock_and_prepare)
         if plan["missing"]:
             _label_shards(teacher, sentences, directory, plan, ctx, batch_size, progress)
         if plan["missing"] or not plan["complete"]:
@@ -573,6 +595,12 @@ def label_corpus(
             _on_rank0(ctx, lambda: _finalise(directory, plan))
         return TeacherLabelCache(directory, max_open_shards=max_open_shards)
     finally:
+        if lock is not None:
+            try:
+                os.unlink(os.path.join(directory, WRITER_INFO))
+            except OSError:
+                pass
+            lock.release()
         ctx.close()
 
 
@@ -688,7 +716,7 @@ def _label_shards(teacher, sentences, directory, plan, ctx, batch_size, progress
                 "rank": str(ctx.rank),
             }
             data = _shard_bytes(batches, first, end, metadata, _paths_dtype(num_tags), marginals_dtype)
-            _atomic_write(os.path.join(directory, _shard_name(index)), data)
+            atomic_write(os.path.join(directory, _shard_name(index)), data)
 
 
 def _finalise(directory: str, plan: dict) -> None:
@@ -725,24 +753,59 @@ def _finalise(directory: str, plan: dict) -> None:
 
 
 class _Shard:
-    """One open shard: the small arrays in memory, marginals read on demand (memory-mapped)."""
+    """One open shard: the small arrays in memory, marginals read on demand (memory-mapped).
 
-    def __init__(self, path: str, k: int, first_id: int, end_id: int):
-        handle = safe_open(path, framework="pt")
-        ids = handle.get_tensor("ids")
-        if len(ids) != end_id - first_id or (len(ids) and (int(ids[0]) != first_id or int(ids[-1]) != end_id - 1)):
-            raise ValueError(f"{path} does not hold sentences [{first_id}, {end_id}); the cache is damaged")
-        self.offsets = handle.get_tensor("offsets").tolist()
-        self.paths = handle.get_tensor("paths")
-        self.log_probs = handle.get_tensor("log_probs")
-        self.scores = handle.get_tensor("scores")
-        self.log_z = handle.get_tensor("log_z")
-        # the marginals (the bulk of a shard) stay on disk, memory-mapped, sliced per sentence
-        self.marginals = handle.get_slice("marginals") if "marginals" in handle.keys() else None
-        self.emissions = handle.get_slice("emissions") if "emissions" in handle.keys() else None
-        self.hidden = handle.get_slice("hidden") if "hidden" in handle.keys() else None
-        self.crf = ({name: handle.get_tensor(name) for name in ("transitions", "start", "end")}
-                    if "transitions" in handle.keys() else None)
+    Opening checks that the file is this cache's shard `index` (its metadata: format, config_hash,
+    shard index and id range, K, num_tags) and that its arrays fit together, so a shard copied in
+    from another cache is a CacheMismatchError and a damaged one a ValueError, each naming the file."""
+
+    def __init__(self, path: str, manifest: Mapping, index: int, first_id: int, end_id: int):
+        from safetensors import SafetensorError
+
+        k, num_tags = manifest["k"], manifest["num_tags"]
+        try:
+            handle = safe_open(path, framework="pt")
+            header = dict(handle.metadata() or {})
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path} is not a readable shard ({error}); the cache is damaged: delete the file and "
+                             "run label_corpus again with the same arguments to relabel its sentences") from None
+        expected = {"format": FORMAT, "config_hash": manifest.get("config_hash"), "shard_index": str(index),
+                    "first_id": str(first_id), "end_id": str(end_id), "k": str(k), "num_tags": str(num_tags)}
+        if num_tags is None:  # an unfinished cache's manifest has no num_tags yet
+            del expected["num_tags"]
+        differences = [f"{key} {header.get(key)!r} (expected {value!r})" for key, value in expected.items()
+                       if header.get(key) != value]
+        if differences:
+            raise CacheMismatchError(f"{path} is not shard {index} of the cache in {os.path.dirname(path)}: "
+                                     f"{', '.join(differences)}; it was copied from another labelling run")
+        try:
+            ids = handle.get_tensor("ids")
+            self.offsets = handle.get_tensor("offsets").tolist()
+            self.paths = handle.get_tensor("paths")
+            self.log_probs = handle.get_tensor("log_probs")
+            self.scores = handle.get_tensor("scores")
+            self.log_z = handle.get_tensor("log_z")
+            # the marginals (the bulk of a shard) stay on disk, memory-mapped, sliced per sentence
+            self.marginals = handle.get_slice("marginals") if "marginals" in handle.keys() else None
+            self.emissions = handle.get_slice("emissions") if "emissions" in handle.keys() else None
+            self.hidden = handle.get_slice("hidden") if "hidden" in handle.keys() else None
+            self.crf = ({name: handle.get_tensor(name) for name in ("transitions", "start", "end")}
+                        if "transitions" in handle.keys() else None)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path} is damaged ({error}): delete it and run label_corpus again to relabel "
+                             "its sentences") from None
+        S = end_id - first_id
+        tokens = self.offsets[-1] if len(self.offsets) == S + 1 else None
+        consistent = (
+            ids.tolist() == list(range(first_id, end_id)) and tokens is not None
+            and tokens == int(header.get("num_tokens", -1)) and tuple(self.paths.shape) == (k * tokens,)
+            and all(tuple(t.shape) == shape for t, shape in ((self.log_probs, (S, k)), (self.scores, (S, k)),
+                                                              (self.log_z, (S,))))
+            and all(tuple(part.get_shape())[:1] == (tokens,) for part in (self.marginals, self.emissions, self.hidden)
+                    if part is not None))
+        if not consistent:
+            raise ValueError(f"{path} does not hold sentences [{first_id}, {end_id}) consistently (its arrays "
+                             "disagree in size); the cache is damaged: delete the file and run label_corpus again")
         self.first_id, self.k = first_id, k
 
     def record(self, sentence_id: int) -> CachedLabels:
@@ -774,7 +837,9 @@ class TeacherLabelCache:
     len(cache), cache[sentence_id] -> CachedLabels, iteration in id order; a map-style dataset
     for torch.utils.data.DataLoader with ``collate_fn=TeacherLabelCache.collate``.
     ``allow_incomplete=True`` opens a cache whose labelling has not finished (sentences of
-    missing shards raise KeyError).
+    missing shards raise KeyError). Each shard is checked when it is opened: one copied from
+    another labelling run raises CacheMismatchError, a damaged or truncated one ValueError, both
+    naming the file.
     """
 
     def __init__(self, directory: str, *, max_open_shards: int = 8, allow_incomplete: bool = False):
@@ -819,7 +884,8 @@ class TeacherLabelCache:
         if name is None:
             raise KeyError(f"shard {index} of {self.directory} has not been labelled yet")
         first = index * self.shard_size
-        shard = _Shard(os.path.join(self.directory, name), self.k, first, min(len(self), first + self.shard_size))
+        shard = _Shard(os.path.join(self.directory, name), self.manifest, index, first,
+                       min(len(self), first + self.shard_size))
         self._open[index] = shard
         while len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)

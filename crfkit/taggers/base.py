@@ -18,14 +18,17 @@ Loading reads JSON and safetensors only: nothing is unpickled.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
+from .._files import read_json
 from .._validation import check_int
 from ..constraints import allowed_transitions
 from ..functional import KBest
@@ -54,6 +57,12 @@ def _check_token_lists(token_lists) -> list[list[str]]:
                 raise ValueError(f"token_lists[{i}] holds {word!r}; every word must be a non-empty str")
         checked.append(list(tokens))
     return checked
+
+
+def sentence_preview(tokens: Sequence[str], words: int = 8) -> str:
+    """The first words of a sentence, quoted, for error messages."""
+    text = " ".join(tokens[:words]) + (" ..." if len(tokens) > words else "")
+    return repr(text if len(text) <= 100 else text[:100] + "...")
 
 
 class CRFTagger(nn.Module):
@@ -167,7 +176,8 @@ class CRFTagger(nn.Module):
     @torch.no_grad()
     def predict(self, token_lists: Sequence[Sequence[str]], batch_size: int = 32) -> list[list[str]]:
         """Tag sentences: a list of word lists -> a list of tag-name lists (same lengths).
-        Runs in eval mode on the tagger's device, batch_size sentences at a time."""
+        Runs in eval mode on the tagger's device, batch_size sentences at a time. A sentence that
+        no tag sequence is allowed for (every path scores -inf) is a ValueError naming it."""
         sentences = _check_token_lists(token_lists)
         check_int("batch_size", batch_size, minimum=1, type_error=ValueError)
         was_training = self.training
@@ -180,6 +190,11 @@ class CRFTagger(nn.Module):
                 batch = {name: t.to(device) for name, t in self.featurize(chunk).items()}
                 paths = self.decode(batch).tolist()
                 for tokens, path in zip(chunk, paths):
+                    if tokens and path[0] < 0:  # Viterbi's -1: no sequence has a finite score
+                        raise ValueError(
+                            f"predict: sentence {len(tagged)} ({sentence_preview(tokens)}) has no tag sequence that "
+                            "the CRF allows: every sequence scores -inf (-inf emissions rule out each sequence that "
+                            "the transition constraints leave)")
                     tagged.append([self.labels[t] for t in path[:len(tokens)]])
         finally:
             self.train(was_training)
@@ -212,21 +227,14 @@ class CRFTagger(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str, device: Optional[torch.device] = None) -> "CRFTagger":
         """Load a tagger saved by save_pretrained (of this class, or any tagger class when called
-        on CRFTagger / through crfkit.taggers.load_tagger). Returns it in eval mode."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_model
+        on CRFTagger / through crfkit.taggers.load_tagger). Returns it in eval mode.
 
-        path = os.path.join(os.fspath(directory), CONFIG_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} does not exist: {directory!r} is not a saved crfkit tagger")
-        with open(path) as f:
-            try:
-                record = json.load(f)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path} is not a crfkit tagger config (not JSON: {error})") from None
-        if not isinstance(record, dict) or record.get("format") != TAGGER_FORMAT:
-            found = record.get("format") if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{path} is not a crfkit tagger config (format {found!r})")
+        A folder that is not a whole, consistent saved tagger (a damaged or hand-edited
+        config.json, another tagger's weights, a missing encoder/ or vocab.json) raises
+        FileNotFoundError or ValueError naming the file and what is wrong with it."""
+        directory = os.fspath(directory)
+        path = os.path.join(directory, CONFIG_NAME)
+        record = _read_tagger_config(path, directory)
         target = _REGISTRY.get(record["tagger"])
         if target is None:
             raise ValueError(f"{path} names an unknown tagger class {record['tagger']!r}; known: {sorted(_REGISTRY)}")
@@ -234,15 +242,71 @@ class CRFTagger(nn.Module):
             raise ValueError(f"{directory!r} holds a {record['tagger']}, not a {cls.__name__}")
         config = dict(record["config"])
         config["scheme"] = record["scheme"]
-        tagger = target.build_from_saved(os.fspath(directory), record["labels"], config)
-        weights = os.path.join(os.fspath(directory), WEIGHTS_NAME)
+        accepted = {name for name, parameter in inspect.signature(target).parameters.items()
+                    if parameter.kind is not inspect.Parameter.VAR_KEYWORD and not name.startswith("_")}
+        unknown = sorted(set(config) - accepted)
+        if unknown:
+            raise ValueError(f"{path}: 'config' holds arguments that {record['tagger']} does not take: {unknown} "
+                             "(written by another crfkit version, or edited by hand)")
+        weights = os.path.join(directory, WEIGHTS_NAME)
         if not os.path.isfile(weights):
             raise FileNotFoundError(f"{weights} does not exist: the tagger in {directory!r} has no weights")
         try:
-            load_model(tagger, weights, strict=True, device=str(device or "cpu"))
-        except SafetensorError as error:  # a truncated or overwritten file
-            raise ValueError(f"{weights} is not a readable safetensors file: {error}") from None
+            tagger = target.build_from_saved(directory, record["labels"], config)
+        except (TypeError, ValueError, KeyError) as error:
+            message = error.args[0] if isinstance(error, KeyError) and error.args else error
+            raise ValueError(f"{path} describes a {record['tagger']} that cannot be built: {message}") from None
+        _load_weights(tagger, weights, path, device)
         return tagger.eval()
+
+
+def _read_tagger_config(path: str, directory: str) -> dict[str, Any]:
+    """config.json, checked for the fields loading needs (ValueError naming the file if not)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: {directory!r} is not a saved crfkit tagger")
+    record = read_json(path, "a crfkit tagger config")
+    if not isinstance(record, dict) or record.get("format") != TAGGER_FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{path} is not a crfkit tagger config (format {found!r})")
+    labels = record.get("labels")
+    if (not isinstance(labels, list) or not labels or not all(isinstance(label, str) and label for label in labels)):
+        raise ValueError(f"{path}: 'labels' must be the non-empty list of tag names, got {reprlib.repr(labels)}")
+    expected = (("tagger", str, "the tagger class's name"), ("config", dict, "the constructor arguments"))
+    for key, kind, what in expected:
+        if not isinstance(record.get(key), kind):
+            raise ValueError(f"{path}: {key!r} must be {what} (a JSON {'string' if kind is str else 'object'}), "
+                             f"got {reprlib.repr(record.get(key))}")
+    if "scheme" not in record or not isinstance(record["scheme"], (str, type(None))):
+        raise ValueError(f"{path}: 'scheme' must be a tagging scheme name or null, got "
+                         f"{reprlib.repr(record.get('scheme', '(missing)'))}")
+    return record
+
+
+def _load_weights(tagger: nn.Module, weights: str, config_path: str, device: Optional[torch.device]) -> None:
+    """model.safetensors into tagger, strictly; a file that does not fit the tagger config.json
+    describes (another tagger's, or a config with another label list) is a ValueError naming both."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_model
+
+    try:
+        with safe_open(weights, framework="pt") as f:
+            saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError) as error:  # a truncated or overwritten file
+        raise ValueError(f"{weights} is not a readable safetensors file: {error}") from None
+    expected = {name: tuple(t.shape) for name, t in tagger.state_dict().items()}
+    differences = [f"{name} is {saved[name]} in the file, {shape} in the tagger"
+                   for name, shape in expected.items() if name in saved and saved[name] != shape]
+    differences += [f"{name} is not in the file" for name in expected if name not in saved]
+    differences += [f"{name} is in the file but not in the tagger" for name in saved if name not in expected]
+    # save_model drops the aliases of shared tensors, so an absent name may still load: let
+    # load_model decide, and explain its refusal with the differences found above.
+    try:
+        load_model(tagger, weights, strict=True, device=str(device or "cpu"))
+    except (RuntimeError, SafetensorError) as error:
+        shown = differences[:3] + ([f"{len(differences) - 3} more"] if len(differences) > 3 else [])
+        detail = "; ".join(shown) if shown else str(error).splitlines()[0]
+        raise ValueError(f"{weights} does not hold the weights of the tagger {config_path} describes "
+                         f"({len(tagger.labels)} labels): {detail}") from None
 
 
 def load_tagger(directory: str, device: Optional[torch.device] = None) -> CRFTagger:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from .._files import read_json
 from .._validation import check_int, check_number
 from ..data import Vocabulary
 from .base import CRFTagger, _check_token_lists
@@ -215,6 +216,16 @@ class BiLSTMCRFTagger(CRFTagger):
 
     @classmethod
     def build_from_saved(cls, directory: str, labels: list[str], config: dict[str, Any]) -> "BiLSTMCRFTagger":
-        with open(os.path.join(directory, VOCAB_NAME)) as f:
-            vocab = json.load(f)
-        return cls(labels, vocab["words"], chars=vocab.get("chars"), **config)
+        path = os.path.join(directory, VOCAB_NAME)
+        vocab = read_json(path, "a saved BiLSTMCRFTagger's vocabulary")
+        chars = vocab.get("chars") if isinstance(vocab, dict) else None
+        if (not isinstance(vocab, dict) or not isinstance(vocab.get("words"), list)
+                or not all(isinstance(w, str) for w in vocab["words"] + (chars or []))
+                or not isinstance(chars, (list, type(None)))):
+            raise ValueError(f"{path} must be a JSON object with 'words' (and, with char_cnn, 'chars'): lists of str")
+        if config.get("char_cnn") and chars is None:
+            raise ValueError(f"{path} has no 'chars' but the tagger has a character CNN (char_cnn = true)")
+        for name, items in (("words", vocab["words"]), ("chars", chars)):
+            if items is not None and items[:2] != [PAD, UNK]:
+                raise ValueError(f"{path}: {name!r} must start with {PAD!r}, {UNK!r}, got {items[:2]}")
+        return cls(labels, vocab["words"], chars=chars, **config)

@@ -31,6 +31,7 @@ __all__ = ["TransformerCRFTagger"]
 
 ENCODER_DIR = "encoder"
 _LAYER = re.compile(r"(?:^|\.)layer\.(\d+)\.")
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 class TransformerCRFTagger(CRFTagger):
@@ -80,7 +81,9 @@ class TransformerCRFTagger(CRFTagger):
     def featurize(self, token_lists: Sequence[Sequence[str]]) -> dict[str, Tensor]:
         """B sentences -> input_ids / attention_mask (B, P), word_index (B, P) (the word of each
         piece, -1 for none), casing (B, L), lengths (B,)."""
-        sentences = _check_token_lists(token_lists)
+        # A lone surrogate (what Python's surrogateescape gives for a byte that is not UTF-8) is
+        # not text the tokenizer accepts: it becomes U+FFFD, the replacement character.
+        sentences = [[_SURROGATES.sub("\ufffd", word) for word in tokens] for tokens in _check_token_lists(token_lists)]
         encoded = self.tokenizer(sentences, is_split_into_words=True, truncation=True, max_length=self.max_pieces,
                                  padding=True, return_tensors="pt")
         lengths = torch.tensor([len(s) for s in sentences], dtype=torch.long)
@@ -181,7 +184,15 @@ class TransformerCRFTagger(CRFTagger):
     def build_from_saved(cls, directory: str, labels: list[str], config: dict[str, Any]) -> "TransformerCRFTagger":
         config = dict(config)
         config["num_layers"] = None  # the saved encoder config already has the kept layers
-        return cls(labels, **config, _saved_encoder=os.path.join(directory, ENCODER_DIR))
+        encoder = os.path.join(directory, ENCODER_DIR)
+        if not os.path.isfile(os.path.join(encoder, "config.json")):
+            raise FileNotFoundError(f"{os.path.join(encoder, 'config.json')} does not exist: a saved "
+                                    f"TransformerCRFTagger keeps its tokenizer and encoder configuration in "
+                                    f"{ENCODER_DIR}/ (copy the whole folder {directory!r})")
+        try:
+            return cls(labels, **config, _saved_encoder=encoder)
+        except OSError as error:  # transformers: a tokenizer file missing or unreadable in encoder/
+            raise ValueError(f"{encoder} holds no usable tokenizer / encoder configuration: {error}") from None
 
 
 def _load_encoder(transformers, path: str, config) -> nn.Module:

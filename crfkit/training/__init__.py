@@ -9,12 +9,12 @@ distillation from a teacher's labels (crfkit.distill losses, named by configurat
 
 Needs transformers and accelerate (pip install transformers accelerate) and seqeval.
 """
-from .data import TaggingCollator, tagging_items
+from .data import TaggingCollator, check_gold_tags, tagging_items
 from .metrics import entity_scores, make_compute_metrics
 from .objectives import LOSSES, VARIANTS, WEIGHTINGS, ObjectiveConfig, TaggingObjective, Variant
 from .trainer import (RunClock, TaggerTrainer, TaggerTrainingArguments, fit_tagger, fit_tagger_gradually,
                       init_distributed)
 
 __all__ = ["LOSSES", "ObjectiveConfig", "RunClock", "TaggerTrainer", "TaggerTrainingArguments", "TaggingCollator",
-           "TaggingObjective", "VARIANTS", "Variant", "WEIGHTINGS", "entity_scores", "fit_tagger",
+           "TaggingObjective", "VARIANTS", "Variant", "WEIGHTINGS", "check_gold_tags", "entity_scores", "fit_tagger",
            "fit_tagger_gradually", "init_distributed", "make_compute_metrics", "tagging_items"]

@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from .._distributed import is_main_process
+from .._files import atomic_write, ensure_writable_directory
 from .._validation import check_int, check_number
 from ..taggers.encoders import require
-from .data import IGNORE_INDEX, TaggingCollator
+from .data import IGNORE_INDEX, TaggingCollator, check_gold_tags
 from .metrics import make_compute_metrics
 from .objectives import ObjectiveConfig, TaggingObjective
 
@@ -97,9 +98,7 @@ class RunClock(transformers.TrainerCallback):
         if not is_main_process():
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path + ".tmp", "w") as f:
-            json.dump({"seconds": round(self.seconds(), 1)}, f)
-        os.replace(self.path + ".tmp", self.path)
+        atomic_write(self.path, json.dumps({"seconds": round(self.seconds(), 1)}).encode())
 
     def on_save(self, args, state, control, **kwargs):
         self.save()
@@ -164,12 +163,18 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
     hidden_projection.safetensors. With the hidden loss alone, selection and early stopping use
     the validation loss instead of F1, so dev_items need cache ids (the teacher labels the
     validation text too; its gold tags are not used).
+    Checked before training starts: output_dir can be written (PermissionError,
+    NotADirectoryError), and every gold sentence's tags are the tagger's labels in a sequence its
+    CRF allows (ValueError naming the item; crfkit.training.check_gold_tags).
     Returns the trainer, its model holding the best weights (trainer.model.tagger).
     """
     train_items, dev_items = list(train_items), list(dev_items)
     for name, items, use in (("train_items", train_items, "train on"), ("dev_items", dev_items, "select on")):
         if not items:
             raise ValueError(f"{name} is empty: fit_tagger needs at least one sentence to {use}")
+    ensure_writable_directory(args.output_dir, "output_dir")  # now, not at the first checkpoint
+    check_gold_tags(train_items, tagger, "train_items")
+    check_gold_tags(dev_items, tagger, "dev_items")
     if args.eval_strategy == "no" or args.save_strategy != args.eval_strategy:
         raise ValueError("fit_tagger selects the best model on validation: give eval_strategy and save_strategy "
                          f"the same value (got {args.eval_strategy!r} and {args.save_strategy!r})")
