@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from crfkit import data
-    from crfkit.pipeline import machine_description
+    from crfkit.tool.records import machine_description
     from crfkit.taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger
 
     labels = list(data.CONLL2003_TAGS)

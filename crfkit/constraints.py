@@ -73,6 +73,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 import operator
+from typing import Optional
 
 import torch
 
@@ -265,6 +266,24 @@ class Constraints:
         Raises:
             ValueError: a tag index is outside ``[0, T)``.
         """
+        return self.violation(tags) is None
+
+    def violation(self, tags: Sequence[int]) -> Optional[str]:
+        """Why a tag sequence is not allowed, or None when it is.
+
+        Args:
+            tags: ``(L,)`` indices into :attr:`labels` (a sequence of ints or a
+                1-D integer tensor).
+
+        Returns:
+            The first rule the sequence breaks, in words and 0-based word
+            positions, e.g. ``"tag 'I-ORG' of word 1 may not follow 'O'"`` or
+            ``"its first tag 'I-ORG' may not start a sentence"``; None for an
+            allowed sequence (the empty one included).
+
+        Raises:
+            ValueError: a tag index is outside ``[0, T)``.
+        """
         if isinstance(tags, torch.Tensor):
             tags = tags.reshape(-1).tolist()
         idx = [operator.index(t) for t in tags]
@@ -273,11 +292,17 @@ class Constraints:
             if not 0 <= t < n:
                 raise ValueError(f"tags: index {t} out of range for {n} labels")
         if not idx:
-            return True
+            return None
+        names = self.labels
+        if not bool(self.start[idx[0]]):
+            return f"its first tag {names[idx[0]]!r} may not start a sentence"
         allowed = self.transitions.tolist()
-        if not bool(self.start[idx[0]]) or not bool(self.end[idx[-1]]):
-            return False
-        return all(allowed[a][b] for a, b in zip(idx, idx[1:]))
+        for i in range(1, len(idx)):
+            if not allowed[idx[i - 1]][idx[i]]:
+                return f"tag {names[idx[i]]!r} of word {i} may not follow {names[idx[i - 1]]!r}"
+        if not bool(self.end[idx[-1]]):
+            return f"its last tag {names[idx[-1]]!r} may not end a sentence"
+        return None
 
 
 def allowed_transitions(labels: Sequence[str], scheme: str = "BIO") -> Constraints:

@@ -16,11 +16,12 @@ licensed for research use only).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ._validation import check_choice, check_int
@@ -30,16 +31,24 @@ __all__ = [
     "CONLL2003_TAGS",
     "Sentence",
     "Vocabulary",
+    "TAGGING_FORMATS",
+    "check_scheme",
     "conll2003_path",
+    "infer_labels",
+    "infer_scheme",
     "iob1_to_bio",
     "load_conll2003",
     "load_news_sentences",
     "news_text_path",
     "read_conll",
+    "read_jsonl",
+    "read_tagging_file",
+    "read_unlabelled_text",
     "tokenize_text",
 ]
 
 CONLL2003_SPLITS = ("train", "valid", "test")
+TAGGING_FORMATS = ("conll", "jsonl")
 
 # The 9 BIO tags of CoNLL-2003, "O" first so that index 0 is the outside tag.
 CONLL2003_TAGS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
@@ -54,13 +63,16 @@ class Sentence:
 
     tokens: (n,) words; pos: (n,) part-of-speech tags; chunk: (n,) syntactic chunk tags;
     tags: (n,) the labels to predict (NER tags for CoNLL-2003). len(sentence) is n. Frozen, so
-    sentences can be compared, hashed and shared safely.
+    sentences can be compared, hashed and shared safely. source: "path:line" where a reader
+    found it (ignored by comparison and hashing).
     """
 
     tokens: tuple[str, ...]
     pos: Optional[tuple[str, ...]] = None
     chunk: Optional[tuple[str, ...]] = None
     tags: Optional[tuple[str, ...]] = None
+    # "path:line" of the sentence's first line, for error messages (not part of its value)
+    source: Optional[str] = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:  # the number of words, not the number of fields
         return len(self.tokens)
@@ -130,43 +142,35 @@ def read_conll(
 
     sentences: list[Sentence] = []
     current: list[list[str]] = []
+    first_line = 0
 
     def finish() -> None:
         if current:
             # Transpose the rows of one sentence into one tuple per field.
             fields = {name: tuple(row[index] for row in current) for index, name in kept}
-            sentences.append(Sentence(**fields))
+            sentences.append(Sentence(**fields, source=f"{path}:{first_line}"))
             current.clear()
 
-    # Read bytes and decode line by line, so that an undecodable byte is reported with its file
-    # and line (a text-mode file raises from inside a read-ahead buffer, with neither).
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if max_sentences is not None and len(sentences) >= max_sentences:
-                break
-            try:
-                line = raw.decode(encoding)
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not {encoding} text ({error.reason} at byte "
-                                 f"{error.start} of the line); pass read_conll(..., encoding=...) with the "
-                                 "file's encoding, e.g. 'latin-1'") from None
-            if line_number == 1:
-                line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the first word
-            if not line.strip():
-                finish()
-                continue
-            parts = line.rstrip("\r\n").split(separator)
-            if parts[0] == "-DOCSTART-":
-                finish()
-                continue
-            if len(parts) != len(columns):
-                raise ValueError(
-                    f"{path}:{line_number}: expected {len(columns)} columns {columns}, "
-                    f"got {len(parts)}: {_quote_prefix(line.rstrip())}"
-                )
-            current.append(parts)
-        if max_sentences is None or len(sentences) < max_sentences:
+    for line_number, line in _decoded_lines(path, encoding):
+        if max_sentences is not None and len(sentences) >= max_sentences:
+            break
+        if not line.strip():
             finish()
+            continue
+        parts = line.rstrip("\r\n").split(separator)
+        if parts[0] == "-DOCSTART-":
+            finish()
+            continue
+        if len(parts) != len(columns):
+            raise ValueError(
+                f"{path}:{line_number}: expected {len(columns)} columns {columns}, "
+                f"got {len(parts)}: {_quote_prefix(line.rstrip())}"
+            )
+        if not current:
+            first_line = line_number
+        current.append(parts)
+    if max_sentences is None or len(sentences) < max_sentences:
+        finish()
     return sentences
 
 
@@ -175,6 +179,180 @@ def _quote_prefix(text: str, limit: int = 120) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+def _decoded_lines(path, encoding: str = "utf-8", errors: str = "strict"):
+    """(line number, text) of each line of a file read as bytes, so that an undecodable byte is
+    reported with its file and line (a text-mode file raises from inside a read-ahead buffer)."""
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode(encoding, errors)
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not {encoding} text ({error.reason} at byte {error.start} "
+                                 "of the line); pass the file's encoding (encoding=..., e.g. 'latin-1')") from None
+            yield line_number, (line.removeprefix("\ufeff") if line_number == 1 else line)
+
+
+def read_jsonl(path: str | os.PathLike, *, tokens_key: str = "tokens", tags_key: str = "tags",
+               max_sentences: Optional[int] = None) -> list[Sentence]:
+    """Read a JSON-lines file, one sentence per line: ``{"tokens": [...], "tags": [...]}`` (the
+    token-classification layout of Hugging Face datasets, with tag names; other keys are ignored).
+    A line without ``tags_key`` gives a sentence with tags None (unlabelled). Blank lines are
+    skipped. A line that is not such an object, an empty sentence, a token that is not a non-empty
+    str, a tag that is not a str (ids: map them to names first) or a tag count that differs from
+    the token count is a ValueError naming the file and line."""
+    check_int("max_sentences", max_sentences, minimum=0, optional=True, type_error=ValueError)
+    sentences: list[Sentence] = []
+    for line_number, line in _decoded_lines(path):
+        if max_sentences is not None and len(sentences) >= max_sentences:
+            break
+        if not line.strip():
+            continue
+        where = f"{path}:{line_number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not JSON ({error.msg} at column {error.colno}): {_quote_prefix(line.strip())}"
+                             ) from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object with {tokens_key!r} and {tags_key!r}, got "
+                             f"{_quote_prefix(line.strip())}")
+        tokens = record.get(tokens_key)
+        if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
+            raise ValueError(f"{where}: {tokens_key!r} must be a list of non-empty strings, got "
+                             f"{_quote_prefix(repr(tokens), 80)}")
+        if not tokens:
+            raise ValueError(f"{where}: an empty sentence (no tokens)")
+        tags = record.get(tags_key)
+        if tags is not None:
+            if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
+                raise ValueError(f"{where}: {tags_key!r} must be a list of tag names (strings; map tag ids to "
+                                 f"names first), got {_quote_prefix(repr(tags), 80)}")
+            if len(tags) != len(tokens):
+                raise ValueError(f"{where}: {len(tokens)} tokens but {len(tags)} tags")
+            tags = tuple(tags)
+        sentences.append(Sentence(tuple(tokens), tags=tags, source=where))
+    return sentences
+
+
+def read_tagging_file(path: str | os.PathLike, *, file_format: str = "auto", tag_column: int = -1,
+                      encoding: str = "utf-8", max_sentences: Optional[int] = None) -> list[Sentence]:
+    """A tagged file in CoNLL column format or JSON lines -> Sentences with tokens and tags.
+
+    file_format: "conll", "jsonl", or "auto" (".json" / ".jsonl" files are JSON lines, others CoNLL).
+    tag_column: CoNLL only: the column holding the tags (0-based; negative counts from the end, -1 is
+        the last); the tokens are column 0 and the other columns are ignored. Every non-blank line
+        must have the first line's number of columns. encoding: CoNLL only (JSON lines are UTF-8).
+    """
+    check_choice("file_format", file_format, ("auto", *TAGGING_FORMATS))
+    check_int("tag_column", tag_column, type_error=ValueError)
+    if file_format == "auto":
+        file_format = "jsonl" if os.fspath(path).lower().endswith((".json", ".jsonl")) else "conll"
+    if file_format == "jsonl":
+        return read_jsonl(path, max_sentences=max_sentences)
+    width = None
+    for line_number, line in _decoded_lines(path, encoding):
+        parts = line.split()
+        if parts and parts[0] != "-DOCSTART-":
+            width = len(parts)
+            break
+    if width is None:
+        return []
+    column = tag_column + width if tag_column < 0 else tag_column
+    if not 1 <= column < width:
+        raise ValueError(f"tag_column = {tag_column}: {path}:{line_number} has {width} column(s); the tags must be "
+                         f"one of columns 1 .. {width - 1} (column 0 holds the tokens)")
+    columns = ["tokens"] + [None] * (width - 1)
+    columns[column] = "tags"
+    return read_conll(path, columns, encoding=encoding, max_sentences=max_sentences)
+
+
+def read_unlabelled_text(path: str | os.PathLike, *, pretokenized: bool = False,
+                         max_sentences: Optional[int] = None) -> list[tuple[str, ...]]:
+    """Unlabelled text for a DA pool: one sentence or paragraph per line, split into sentences and
+    words by tokenize_text (pretokenized=True: one sentence per line, words separated by
+    whitespace). Blank lines are skipped; bytes that are not UTF-8 become U+FFFD (raw text from
+    the web often has a few, and one should not stop a labelling run)."""
+    check_int("max_sentences", max_sentences, minimum=0, optional=True, type_error=ValueError)
+    sentences: list[tuple[str, ...]] = []
+    for _, line in _decoded_lines(path, errors="replace"):
+        if max_sentences is not None and len(sentences) >= max_sentences:
+            break
+        if pretokenized:
+            words = tuple(line.split())
+            if words:
+                sentences.append(words)
+        else:
+            sentences.extend(tokenize_text(line))
+    return sentences[:max_sentences] if max_sentences is not None else sentences
+
+
+_PREFIX_ORDER = {"B": 0, "I": 1, "M": 2, "E": 3, "S": 4}
+
+
+def infer_labels(*splits: Iterable[Sentence]) -> tuple[str, ...]:
+    """The tag names found in the splits' tags, "O" first, then by entity type and, within a type,
+    in the order B, I, M, E, S: the same data always gives the same label list."""
+    found = {tag for sentences in splits for sentence in sentences if sentence.tags for tag in sentence.tags}
+
+    def key(label: str):
+        prefix, _, kind = label.partition("-")
+        if label == "O":
+            return (0, "", 0, "")
+        return (1, kind, _PREFIX_ORDER.get(prefix, 9), label) if kind else (1, label, 9, label)
+
+    return tuple(sorted(found, key=key))
+
+
+def check_scheme(sentences: Iterable[Sentence], labels: Sequence[str], scheme: str) -> None:
+    """Every tagged sentence follows scheme (crfkit.constraints.allowed_transitions(labels, scheme)):
+    a ValueError naming the sentence's file and line (Sentence.source), its first words and the
+    rule broken otherwise. A label that the scheme cannot have (a prefix it lacks) is a ValueError."""
+    from .constraints import allowed_transitions
+
+    rules = allowed_transitions(list(labels), scheme)
+    index = {label: i for i, label in enumerate(labels)}
+    for number, sentence in enumerate(sentences):
+        if not sentence.tags:
+            continue
+        unknown = [tag for tag in sentence.tags if tag not in index]
+        problem = (f"tag {unknown[0]!r} is not in the label list" if unknown
+                   else rules.violation([index[tag] for tag in sentence.tags]))
+        if problem is not None:
+            where = sentence.source or f"sentence {number}"
+            words = " ".join(sentence.tokens[:8]) + (" ..." if len(sentence) > 8 else "")
+            raise ValueError(f"{where}: {problem} under the {rules.scheme} scheme (sentence {words!r})")
+
+
+def infer_scheme(labels: Sequence[str], *splits: Iterable[Sentence]) -> str:
+    """The tagging scheme of labelled data: "BIOES" or "BMES" from the prefixes of labels; for B- /
+    I- labels "BIO" when every sentence of the splits is valid BIO, else "IOB1" when every one is
+    valid IOB1. Every sentence is checked against the scheme found: the first that breaks it (BIO
+    for B- / I- labels) is a ValueError naming its file and line.
+    Labels without a B / I / M / E / S prefix (besides "O") fit no scheme: ValueError."""
+    prefixes = {label.partition("-")[0] for label in labels if label != "O"}
+    if any(not label.partition("-")[2] for label in labels if label != "O"):
+        raise ValueError(f"labels {sorted(label for label in labels if label != 'O' and '-' not in label)} have no "
+                         "B- / I- / E- / S- prefix: no tagging scheme fits; give the scheme as 'none' for an "
+                         "unconstrained CRF")
+    if prefixes <= {"B", "I"}:
+        for scheme in ("BIO", "IOB1"):
+            try:
+                for sentences in splits:
+                    check_scheme(sentences, labels, scheme)
+                return scheme
+            except ValueError as error:
+                if scheme == "BIO":
+                    first_error = error
+        raise first_error
+    for scheme, allowed in (("BIOES", {"B", "I", "E", "S"}), ("BMES", {"B", "M", "E", "S"})):
+        if prefixes <= allowed:
+            for sentences in splits:
+                check_scheme(sentences, labels, scheme)
+            return scheme
+    raise ValueError(f"the label prefixes {sorted(prefixes)} fit none of BIO, IOB1, BIOES, BMES; give the scheme "
+                     "as 'none' for an unconstrained CRF")
 
 
 def iob1_to_bio(tags: Sequence[str]) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ import torch
 import crfkit
 from crfkit import data, distill
 from crfkit._validation import cli_int
-from crfkit.pipeline import file_sha256, git_commit, machine_description
+from crfkit.tool.records import file_sha256, git_commit, machine_description
 from crfkit.taggers import load_tagger
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

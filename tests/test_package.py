@@ -25,6 +25,26 @@ def test_import_crfkit_loads_the_ops_only():
     assert not [m for m in modules if m.split(".")[0] in ("transformers", "accelerate", "seqeval", "numba")]
 
 
+def test_import_crfkit_needs_torch_alone():
+    """With every other package made missing (numpy, safetensors, tqdm, filelock, numba,
+    transformers, ...), `import crfkit` and an op work; the rest loads where it is used."""
+    code = (
+        "import importlib.abc, sys\n"
+        "class Missing(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('numpy', 'safetensors', 'tqdm', 'filelock', 'numba', 'transformers',\n"
+        "                                  'accelerate', 'seqeval', 'scipy', 'pyarrow'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "import warnings; warnings.simplefilter('ignore')\n"   # torch's own "Failed to initialize NumPy"
+        "import torch, crfkit\n"
+        "print(float(crfkit.log_partition(torch.zeros(1, 3, 2), torch.zeros(2, 2))[0]))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert abs(float(result.stdout.split()[-1]) - 3 * 0.6931471805599453) < 1e-5   # log 2 ** 3
+
+
 def test_upper_layers_load_on_first_use():
     modules = _modules_after("import crfkit\nassert crfkit.distill.label_corpus")
     assert "crfkit.distill" in modules and "crfkit.training" not in modules

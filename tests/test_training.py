@@ -238,7 +238,7 @@ def test_fit_tagger_refuses_gold_tags_its_scheme_forbids_before_training(tmp_pat
     iob1 = Sentence(("the", "EU", "commission"), tags=("O", "I-ORG", "I-ORG"))
     args = TaggerTrainingArguments(str(tmp_path / "run"), eval_strategy="epoch", save_strategy="epoch",
                                    report_to="none", use_cpu=True)
-    with pytest.raises(ValueError, match=r"^train_items\[1\] \('the EU commission'\): tag 'I-ORG' of word 1 \('EU'\) "
+    with pytest.raises(ValueError, match=r"^train_items\[1\] \('the EU commission'\): tag 'I-ORG' of word 1 "
                                          r"may not follow 'O' under the tagger's BIO scheme; if the data is IOB1 .*"
                                          r"crfkit\.data\.iob1_to_bio"):
         fit_tagger(tagger, tagging_items([good, iob1]), tagging_items([good]), args)
@@ -269,12 +269,12 @@ def test_fit_tagger_into_a_read_only_folder_fails_before_training(tmp_path, monk
     """It used to train until its first checkpoint (hours at full size) before PermissionError."""
     from crfkit.data import Sentence
     from crfkit.taggers import BiLSTMCRFTagger
-    from crfkit.training import TaggerTrainer, TaggerTrainingArguments, fit_tagger, tagging_items
+    from crfkit.training import DistillationTrainer, TaggerTrainingArguments, fit_tagger, tagging_items
 
     def no_training(*args, **kwargs):
         raise AssertionError("fit_tagger started training")
 
-    monkeypatch.setattr(TaggerTrainer, "train", no_training)
+    monkeypatch.setattr(DistillationTrainer, "train", no_training)
     tagger = BiLSTMCRFTagger(LABELS, ["<pad>", "<unk>", "eu"], embedding_dim=4, hidden_size=4)
     items = tagging_items([Sentence(("EU", "rejects"), tags=("B-ORG", "O"))])
     read_only = tmp_path / "read-only"
@@ -393,6 +393,79 @@ def test_objective_values(cache, slice_):
     torch.testing.assert_close(out["loss"].detach(), theta * out["loss_kbest_ce"] + (1 - theta) * out["loss_hard"])
 
 
+def _methods_sections():
+    """{section number: its text} of docs/METHODS.md ("2.2", "3", ...)."""
+    with open(os.path.join(ROOT, "docs", "METHODS.md")) as f:
+        lines = f.read().splitlines()
+    sections, number = {}, None
+    for line in lines:
+        heading = re.match(r"#{2,} (\d+(?:\.\d+)*)\.? ", line)
+        if heading:
+            number = heading.group(1)
+            sections[number] = ""
+        elif number is not None:
+            sections[number] += line + "\n"
+    return sections
+
+
+def test_every_registered_loss_names_an_equation_of_methods():
+    from crfkit.training import LOSS_TERMS, LOSSES
+
+    assert tuple(LOSS_TERMS) == LOSSES == ("hard", "fuzzy", "kbest_ce", "token_em", "token_pos", "exact_kl",
+                                           "logit_mse", "hidden")
+    sections = _methods_sections()
+    assert {"2.2", "2.4", "3", "5.2"} <= set(sections)   # not vacuous: the reader finds the sections
+    for name, term in LOSS_TERMS.items():
+        assert term.name == name
+        section, symbol = term.equation.split(" ", 1)
+        assert section in sections, f"{name}: docs/METHODS.md has no section {section}"
+        assert f"`{symbol} = " in sections[section], f"{name}: section {section} states no equation {symbol} = ..."
+
+
+def test_objective_needs_come_from_the_registry():
+    """ObjectiveConfig's properties for every combination of losses, as the losses' needs say."""
+    import itertools
+
+    from crfkit.training import LOSSES, ObjectiveConfig
+
+    kbest, teacher_crf = {"fuzzy", "kbest_ce"}, {"token_em", "token_pos", "exact_kl", "logit_mse"}
+    for size in range(1, len(LOSSES) + 1):
+        for losses in itertools.combinations(LOSSES, size):
+            config = ObjectiveConfig(losses, weighting="equal")
+            assert (config.needs_teacher, config.uses_kbest, config.needs_teacher_crf, config.needs_teacher_hidden,
+                    config.trains_emissions) == (losses != ("hard",), bool(kbest & set(losses)),
+                                                 bool(teacher_crf & set(losses)), "hidden" in losses,
+                                                 losses != ("hidden",)), losses
+    assert ObjectiveConfig(("hard", "fuzzy", "token_pos", "hidden")).teacher_fields == (
+        "teacher_paths", "teacher_log_probs", "teacher_emissions", "teacher_hidden")
+
+
+_KBEST_MISSING = "the teacher's k best (a TaggingCollator with a cache)"
+_EMISSIONS_MISSING = ("the teacher's emissions (a cache labelled with_emissions=True and a TaggingCollator with "
+                      "teacher_emissions=True)")
+
+
+@pytest.mark.parametrize("loss,missing", [
+    ("fuzzy", _KBEST_MISSING), ("kbest_ce", _KBEST_MISSING), ("token_em", _EMISSIONS_MISSING),
+    ("token_pos", _EMISSIONS_MISSING), ("exact_kl", _EMISSIONS_MISSING), ("logit_mse", _EMISSIONS_MISSING),
+    ("hidden", "the teacher's hidden states (a cache labelled with with_hidden=True and a TaggingCollator with "
+               "teacher_hidden=True)"),
+])
+def test_a_loss_without_its_teacher_field_says_what_gives_it(loss, missing):
+    from crfkit.data import Sentence
+    from crfkit.taggers import BiLSTMCRFTagger
+    from crfkit.training import ObjectiveConfig, TaggingCollator, TaggingObjective, tagging_items
+
+    tagger = BiLSTMCRFTagger(LABELS, ["<pad>", "<unk>", "eu"], embedding_dim=4, hidden_size=4)
+    T = len(LABELS)
+    objective = TaggingObjective(tagger, ObjectiveConfig(("hard", loss), weighting="equal"),
+                                 (torch.zeros(T, T), torch.zeros(T), torch.zeros(T)),
+                                 hidden_projection=distill.GeluProjectionLoss(8, 3))
+    batch = TaggingCollator(tagger)(tagging_items([Sentence(("EU", "rejects"), tags=("B-ORG", "O"))]))
+    with pytest.raises(ValueError, match=f"^{re.escape(f'loss {loss!r} needs {missing}')}$"):
+        objective(**batch)
+
+
 # --------------------------------------------------------------------------- fit_tagger
 @needs_data
 def test_fit_tagger_learns_and_saves(tmp_path, slice_):
@@ -422,6 +495,26 @@ def test_fit_tagger_learns_and_saves(tmp_path, slice_):
 
     with pytest.raises(ValueError, match="need a teacher-label cache"):
         fit_tagger(student, tagging_items(train), tagging_items(dev), args, objective=VARIANTS["te_seq"].objective)
+
+
+@needs_data
+def test_distillation_trainer_logs_each_term_and_tells_the_objective_its_step(tmp_path, cache, slice_):
+    from crfkit.training import (VARIANTS, DistillationTrainer, TaggerTrainer, TaggerTrainingArguments, fit_tagger,
+                                 tagging_items)
+
+    train, _ = slice_
+    args = TaggerTrainingArguments(str(tmp_path), max_steps=4, per_device_train_batch_size=8, learning_rate=1e-2,
+                                   eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4,
+                                   logging_steps=2, report_to="none", use_cpu=True, disable_tqdm=True)
+    trainer = fit_tagger(student_for(train), tagging_items(train), tagging_items(train[:8]), args,
+                         objective=VARIANTS["te_seq"].objective, cache=cache)
+    assert type(trainer) is DistillationTrainer and TaggerTrainer is DistillationTrainer
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in logged] == [2, 4]
+    terms = {f"{kind}_{name}" for kind in ("loss", "weight") for name in ("hard", "fuzzy", "kbest_ce")}
+    assert all(terms <= set(record) for record in logged)
+    assert logged[-1]["loss_kbest_ce"] == round(float(trainer.loss_terms["kbest_ce"]), 4)
+    assert trainer.model.progress == (3, 4)   # the adaptive weighting's step: the last batch trained was step 3 of 4
 
 
 @needs_data
@@ -628,7 +721,7 @@ def test_pipeline_refuses_a_workdir_it_cannot_write_before_any_stage(tmp_path, c
 
     (tmp_path / "a-file").write_text("")
     assert pipeline.main(["--workdir", str(tmp_path / "a-file")]) == 2
-    assert capsys.readouterr().err == (f"python -m crfkit.pipeline: error: argument --workdir "
+    assert capsys.readouterr().err == (f"python -m crfkit.pipeline: error: --workdir "
                                        f"'{tmp_path / 'a-file'}' is a file, not a directory\n")
     read_only = tmp_path / "read-only"
     read_only.mkdir()
@@ -638,7 +731,7 @@ def test_pipeline_refuses_a_workdir_it_cannot_write_before_any_stage(tmp_path, c
     finally:
         undo()
     err = capsys.readouterr().err
-    assert err.startswith(f"python -m crfkit.pipeline: error: argument --workdir '{read_only / 'runs'}' is not a "
+    assert err.startswith(f"python -m crfkit.pipeline: error: --workdir '{read_only / 'runs'}' is not a "
                           "writable directory")
 
 
@@ -648,61 +741,31 @@ def test_pipeline_run_records_survive_a_kill_between_their_two_writes(tmp_path, 
     run's line for good (reruns skipped the run)."""
     import json
 
-    from crfkit import pipeline
+    from crfkit import _files
+    from crfkit.tool import records
 
-    args = pipeline.parse_args(["--workdir", str(tmp_path)])
     run = tmp_path / "students" / "vanilla-k5-seed0"
     run.mkdir(parents=True)
     record = {"run": "vanilla-k5-seed0", "variant": "vanilla", "test_f1": 80.5, "date": "2026-12-01T00:00:00"}
     (run / "result.json").write_text(json.dumps(record))          # killed before results.jsonl
     (tmp_path / "results.jsonl").write_text('{"run": "teacher", "test_f1": 90.1}\n{"run": "vanil')  # a cut line
-    assert pipeline._finished_record(args, str(run)) == record
-    assert pipeline._finished_record(args, str(run)) == record       # once only
+    assert records.finished_record(str(tmp_path), str(run)) == record
+    assert records.finished_record(str(tmp_path), str(run)) == record       # once only
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert lines[0] == '{"run": "teacher", "test_f1": 90.1}' and lines[1] == '{"run": "vanil'
     assert [json.loads(line) for line in lines[2:]] == [record]
+    assert records.read_results(str(tmp_path)) == [{"run": "teacher", "test_f1": 90.1}, record]
     (run / "result.json").write_text("")                            # an older crfkit, killed mid-write
-    assert pipeline._finished_record(args, str(run)) is None and not (run / "result.json").exists()
+    assert records.finished_record(str(tmp_path), str(run)) is None and not (run / "result.json").exists()
 
     def killed(*args, **kwargs):  # the process dies between writing the temporary file and renaming it
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
-        pipeline.atomic_write(str(run / "result.json"), json.dumps(record).encode())
+        records.write_result(str(tmp_path), str(run), record)
     assert os.listdir(run) == []                                    # no result.json, no temporary file
-
-
-def test_pipeline_label_stage_rejects_a_hidden_layer_the_teacher_lacks(monkeypatch):
-    """--teacher-hidden-layer is checked against the trained teacher's depth as soon as it is
-    loaded, with the option named (not an IndexError inside the labelling loop)."""
-    import types
-
-    from crfkit import pipeline
-
-    class SixLayerTeacher(torch.nn.Module):
-        num_layers = 6
-
-    monkeypatch.setattr(pipeline, "load_tagger", lambda directory: SixLayerTeacher())
-    args = pipeline.parse_args(["--runs", "te_da_stagewise", "--da-augment", "1", "--teacher-hidden-layer", "7"])
-    corpus = types.SimpleNamespace(transfer=[], dev=[], train=[], pool=[])
-    with pytest.raises(SystemExit, match=r"--teacher-hidden-layer 7: the teacher \(minilm\) has layers "
-                                         r"0 \(embeddings\) \.\. 6"):
-        pipeline.label_transfer_set(args, corpus, "unused", with_hidden=True)
-
-
-@needs_data
-@pytest.mark.skipif(importlib.util.find_spec("gensim") is None,
-                    reason="needs gensim: pip install --no-deps gensim==4.4.0")
-def test_pipeline_da_pool_is_news_then_augmentations():
-    from crfkit import data, pipeline
-
-    args = pipeline.parse_args(["--runs", "te_da", "--da-news", "--da-augment", "1", "--train-sentences", "20"])
-    corpus = pipeline.Corpus(args)
-    news = data.load_news_sentences()
-    assert corpus.pool[:len(news)] == news and len(corpus.pool) > len(news)
-    assert corpus.pool_description == {"news": len(news), "augment": 1}
-    assert corpus.transfer[:20] == [tuple(s.tokens) for s in corpus.train] and corpus.transfer[20:] == corpus.pool
+    assert _files.atomic_write is records.atomic_write
 
 
 @needs_data

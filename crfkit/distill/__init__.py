@@ -21,7 +21,8 @@ Modules:
                     multi-stage papers)
     weighting       uncertainty weighting (Kendall et al.) and fixed weights
     schedules       the adaptive-weight paper's adaptive theta_t, linear teacher annealing
-    unfreezing      the multi-stage paper's stage-wise training with gradual unfreezing
+    unfreezing      the multi-stage paper's gradual unfreezing schedule (trained by
+                    crfkit.training.fit_tagger_gradually)
     alignment       sub-word to word alignment of logits and hidden states
     augment         Tang et al.'s transfer-set augmentation for tagging
     embeddings      teacher embedding transfer and SVD reduction
@@ -53,7 +54,7 @@ from .structured import (
     token_kd,
     topk_loss,
 )
-from .unfreezing import Stage, UnfreezingRound, gradual_unfreezing, stagewise_training
+from .unfreezing import GradualUnfreezing
 from .weighting import FixedWeights, ScheduledWeights, UncertaintyWeighting
 
 __all__ = [
@@ -65,16 +66,15 @@ __all__ = [
     "CachedLabels",
     "FixedWeights",
     "GeluProjectionLoss",
+    "GradualUnfreezing",
     "HiddenStateMSE",
     "LinearAnnealing",
     "PosUnigrams",
     "ScheduledWeights",
-    "Stage",
     "TeacherLabelCache",
     "TeacherOutput",
     "TransferReport",
     "UncertaintyWeighting",
-    "UnfreezingRound",
     "adaptive_kd_loss",
     "adaptive_theta",
     "align_labels_to_pieces",
@@ -87,7 +87,6 @@ __all__ = [
     "crf_nll",
     "first_piece_mask",
     "fuzzy_loss",
-    "gradual_unfreezing",
     "hard_cross_entropy",
     "kbest_cross_entropy",
     "label_corpus",
@@ -97,7 +96,6 @@ __all__ = [
     "log1mexp",
     "logit_mse",
     "soft_cross_entropy",
-    "stagewise_training",
     "svd_reduce",
     "teacher_word_vectors",
     "token_kd",

@@ -11,10 +11,12 @@ Needs transformers and accelerate (pip install transformers accelerate) and seqe
 """
 from .data import TaggingCollator, check_gold_tags, tagging_items
 from .metrics import entity_scores, make_compute_metrics
-from .objectives import LOSSES, VARIANTS, WEIGHTINGS, ObjectiveConfig, TaggingObjective, Variant
-from .trainer import (RunClock, TaggerTrainer, TaggerTrainingArguments, fit_tagger, fit_tagger_gradually,
-                      init_distributed)
+from .objectives import (LOSS_TERMS, LOSSES, VARIANTS, WEIGHTINGS, LossTerm, ObjectiveConfig, StudentOutputs,
+                         TaggingObjective, Variant)
+from .trainer import (DistillationTrainer, RunClock, TaggerTrainer, TaggerTrainingArguments, fit_tagger,
+                      fit_tagger_gradually, init_distributed)
 
-__all__ = ["LOSSES", "ObjectiveConfig", "RunClock", "TaggerTrainer", "TaggerTrainingArguments", "TaggingCollator",
-           "TaggingObjective", "VARIANTS", "Variant", "WEIGHTINGS", "check_gold_tags", "entity_scores", "fit_tagger",
-           "fit_tagger_gradually", "init_distributed", "make_compute_metrics", "tagging_items"]
+__all__ = ["DistillationTrainer", "LOSSES", "LOSS_TERMS", "LossTerm", "ObjectiveConfig", "RunClock", "StudentOutputs",
+           "TaggerTrainer", "TaggerTrainingArguments", "TaggingCollator", "TaggingObjective", "VARIANTS", "Variant",
+           "WEIGHTINGS", "check_gold_tags", "entity_scores", "fit_tagger", "fit_tagger_gradually", "init_distributed",
+           "make_compute_metrics", "tagging_items"]

@@ -38,49 +38,33 @@ def tagging_items(sentences: Iterable, first_id: Optional[int] = 0, with_tags: b
 
 def check_gold_tags(items: Sequence[dict[str, Any]], tagger, name: str = "items") -> None:
     """Check that every item with gold tags has one per word, each a label of tagger, in a
-    sequence tagger's CRF allows (its constraints: first tag, transitions, last tag). A forbidden
-    sequence would train with a loss of +inf (no gradient, and the Trainer's logs skip it), so it
-    is a ValueError naming the item (name[i]), its first words and the offending tags. Items
-    without gold tags (None) are skipped."""
+    sequence its scheme allows (crfkit.constraints: first tag, transitions, last tag). A
+    forbidden sequence would train with a loss of +inf (no gradient, and the Trainer's logs skip
+    it), so it is a ValueError naming the item (name[i]), its first words and the offending tags.
+    Items without gold tags (None) are skipped."""
+    from ..constraints import allowed_transitions
     from ..taggers.base import sentence_preview
 
     index = {label: i for i, label in enumerate(tagger.labels)}
-    crf = tagger.crf
-    allowed = [None if mask is None else torch.isfinite(mask).tolist()
-               for mask in (crf.transition_mask, crf.start_mask, crf.end_mask)]
-    rules = f"the tagger's {tagger.scheme} scheme" if getattr(tagger, "scheme", None) else "the CRF's constraints"
+    scheme = getattr(tagger, "scheme", None)
+    rules = allowed_transitions(tagger.labels, scheme) if scheme is not None else None
     for position, item in enumerate(items):
-        if item["tags"] is None:
+        tags, tokens = item["tags"], item["tokens"]
+        if tags is None:
             continue
-        problem = _gold_problem(item["tokens"], item["tags"], index, *allowed)
+        if len(tags) != len(tokens):
+            problem = f"{len(tokens)} words but {len(tags)} tags"
+        else:
+            unknown = [tag for tag in tags if tag not in index]
+            problem = f"tag {unknown[0]!r} is not one of the tagger's labels {tagger.labels}" if unknown else None
+            if problem is None and rules is not None:
+                problem = rules.violation([index[tag] for tag in tags])
+                if problem is not None:
+                    problem += (f" under the tagger's {scheme} scheme; if the data is IOB1 (an entity may start "
+                                "with I-), convert it with crfkit.data.iob1_to_bio, or build the tagger with the "
+                                "data's scheme")
         if problem is not None:
-            if "may not" in problem:
-                problem += (f" under {rules}; if the data is IOB1 (an entity may start with I-), convert it with "
-                            "crfkit.data.iob1_to_bio, or build the tagger with the data's scheme")
-            raise ValueError(f"{name}[{position}] ({sentence_preview(list(item['tokens']))}): {problem}")
-
-
-def _gold_problem(tokens, tags, index, transitions, first, last) -> Optional[str]:
-    """What is wrong with one sentence's gold tags, or None. The masks are (T, T) / (T,) lists of
-    bools (True: allowed), or None where the CRF has no such constraint."""
-    if len(tags) != len(tokens):
-        return f"{len(tokens)} words but {len(tags)} tags"
-    ids = []
-    for tag in tags:
-        if tag not in index:
-            return f"tag {tag!r} is not one of the tagger's labels {list(index)}"
-        ids.append(index[tag])
-    if not ids:
-        return None
-    if first is not None and not first[ids[0]]:
-        return f"its first tag {tags[0]!r} may not start a sentence"
-    if transitions is not None:
-        for i in range(1, len(ids)):
-            if not transitions[ids[i - 1]][ids[i]]:
-                return f"tag {tags[i]!r} of word {i} ({tokens[i]!r}) may not follow {tags[i - 1]!r}"
-    if last is not None and not last[ids[-1]]:
-        return f"its last tag {tags[-1]!r} may not end a sentence"
-    return None
+            raise ValueError(f"{name}[{position}] ({sentence_preview(list(tokens))}): {problem}")
 
 
 class TaggingCollator:

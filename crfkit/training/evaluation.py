@@ -16,10 +16,10 @@ __all__ = ["evaluate_tagger", "tagging_throughput"]
 
 
 def evaluate_tagger(tagger, sentences: Sequence, batch_size: int = 64) -> dict[str, float]:
-    """Entity precision / recall / F1 (seqeval, strict IOB2) of tagger on sentences with gold tags
-    (crfkit.data.Sentence)."""
+    """Entity precision / recall / F1 (seqeval, strict, in the tagger's scheme) of tagger on
+    sentences with gold tags (crfkit.data.Sentence)."""
     predicted = tagger.predict([s.tokens for s in sentences], batch_size=batch_size)
-    return entity_scores([s.tags for s in sentences], predicted)
+    return entity_scores([s.tags for s in sentences], predicted, getattr(tagger, "scheme", "BIO"))
 
 
 def tagging_throughput(tagger, token_lists: Sequence[Sequence[str]], batch_size: int = 32,

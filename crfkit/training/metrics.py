@@ -1,4 +1,5 @@
-"""Entity-level precision, recall and F1 with seqeval (strict IOB2 matching, word level).
+"""Entity-level precision, recall and F1 with seqeval (strict matching in the tagger's scheme, word
+level).
 
     entity_scores([["B-PER", "I-PER", "O"]], [["B-PER", "O", "O"]])
     # {'precision': 0.0, 'recall': 0.0, 'f1': 0.0, 'entities': 1}
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -19,10 +21,17 @@ from ..taggers.encoders import require
 __all__ = ["entity_scores", "make_compute_metrics", "paths_to_tags"]
 
 
+# crfkit's scheme names (crfkit.constraints.SCHEMES and aliases) -> seqeval's
+_SEQEVAL_SCHEMES = {"BIO": "IOB2", "IOB2": "IOB2", "IOB1": "IOB1", "BIOES": "IOBES", "IOBES": "IOBES",
+                    "BMES": "IOBES"}
+
+
 def entity_scores(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]],
-                  scheme: str = "IOB2") -> dict[str, float]:
+                  scheme: Optional[str] = "IOB2") -> dict[str, float]:
     """Micro-averaged entity precision / recall / F1 (fractions in [0, 1]) over sentences of tag
-    names, and the number of gold entities. scheme: seqeval's "IOB2" (BIO), "IOB1", "IOBES"."""
+    names, and the number of gold entities. scheme: "BIO" / "IOB2", "IOB1", "BIOES" / "IOBES" or
+    "BMES" (scored as BIOES, M- read as I-), matched strictly; None (an unconstrained tagger):
+    seqeval's lenient default mode (conlleval's rules)."""
     metrics = require("seqeval.metrics", "pip install seqeval")
     schemes = require("seqeval.scheme", "pip install seqeval")
     if len(gold) != len(predicted):
@@ -31,8 +40,15 @@ def entity_scores(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[st
         if len(g) != len(p):
             raise ValueError(f"sentence {i}: {len(g)} gold tags but {len(p)} predicted")
     gold, predicted = [list(g) for g in gold], [list(p) for p in predicted]
-    kind = getattr(schemes, scheme)
-    kwargs = {"mode": "strict", "scheme": kind, "zero_division": 0}
+    if scheme is not None and scheme.upper() == "BMES":
+        gold, predicted = ([[("I" + t[1:]) if t.startswith("M-") else t for t in s] for s in tags]
+                           for tags in (gold, predicted))
+    if scheme is None:
+        kwargs = {"zero_division": 0}
+    else:
+        if scheme.upper() not in _SEQEVAL_SCHEMES:
+            raise ValueError(f"scheme must be one of {', '.join(_SEQEVAL_SCHEMES)} or None, got {scheme!r}")
+        kwargs = {"mode": "strict", "scheme": getattr(schemes, _SEQEVAL_SCHEMES[scheme.upper()]), "zero_division": 0}
     with warnings.catch_warnings():
         # With no entity in gold or predicted, seqeval's macro average is a mean over no types;
         # numpy warns about it, the micro scores read below are still the defined zeros.
@@ -50,9 +66,10 @@ def paths_to_tags(paths: np.ndarray, labels: Sequence[str], reference: np.ndarra
     return [[labels[int(t)] for t, r in zip(row, ref) if r >= 0] for row, ref in zip(paths, reference)]
 
 
-def make_compute_metrics(labels: Sequence[str], scheme: str = "IOB2"):
+def make_compute_metrics(labels: Sequence[str], scheme: Optional[str] = "IOB2"):
     """A transformers Trainer compute_metrics: EvalPrediction(predictions = decoded paths (N, L),
-    label_ids = gold (N, L), both padded with -100) -> {"precision", "recall", "f1"} in percent."""
+    label_ids = gold (N, L), both padded with -100) -> {"precision", "recall", "f1"} in percent,
+    scored under scheme (as entity_scores)."""
     labels = list(labels)
 
     def compute_metrics(prediction) -> dict[str, float]:

@@ -5,7 +5,11 @@ crfkit.distill and named by configuration (docs/METHODS.md states each loss).
     objective = TaggingObjective(student, config, teacher_crf=cache.teacher_crf())
     out = objective(**collated_batch)             # {"loss": ..., "loss_hard": ..., ...}
 
-Loss names (each a mean over the batch's sentences):
+Each loss is an entry of the registry LOSS_TERMS (a LossTerm: its name, the teacher fields of
+TaggingCollator's batch it reads, whether it needs the teacher's CRF, the docs/METHODS.md equation
+it implements, and the function computing it from the student's outputs and the batch); the
+ObjectiveConfig properties that say what a run needs (a cache, the teacher's emissions, its
+hidden states) are read from it. The losses (each a mean over the batch's sentences):
     hard       -log P_s(y | x) for the gold tags (the teacher's best path on unlabelled text)
     fuzzy      coarse-grained: binary cross entropy on the mass of the teacher's K best
     kbest_ce   fine-grained: cross entropy over the K best, with the residual mass
@@ -18,12 +22,14 @@ Loss names (each a mean over the batch's sentences):
                the teacher (the projection is trained with the student)
 Weighting: "uncertainty" (learned, Kendall et al.), "equal" (sum), or "adaptive": the adaptive
 schedule theta_t of the adaptive-weight BERT NER distillation paper, theta_t times the sum of the
-distillation losses plus (1 - theta_t) times the hard loss.
+distillation losses plus (1 - theta_t) times the hard loss (crfkit.distill.adaptive_theta and
+adaptive_kd_loss).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -32,12 +38,138 @@ from .. import distill
 from .._validation import check_choice, check_int, check_number
 from ..distribution import LinearChainCRF
 
-__all__ = ["EMBEDDINGS", "LOSSES", "WEIGHTINGS", "ObjectiveConfig", "TaggingObjective", "Variant", "VARIANTS"]
+__all__ = ["EMBEDDINGS", "LOSSES", "LOSS_TERMS", "LossTerm", "ObjectiveConfig", "StudentOutputs", "TaggingObjective",
+           "Variant", "VARIANTS", "WEIGHTINGS"]
 
-LOSSES = ("hard", "fuzzy", "kbest_ce", "token_em", "token_pos", "exact_kl", "logit_mse", "hidden")
 WEIGHTINGS = ("uncertainty", "equal", "adaptive")
-_NEEDS_KBEST = {"fuzzy", "kbest_ce"}
-_NEEDS_TEACHER_CRF = {"token_em", "token_pos", "exact_kl", "logit_mse"}
+
+
+@dataclass(frozen=True)
+class StudentOutputs:
+    """What the loss terms read from the student for one batch (B sentences padded to L words, T
+    tags, D features).
+
+    word_features: (B, L, D), what the tagger's linear layer reads. emissions: (B, L, T), or None
+    when no configured term reads them (the representation loss alone). transitions: (T, T);
+    start, end: (T,) or None. lengths: (B,)."""
+
+    word_features: Tensor
+    emissions: Optional[Tensor]
+    transitions: Tensor
+    start: Optional[Tensor]
+    end: Optional[Tensor]
+    lengths: Tensor
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """One loss of the registry LOSS_TERMS.
+
+    name: its name in ObjectiveConfig.losses. equation: where docs/METHODS.md states it, as
+    "<section> <symbol>": the section's number, then the left-hand side of the equation there
+    (e.g. "2.2 L_seq_ce"). compute(student, batch, objective) -> a scalar tensor: student is the
+    StudentOutputs, batch TaggingCollator's batch, objective the TaggingObjective (its
+    objective_config, tagger, teacher_crf and hidden_projection). teacher_fields: the batch fields
+    holding the teacher's labels that it reads (checked before any term is computed).
+    needs_teacher_crf: it reads the teacher's transitions, start and end (TaggingObjective's
+    teacher_crf). uses_emissions: it reads the student's emissions (every loss but the
+    representation loss, which reads the word features)."""
+
+    name: str
+    equation: str
+    compute: Callable[[StudentOutputs, Mapping[str, Tensor], "TaggingObjective"], Tensor]
+    teacher_fields: tuple[str, ...] = ()
+    needs_teacher_crf: bool = False
+    uses_emissions: bool = True
+
+
+# The teacher fields of TaggingCollator's batch: what each holds and what puts it in the batch
+# (the error when a loss finds it missing).
+_TEACHER_FIELDS = {
+    "teacher_paths": "the teacher's k best (a TaggingCollator with a cache)",
+    "teacher_log_probs": "the teacher's k best (a TaggingCollator with a cache)",
+    "teacher_emissions": "the teacher's emissions (a cache labelled with_emissions=True and a TaggingCollator with "
+                         "teacher_emissions=True)",
+    "teacher_hidden": "the teacher's hidden states (a cache labelled with with_hidden=True and a TaggingCollator "
+                      "with teacher_hidden=True)",
+}
+
+
+def _real_positions(lengths: Tensor, length: int) -> Tensor:
+    """(B, length) bool: True at each sentence's real positions."""
+    return torch.arange(length, device=lengths.device) < lengths[:, None]
+
+
+def _teacher_kbest(batch: Mapping[str, Tensor], objective: "TaggingObjective") -> tuple:
+    k = objective.objective_config.k
+    return None, batch["teacher_paths"][:, :k], batch["teacher_log_probs"][:, :k]
+
+
+def _teacher_emissions(student: StudentOutputs, batch: Mapping[str, Tensor]) -> Tensor:
+    return batch["teacher_emissions"].to(student.emissions.dtype)
+
+
+def _hard(student, batch, objective):
+    emissions = student.emissions
+    return objective.tagger.crf.nll(emissions, batch["tags"][:, :emissions.shape[1]], lengths=student.lengths)
+
+
+def _fuzzy(student, batch, objective):
+    return distill.fuzzy_loss(student.emissions, student.transitions, _teacher_kbest(batch, objective),
+                              student.lengths, student.start, student.end)
+
+
+def _kbest_ce(student, batch, objective):
+    return distill.kbest_cross_entropy(student.emissions, student.transitions, _teacher_kbest(batch, objective),
+                                       student.lengths, student.start, student.end)
+
+
+def _token_em(student, batch, objective):
+    return distill.token_kd(student.emissions, _teacher_emissions(student, batch), student.lengths,
+                            source="emissions", temperature=objective.objective_config.temperature)
+
+
+def _token_pos(student, batch, objective):
+    transitions, start, end = objective.teacher_crf
+    return distill.token_kd(student.emissions, _teacher_emissions(student, batch), student.lengths,
+                            source="marginals", student_transitions=student.transitions,
+                            teacher_transitions=transitions, student_start=student.start, student_end=student.end,
+                            teacher_start=start, teacher_end=end, temperature=objective.objective_config.temperature)
+
+
+def _exact_kl(student, batch, objective):
+    transitions, start, end = objective.teacher_crf
+    teacher = LinearChainCRF(_teacher_emissions(student, batch), transitions, student.lengths, start, end)
+    return distill.crf_kl_divergence(teacher, LinearChainCRF(student.emissions, student.transitions,
+                                                             student.lengths, student.start, student.end))
+
+
+def _logit_mse(student, batch, objective):
+    emissions = student.emissions
+    return distill.logit_mse(emissions, _teacher_emissions(student, batch),
+                             _real_positions(student.lengths, emissions.shape[1]))
+
+
+def _hidden(student, batch, objective):
+    features = student.word_features
+    return objective.hidden_projection(features, batch["teacher_hidden"].to(features.dtype),
+                                       _real_positions(student.lengths, features.shape[1]))
+
+
+_KBEST = ("teacher_paths", "teacher_log_probs")
+_EMISSIONS = ("teacher_emissions",)
+
+LOSS_TERMS: dict[str, LossTerm] = {term.name: term for term in (
+    LossTerm("hard", "2.2 L_hard", _hard),
+    LossTerm("fuzzy", "2.2 L_seq_fuzzy", _fuzzy, teacher_fields=_KBEST),
+    LossTerm("kbest_ce", "2.2 L_seq_ce", _kbest_ce, teacher_fields=_KBEST),
+    LossTerm("token_em", "2.4 L_token", _token_em, teacher_fields=_EMISSIONS),
+    LossTerm("token_pos", "2.4 L_token", _token_pos, teacher_fields=_EMISSIONS, needs_teacher_crf=True),
+    LossTerm("exact_kl", "3 KL(p_t || p_s)", _exact_kl, teacher_fields=_EMISSIONS, needs_teacher_crf=True),
+    LossTerm("logit_mse", "5.2 L_logit", _logit_mse, teacher_fields=_EMISSIONS),
+    LossTerm("hidden", "5.2 L_RL", _hidden, teacher_fields=("teacher_hidden",), uses_emissions=False),
+)}
+LOSSES = tuple(LOSS_TERMS)
 
 
 @dataclass(frozen=True)
@@ -68,27 +200,41 @@ class ObjectiveConfig:
         check_number("temperature", self.temperature, minimum=0, open_minimum=True)
 
     @property
+    def terms(self) -> tuple[LossTerm, ...]:
+        """The registry's entries (LOSS_TERMS) for losses, in order."""
+        return tuple(LOSS_TERMS[name] for name in self.losses)
+
+    @property
+    def teacher_fields(self) -> tuple[str, ...]:
+        """The teacher fields of TaggingCollator's batch that the losses read, in order."""
+        return tuple(dict.fromkeys(name for term in self.terms for name in term.teacher_fields))
+
+    @property
     def needs_teacher(self) -> bool:
-        return self.losses != ("hard",)
+        """Whether a loss reads the teacher's labels (a teacher-label cache)."""
+        return bool(self.teacher_fields)
 
     @property
     def uses_kbest(self) -> bool:
         """Whether k (the teacher's K best) matters: the fuzzy or k-best CE loss is on."""
-        return bool(_NEEDS_KBEST & set(self.losses))
+        return "teacher_paths" in self.teacher_fields
 
     @property
     def needs_teacher_crf(self) -> bool:
-        return bool(_NEEDS_TEACHER_CRF & set(self.losses))
+        """Whether a loss reads the CRF side of the teacher's labels, its emissions or its
+        transitions: both come from a cache labelled with_emissions=True, and TaggingObjective
+        takes that cache's teacher_crf()."""
+        return "teacher_emissions" in self.teacher_fields or any(term.needs_teacher_crf for term in self.terms)
 
     @property
     def needs_teacher_hidden(self) -> bool:
-        return "hidden" in self.losses
+        return "teacher_hidden" in self.teacher_fields
 
     @property
     def trains_emissions(self) -> bool:
         """False for the representation loss alone, whose model is selected by validation loss
         (the emissions, and so F1, mean nothing yet)."""
-        return self.losses != ("hidden",)
+        return any(term.uses_emissions for term in self.terms)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,7 +317,8 @@ VARIANTS: dict[str, Variant] = {
 
 
 class TaggingObjective(nn.Module):
-    """The module transformers' Trainer optimises: the tagger plus the loss weights.
+    """The module transformers' Trainer optimises: the tagger plus the loss weights (and the hidden
+    projection), so that one model holds every trainable parameter.
 
     tagger: a crfkit.taggers tagger (the student, or the model being trained on gold).
     config: ObjectiveConfig. teacher_crf: the teacher's (transitions, start, end), needed by
@@ -179,8 +326,9 @@ class TaggingObjective(nn.Module):
     hidden_projection: a crfkit.distill.GeluProjectionLoss from the tagger's word_features width
     to the teacher's hidden width, needed by the hidden loss; trained with the tagger (pass the
     same module to every stage or round that shares it).
-    forward(**batch) takes TaggingCollator's batch and returns {"loss", "loss_<name>" per loss}.
-    progress (step, total_steps) is set by the trainer for weighting="adaptive".
+    forward(**batch) takes TaggingCollator's batch and returns {"loss", "loss_<name>" per loss}:
+    each term computed by its LOSS_TERMS entry, then combined by the configured weighting.
+    progress (step, total_steps) is set by DistillationTrainer for weighting="adaptive".
     """
 
     def __init__(self, tagger: nn.Module, config: ObjectiveConfig = ObjectiveConfig(),
@@ -203,7 +351,14 @@ class TaggingObjective(nn.Module):
         n = len(config.losses)
         self.weighting = distill.UncertaintyWeighting(n) if n > 1 and config.weighting == "uncertainty" else None
         self.progress = (0, 1)
-        self.last_terms: dict[str, float] = {}
+
+    @property
+    def teacher_crf(self) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+        """The teacher's (transitions (T, T), start (T,), end (T,)) in float32, on the module's
+        device; None when not given."""
+        if not hasattr(self, "teacher_transitions"):
+            return None
+        return self.teacher_transitions, self.teacher_start, self.teacher_end
 
     def parameter_groups(self, learning_rate: float, **kwargs: Any) -> list[dict[str, Any]]:
         """The tagger's groups, plus the loss weights at the head's rate without weight decay."""
@@ -217,67 +372,37 @@ class TaggingObjective(nn.Module):
                 groups.append({"params": trainable, "lr": rate, "weight_decay": 0.0})
         return [group for group in groups if group["params"]]   # all of a layer may be frozen (gradual unfreezing)
 
-    def forward(self, tags: Tensor, lengths: Tensor, teacher_paths: Optional[Tensor] = None,
-                teacher_log_probs: Optional[Tensor] = None, teacher_emissions: Optional[Tensor] = None,
-                teacher_hidden: Optional[Tensor] = None, **features: Tensor) -> dict[str, Tensor]:
-        features["lengths"] = lengths
+    def student_outputs(self, batch: Mapping[str, Tensor]) -> StudentOutputs:
+        """The tagger's outputs on TaggingCollator's batch (its features; tags and teacher fields
+        are not the tagger's)."""
+        features = {name: value for name, value in batch.items() if name != "tags" and name not in _TEACHER_FIELDS}
         word_features = self.tagger.word_features(features)
         emissions = self.tagger.emissions_from_features(word_features) if self.objective_config.trains_emissions \
             else None
         transitions, start, end = self.tagger.distribution_parameters()
-        terms = {}
-        for name in self.objective_config.losses:
-            if name == "hidden":
-                if teacher_hidden is None:
-                    raise ValueError("loss 'hidden' needs the teacher's hidden states (a cache labelled with "
-                                     "with_hidden=True and a TaggingCollator with teacher_hidden=True)")
-                mask = torch.arange(word_features.shape[1], device=lengths.device) < lengths[:, None]
-                terms[name] = self.hidden_projection(word_features, teacher_hidden.to(word_features.dtype), mask)
-                continue
-            if name == "hard":
-                terms[name] = self.tagger.crf.nll(emissions, tags[:, :emissions.shape[1]], lengths=lengths)
-                continue
-            if name in _NEEDS_KBEST:
-                if teacher_paths is None:
-                    raise ValueError(f"loss {name!r} needs the teacher's k best (a TaggingCollator with a cache)")
-                kb = (None, teacher_paths[:, :self.objective_config.k], teacher_log_probs[:, :self.objective_config.k])
-                loss_fn = distill.fuzzy_loss if name == "fuzzy" else distill.kbest_cross_entropy
-                terms[name] = loss_fn(emissions, transitions, kb, lengths, start, end)
-                continue
-            if teacher_emissions is None:
-                raise ValueError(f"loss {name!r} needs the teacher's emissions (a cache labelled with_emissions=True "
-                                 "and a TaggingCollator with teacher_emissions=True)")
-            teacher = teacher_emissions.to(emissions.dtype)
-            if name == "token_em":
-                terms[name] = distill.token_kd(emissions, teacher, lengths, source="emissions",
-                                               temperature=self.objective_config.temperature)
-            elif name == "token_pos":
-                terms[name] = distill.token_kd(emissions, teacher, lengths, source="marginals",
-                                               student_transitions=transitions,
-                                               teacher_transitions=self.teacher_transitions,
-                                               student_start=start, student_end=end, teacher_start=self.teacher_start,
-                                               teacher_end=self.teacher_end,
-                                               temperature=self.objective_config.temperature)
-            elif name == "exact_kl":
-                teacher_dist = LinearChainCRF(teacher, self.teacher_transitions, lengths, self.teacher_start,
-                                              self.teacher_end)
-                student_dist = LinearChainCRF(emissions, transitions, lengths, start, end)
-                terms[name] = distill.crf_kl_divergence(teacher_dist, student_dist)
-            elif name == "logit_mse":
-                mask = torch.arange(emissions.shape[1], device=lengths.device) < lengths[:, None]
-                terms[name] = distill.logit_mse(emissions, teacher, mask)
-        self.last_terms = {name: float(value.detach()) for name, value in terms.items()}
+        return StudentOutputs(word_features, emissions, transitions, start, end, batch["lengths"])
+
+    def forward(self, **batch: Tensor) -> dict[str, Tensor]:
+        terms = self.objective_config.terms
+        for term in terms:
+            for name in term.teacher_fields:
+                if batch.get(name) is None:
+                    raise ValueError(f"loss {term.name!r} needs {_TEACHER_FIELDS[name]}")
+        student = self.student_outputs(batch)
+        values = {term.name: term.compute(student, batch, self) for term in terms}
+        return {"loss": self.combine(values), **{f"loss_{name}": value.detach() for name, value in values.items()}}
+
+    def combine(self, terms: dict[str, Tensor]) -> Tensor:
+        """The configured weighting of the terms {name: scalar}: the term itself when it is
+        alone, else uncertainty weighting, the adaptive mix at progress, or their sum."""
         values = list(terms.values())
         if len(values) == 1:
-            loss = values[0]
-        elif self.weighting is not None:
-            loss = self.weighting(values)
-        elif self.objective_config.weighting == "adaptive":
+            return values[0]
+        if self.weighting is not None:
+            return self.weighting(values)
+        if self.objective_config.weighting == "adaptive":
             step, total = self.progress
             theta = distill.adaptive_theta(min(step, total), max(total, 1), self.objective_config.adaptive_bias)
-            soft = sum(value for name, value in terms.items() if name != "hard")
-            loss = theta * soft + (1 - theta) * terms["hard"]
-        else:
-            loss = sum(values)
-        return {"loss": loss, **{f"loss_{name}": value.detach() for name, value in terms.items()}}
-
+            distillation = sum(value for name, value in terms.items() if name != "hard")
+            return distill.adaptive_kd_loss(distillation, terms["hard"], None, theta)
+        return sum(values)

@@ -3,15 +3,18 @@
 The Trainer brings the training loop, checkpoints in safetensors with full resume (optimizer,
 scheduler, RNG states, data position), torchrun / DDP, early stopping, progress bars and JSON
 logs. crfkit adds only what a CRF tagger needs on top:
-- TaggingObjective is the model the Trainer optimises (the tagger plus the loss weights; its
-  forward computes the configured loss from TaggingCollator's batch);
-- TaggerTrainer builds the optimizer from the model's parameter groups (layer-wise learning-rate
-  decay, a larger rate for the head and CRF), evaluates by Viterbi decoding and seqeval entity F1,
-  and logs each loss term and the learned loss weights beside the total;
+- TaggingObjective is the model the Trainer optimises (the tagger plus the loss weights and the
+  hidden projection, so that one model holds every trainable parameter); it computes each
+  configured loss term by its entry in the registry crfkit.training.LOSS_TERMS;
+- DistillationTrainer's compute_loss is the configured loss of TaggingCollator's batch (the
+  adaptive weighting's step included); it builds the optimizer from the model's parameter groups
+  (layer-wise learning-rate decay, a larger rate for the head and CRF), evaluates by Viterbi
+  decoding and seqeval entity F1, and logs each loss term and the learned loss weights beside
+  the total;
 - fit_tagger() wires these together: model selection and early stopping on the validation F1,
   resume from the last checkpoint in output_dir, the best tagger saved to output_dir/model;
-- fit_tagger_gradually() runs fit_tagger once per layer, unfreezing from the top down (the
-  multi-stage distillation paper's gradual unfreezing).
+- fit_tagger_gradually() runs fit_tagger once per round of crfkit.distill.GradualUnfreezing,
+  unfreezing from the top down (the multi-stage distillation paper's gradual unfreezing).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from .. import distill
 from .._distributed import is_main_process
 from .._files import atomic_write, ensure_writable_directory
 from .._validation import check_int, check_number
@@ -34,8 +38,8 @@ from .objectives import ObjectiveConfig, TaggingObjective
 
 transformers = require("transformers", "pip install transformers accelerate")
 
-__all__ = ["RunClock", "TaggerTrainer", "TaggerTrainingArguments", "fit_tagger", "fit_tagger_gradually",
-           "init_distributed"]
+__all__ = ["DistillationTrainer", "RunClock", "TaggerTrainer", "TaggerTrainingArguments", "fit_tagger",
+           "fit_tagger_gradually", "init_distributed"]
 
 MODEL_DIR = "model"
 PROJECTION_FILE = "hidden_projection.safetensors"
@@ -62,14 +66,6 @@ class TaggerTrainingArguments(transformers.TrainingArguments):
         check_number("layer_decay", self.layer_decay, minimum=0, maximum=1, open_minimum=True, type_error=ValueError)
         check_int("patience", self.patience, minimum=1, type_error=ValueError)
         super().__post_init__()
-
-
-class _ObjectiveProgress(transformers.TrainerCallback):
-    """Tells the objective the current step, for the adaptive weighting schedule."""
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None and hasattr(model, "progress"):
-            model.progress = (state.global_step, state.max_steps)
 
 
 class RunClock(transformers.TrainerCallback):
@@ -104,14 +100,18 @@ class RunClock(transformers.TrainerCallback):
         self.save()
 
 
-class TaggerTrainer(transformers.Trainer):
+class DistillationTrainer(transformers.Trainer):
     """A Trainer for TaggingObjective models: see the module docstring. select_on: "f1"
     (validation by Viterbi decoding) or "loss" (validation by the objective's own loss, for the
     representation loss alone)."""
 
+    # compute_loss returns a per-batch mean: the Trainer divides it by the accumulation steps
+    loss_is_scaled_for_ga = False
+
     def __init__(self, *args, select_on: str = "f1", **kwargs):
         super().__init__(*args, **kwargs)
         self.select_on = select_on
+        self.loss_terms: dict[str, torch.Tensor] = {}   # the last training batch's terms, detached
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -122,6 +122,18 @@ class TaggerTrainer(transformers.Trainer):
             self.optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                                eps=args.adam_epsilon)
         return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The configured loss of one training batch: the objective's terms (LOSS_TERMS) combined
+        by its weighting, the adaptive one at this step. The terms are computed in the model's
+        forward, called through the wrapper the Trainer put around it: under torchrun, DDP must see
+        every parameter the loss uses (the loss weights and the hidden projection too) in that
+        forward."""
+        objective = self.accelerator.unwrap_model(model)
+        objective.progress = (self.state.global_step, self.state.max_steps)
+        outputs = model(**inputs)
+        self.loss_terms = {name: outputs[f"loss_{name}"] for name in objective.objective_config.losses}
+        return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Validation: (gold CRF NLL, Viterbi paths (B, L) padded with -100, gold tags)."""
@@ -141,18 +153,21 @@ class TaggerTrainer(transformers.Trainer):
         return loss, paths, tags
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        objective = self.accelerator.unwrap_model(self.model)
-        if "loss" in logs and len(getattr(objective, "last_terms", {})) > 1:
-            logs.update({f"loss_{name}": round(value, 4) for name, value in objective.last_terms.items()})
+        if "loss" in logs and len(self.loss_terms) > 1:
+            logs.update({f"loss_{name}": round(float(value), 4) for name, value in self.loss_terms.items()})
+            objective = self.accelerator.unwrap_model(self.model)
             if objective.weighting is not None:
                 for name, weight in zip(objective.objective_config.losses, objective.weighting.weights.tolist()):
                     logs[f"weight_{name}"] = round(weight, 4)
         super().log(logs, *args, **kwargs)
 
 
+TaggerTrainer = DistillationTrainer   # the former name
+
+
 def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], args: TaggerTrainingArguments,
                objective: ObjectiveConfig = ObjectiveConfig(), cache=None, resume: bool = True,
-               callbacks: Sequence = (), hidden_projection: Optional[nn.Module] = None) -> TaggerTrainer:
+               callbacks: Sequence = (), hidden_projection: Optional[nn.Module] = None) -> DistillationTrainer:
     """Train tagger on train_items (crfkit.training.tagging_items), select and early-stop on the
     F1 of dev_items, and save the best tagger to args.output_dir/model (rank 0).
 
@@ -194,14 +209,14 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
                              hidden_projection=hidden_projection if objective.needs_teacher_hidden else None)
     collator = TaggingCollator(tagger, cache=cache if objective.needs_teacher or _any_unlabelled(train_items) else None,
                                k=objective.k if cache is not None else None,
-                               teacher_emissions=objective.needs_teacher_crf,
-                               teacher_hidden=objective.needs_teacher_hidden)
+                               teacher_emissions="teacher_emissions" in objective.teacher_fields,
+                               teacher_hidden="teacher_hidden" in objective.teacher_fields)
     eval_items = dev_items if select_on == "loss" else [dict(item, id=None) for item in dev_items]
-    trainer = TaggerTrainer(
+    trainer = DistillationTrainer(
         model=model, args=args, data_collator=collator, train_dataset=train_items,
-        eval_dataset=eval_items, compute_metrics=make_compute_metrics(tagger.labels), select_on=select_on,
-        callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=args.patience), _ObjectiveProgress(),
-                   *callbacks],
+        eval_dataset=eval_items, compute_metrics=make_compute_metrics(tagger.labels, tagger.scheme),
+        select_on=select_on,
+        callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=args.patience), *callbacks],
     )
     checkpoint = transformers.trainer_utils.get_last_checkpoint(args.output_dir) if (
         resume and os.path.isdir(args.output_dir)) else None
@@ -219,11 +234,12 @@ def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequenc
                          make_args: Callable[[str], TaggerTrainingArguments], output_dir: str,
                          objective: ObjectiveConfig = ObjectiveConfig(), cache=None,
                          hidden_projection: Optional[nn.Module] = None,
-                         callbacks: Sequence = ()) -> Optional[TaggerTrainer]:
+                         callbacks: Sequence = ()) -> Optional[DistillationTrainer]:
     """Gradual unfreezing (the multi-stage distillation paper's Algorithm 1) over fit_tagger:
     round r trains the top r layers of tagger.layer_groups() (the hidden projection counts as the
     top layer of the hidden loss, whose stage leaves out the "output" layer it does not train),
-    each round to its best validation score, the next round starting from that best.
+    each round to its best validation score, the next round starting from that best; the rounds
+    are those of crfkit.distill.GradualUnfreezing.
 
     make_args(directory) -> the TaggerTrainingArguments of one round (output_dir = directory);
     rounds go to output_dir/unfreeze1, unfreeze2, ...; a finished round is loaded, not retrained,
@@ -236,22 +252,19 @@ def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequenc
 
     from ..taggers import load_tagger
 
-    groups = [(name, params) for name, params in tagger.layer_groups()
-              if not (objective.needs_teacher_hidden and not objective.trains_emissions and name == "output")]
+    hidden_alone = objective.needs_teacher_hidden and not objective.trains_emissions
+    layers = [(name, params) for name, params in tagger.layer_groups() if not (hidden_alone and name == "output")]
     if objective.needs_teacher_hidden:
         if hidden_projection is None:
             raise ValueError("the hidden loss needs hidden_projection")
-        groups.append(("hidden projection", list(hidden_projection.parameters())))
+        layers.append(("hidden projection", list(hidden_projection.parameters())))
     modules = [tagger] + ([hidden_projection] if hidden_projection is not None else [])
-    everything = [p for module in modules for p in module.parameters()]
-    flags = [p.requires_grad for p in everything]
+    schedule = distill.GradualUnfreezing(layers, [p for module in modules for p in module.parameters()])
     trainer = None
-    try:
-        for r in range(1, len(groups) + 1):
-            out = os.path.join(output_dir, f"unfreeze{r}")
-            trainable = {id(p) for _, params in groups[-r:] for p in params}
-            for p in everything:
-                p.requires_grad_(id(p) in trainable)
+    with schedule:   # every requires_grad flag comes back, after an exception too
+        for round_ in range(1, len(schedule) + 1):
+            out = os.path.join(output_dir, f"unfreeze{round_}")
+            schedule.apply(round_)
             if os.path.isfile(os.path.join(out, MODEL_DIR, "config.json")):   # finished earlier
                 tagger.load_state_dict(load_tagger(os.path.join(out, MODEL_DIR)).state_dict())
                 if objective.needs_teacher_hidden:
@@ -259,9 +272,6 @@ def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequenc
                 continue
             trainer = fit_tagger(tagger, train_items, dev_items, make_args(out), objective=objective, cache=cache,
                                  hidden_projection=hidden_projection, callbacks=callbacks)
-    finally:
-        for p, flag in zip(everything, flags):
-            p.requires_grad_(flag)
     return trainer
 
 

@@ -1,0 +1,419 @@
+"""The distillation job's stages over one work folder, each resumable (run the same command again
+after a kill and it continues from the last checkpoint; finished runs are skipped):
+
+1. teacher   fine-tune TransformerCRFTagger (encoder + casing + CRF) on the training data, with
+             layer-wise learning-rate decay, keeping the best epoch on validation (or take a
+             trained crfkit teacher as it is, scored once);
+2. label     the teacher labels the transfer set (the training text, then the DA pool) into a
+             teacher-label cache: its K best paths with log-probabilities, its emissions and CRF;
+3. students  one run per (variant, K, seed): BiLSTMCRFTagger (or a small transformer) students,
+             early-stopped on validation F1; the test data is scored once, when a run finishes;
+4. report    crfkit.tool.report over the records: test F1, parameters and tagging speed.
+
+Layout of the work folder: config.json (the resolved arguments, which every record names),
+teacher/ (model/, result.json), labels-k{K}-n{N}-{teacher}/ (the cache), students/{run}/
+(model/, result.json), results.jsonl (one record per finished run), report.md / report.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from .. import distill
+from .._distributed import is_main_process
+from .._files import atomic_write
+from ..taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger
+from ..taggers.base import CONFIG_NAME, TAGGER_FORMAT
+from ..training import VARIANTS, ObjectiveConfig, Variant
+from .arguments import ConfigurationError, DataArguments, DistillationArguments, resolved_configuration
+from .datasets import TaggingData
+from .records import (command_line, file_sha256, finished_record, git_commit, log, machine_description,
+                      write_result)
+
+__all__ = ["CONFIG_FILE", "DistillationJob", "RunSpec", "is_trained_teacher", "plan_runs"]
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One student run: a variant (a name of crfkit.training.VARIANTS, or "losses-..." for an
+    explicit list of losses), K (teacher paths), a seed, and for runs on the DA pool the pool's
+    name, so runs on different pools never share a folder."""
+
+    variant: str
+    k: int
+    seed: int
+    pool: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}-k{self.k}-seed{self.seed}" + (f"-{self.pool}" if self.pool else "")
+
+
+def custom_variant(distillation: DistillationArguments) -> Optional[tuple[str, Variant]]:
+    """The run of --losses (its name and Variant), or None."""
+    if not distillation.losses:
+        return None
+    objective = ObjectiveConfig(tuple(distillation.losses), weighting=distillation.weighting, k=distillation.k,
+                                temperature=distillation.temperature)
+    name = "losses-" + "+".join(objective.losses) + (f"-{objective.weighting}" if len(objective.losses) > 1 else "")
+    return name, Variant(distillation.embeddings, da=distillation.da, objective=objective)
+
+
+def pool_name(data: DataArguments) -> str:
+    parts = (["news"] if data.da_news else []) + (["text"] if data.unlabelled_file else []) + (
+        [f"aug{data.da_augment}"] if data.da_augment else [])
+    return "-".join(parts)
+
+
+def plan_runs(distillation: DistillationArguments, data: DataArguments) -> tuple[list[RunSpec], int, dict]:
+    """(the runs in order, the cache's K, {variant name: Variant}) of the arguments. Raises
+    ValueError for DA runs without a pool."""
+    variants = dict(VARIANTS)
+    named = []
+    for text in distillation.runs:
+        variant, at, k = text.partition("@")
+        named.append((variant, int(k) if at else distillation.k))
+    custom = custom_variant(distillation)
+    if custom is not None:
+        variants[custom[0]] = custom[1]
+        named.append((custom[0], distillation.k))
+    pool = pool_name(data)
+    if not pool and any(variants[name].da for name, _ in named):
+        raise ValueError("the DA runs need a pool of unlabelled text: give --unlabelled_file, --da_news or "
+                         "--da_augment 1 (or more)")
+    specs = [RunSpec(name, k, seed, pool if variants[name].da else "") for name, k in named
+             for seed in distillation.seeds]
+    largest = max([spec.k for spec in specs], default=distillation.k)
+    cache_k = distillation.cache_k or largest
+    if cache_k < largest:
+        raise ValueError(f"--cache_k {cache_k} is below the largest K asked for ({largest})")
+    return specs, cache_k, variants
+
+
+def is_trained_teacher(path: str) -> bool:
+    """Whether path is the folder of a saved crfkit tagger (not an encoder to fine-tune)."""
+    config = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(config):
+        return False
+    try:
+        with open(config, encoding="utf-8") as f:
+            return json.load(f).get("format") == TAGGER_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class DistillationJob:
+    """The stages over one work folder (training.output_dir) for the parsed arguments (see
+    crfkit.tool.arguments) and the loaded data (crfkit.tool.datasets.load_data)."""
+
+    def __init__(self, arguments, tagging: TaggingData, command: Optional[str] = None):
+        self.data_args, self.teacher_args, self.student_args, self.distillation, self.training = arguments
+        self.data = tagging
+        self.workdir = self.training.output_dir
+        self.command = command or command_line("crfkit.distill")
+        self.runs, self.cache_k, self.variants = plan_runs(self.distillation, self.data_args)
+        self.configuration = resolved_configuration(arguments)
+        self.given_teacher = is_trained_teacher(self.teacher_args.teacher_model_name_or_path)
+        self.teacher_dir = (self.teacher_args.teacher_model_name_or_path if self.given_teacher
+                            else os.path.join(self.workdir, "teacher", "model"))
+        self.encoder = self.teacher_args.teacher_model_name_or_path
+
+    # ------------------------------------------------------------------ helpers
+    def write_configuration(self) -> None:
+        if is_main_process():
+            text = json.dumps(self.configuration, indent=2, sort_keys=True) + "\n"
+            atomic_write(os.path.join(self.workdir, CONFIG_FILE), text.encode("utf-8"))
+
+    def stage_arguments(self, output_dir: str, **overrides):
+        """The training arguments of one stage: the parsed ones with output_dir and overrides."""
+        from ..training import TaggerTrainingArguments
+
+        base = self.training
+        accepted = {f.name for f in dataclasses.fields(TaggerTrainingArguments) if f.init}
+        values = {name: value for name, value in base.to_dict().items() if name in accepted}
+        values.update(output_dir=output_dir, disable_tqdm=not is_main_process() or bool(base.disable_tqdm),
+                      report_to="none" if base.report_to in ([], ["none"], None) else base.report_to)
+        values.update(overrides)
+        return TaggerTrainingArguments(**values)
+
+    def record_fields(self) -> dict:
+        config = os.path.join(self.workdir, CONFIG_FILE)
+        return {"config": CONFIG_FILE, "config_sha256": file_sha256(config) if os.path.isfile(config) else None,
+                "data": self.data.description.get("dataset") or self.data.description.get("train_file")}
+
+    def _variant(self, spec: RunSpec) -> Variant:
+        return self.variants[spec.variant]
+
+    # ------------------------------------------------------------------ stage 1
+    def train_teacher(self) -> str:
+        """Returns the teacher's folder (trained here, or the given one, scored once)."""
+        import transformers
+
+        from ..training import RunClock, fit_tagger, tagging_items
+
+        out = os.path.join(self.workdir, "teacher")
+        if finished_record(self.workdir, out) is not None:
+            log(f"teacher: done already ({self.teacher_dir})")
+            return self.teacher_dir
+        clock = RunClock(out)
+        trainer = None
+        if self.given_teacher:
+            teacher = load_tagger(self.teacher_dir)
+            if tuple(teacher.labels) != self.data.labels or teacher.scheme != self.data.scheme:
+                raise ConfigurationError(f"the teacher in {self.teacher_dir} tags {teacher.labels} ({teacher.scheme}); "
+                                         f"the data has {list(self.data.labels)} ({self.data.scheme})")
+            log(f"teacher: the trained tagger in {self.teacher_dir}, scored once")
+        else:
+            log(f"teacher: fine-tuning {self.encoder} + CRF on {len(self.data.train)} sentences, "
+                f"{self.teacher_args.teacher_epochs:g} epoch(s)")
+            transformers.set_seed(self.training.seed)
+            teacher = TransformerCRFTagger(self.data.labels, encoder=self.encoder, scheme=self.data.scheme)
+            arguments = self.stage_arguments(out, num_train_epochs=self.teacher_args.teacher_epochs,
+                                             learning_rate=self.teacher_args.teacher_learning_rate,
+                                             head_learning_rate=self.teacher_args.teacher_head_learning_rate,
+                                             layer_decay=self.teacher_args.teacher_layer_decay, weight_decay=0.01,
+                                             warmup_steps=0.1)
+            trainer = fit_tagger(teacher, tagging_items(self.data.train), tagging_items(self.data.selection),
+                                 arguments, callbacks=[clock])
+            teacher = trainer.model.tagger
+        if is_main_process():
+            self.finish_run(teacher, out, {"variant": "teacher", "K": None, "seed": self.training.seed,
+                                           "teacher_sha256": self.teacher_sha256()}, clock, trainer)
+        _barrier()
+        return self.teacher_dir
+
+    def teacher_sha256(self) -> str:
+        return file_sha256(os.path.join(self.teacher_dir, "model.safetensors"))
+
+    # ------------------------------------------------------------------ stage 2
+    def label_transfer_set(self, with_hidden: bool = False):
+        """The teacher-label cache over the transfer set. with_hidden: a second cache that also
+        holds the teacher's layer --teacher_hidden_layer per word, over the transfer set and then
+        the selection text (the hidden loss is selected on its validation loss)."""
+        teacher = load_tagger(self.teacher_dir).eval()
+        layer = self.teacher_args.teacher_hidden_layer
+        if with_hidden and layer > teacher.num_layers:
+            raise ConfigurationError(f"--teacher_hidden_layer {layer}: the teacher ({self.encoder}) has layers "
+                             f"0 (embeddings) .. {teacher.num_layers}")
+        sentences = self.data.transfer + ([tuple(s.tokens) for s in self.data.selection] if with_hidden else [])
+        weights = self.teacher_sha256()
+        # named by K, corpus size and teacher, and described without paths, so a moved workdir reuses it
+        name = f"labels-k{self.cache_k}-n{len(sentences)}-{weights[:8]}"
+        directory = os.path.join(self.workdir, name + (f"-hidden{layer}" if with_hidden else ""))
+        log(f"label: teacher's {self.cache_k} best paths for {len(sentences)} sentences -> {directory}")
+        pool = self.data.description["pool"]
+        corpus_info = {"train_sentences": len(self.data.train), "da_pool": len(self.data.pool),
+                       "da_augment": pool["augment"]}
+        if pool["news"]:  # recorded only when used, so caches without news keep their manifest
+            corpus_info["da_news"] = pool["news"]
+        if "unlabelled" in pool:
+            corpus_info["unlabelled"] = pool["unlabelled"]
+        if "dataset" not in self.data.description:
+            corpus_info["labels"] = list(self.data.labels)
+        teacher_output = teacher.teacher_output
+        if with_hidden:
+            corpus_info.update(dev_sentences=len(self.data.selection), hidden_layer=layer)
+            teacher_output = functools.partial(teacher.teacher_output, hidden_layer=layer)
+        return distill.label_corpus(teacher_output, sentences, directory, k=self.cache_k, batch_size=64,
+                                    with_emissions=True, with_hidden=with_hidden, label_names=list(self.data.labels),
+                                    teacher_info={"encoder": teacher.encoder_name, "weights_sha256": weights},
+                                    corpus_info=corpus_info)
+
+    # ------------------------------------------------------------------ stage 3
+    def build_student(self, embeddings: str) -> BiLSTMCRFTagger:
+        """The student of every BiLSTM variant: lower-cased words, a casing embedding, a BiLSTM
+        (--student_hidden, --student_layers, --student_dropout, --student_char_cnn) and a CRF with
+        the data's constraints. The word table:
+        "teacher" (TE): the train words plus the teacher's whole-word pieces, rows copied from the
+            teacher's embedding table (its width) and frozen;
+        "glove": the train words plus the vectors' words (--word_vectors_file, or GloVe 6B 50d),
+            their rows, frozen (train words without a vector keep a random row);
+        "random": the train words seen at least twice (so <unk> is trained on the singletons),
+            random rows of the teacher's width, trained."""
+        from ..taggers.vectors import glove_vectors, read_word2vec_text
+
+        teacher = load_tagger(self.teacher_dir)
+        width = teacher.encoder.get_input_embeddings().weight.shape[1]
+        vectors = None
+        train = self.data.train
+        if embeddings == "teacher":
+            pieces = [p for p in teacher.tokenizer.get_vocab() if p.isalnum()]
+            words = BiLSTMCRFTagger.build_vocabulary(train, extra_words=sorted(pieces))
+        elif embeddings == "glove":
+            path = self.student_args.word_vectors_file
+            vectors = read_word2vec_text(path) if path else glove_vectors()
+            words = BiLSTMCRFTagger.build_vocabulary(train, extra_words=vectors[0])
+            width = vectors[1].shape[1]
+        else:
+            words = BiLSTMCRFTagger.build_vocabulary(train, min_count=2)
+        student = BiLSTMCRFTagger(self.data.labels, words, scheme=self.data.scheme, embedding_dim=width,
+                                  hidden_size=self.student_args.student_hidden,
+                                  num_layers=self.student_args.student_layers,
+                                  dropout=self.student_args.student_dropout,
+                                  char_cnn=self.student_args.student_char_cnn)
+        if embeddings == "teacher":
+            student.load_teacher_embeddings(teacher, freeze=True)
+        elif embeddings == "glove":
+            student.load_word_vectors(vectors[0], torch.from_numpy(vectors[1]), freeze=True)
+        return student
+
+    def train_student(self, cache, spec: RunSpec) -> Optional[dict]:
+        import transformers
+
+        from ..training import RunClock, fit_tagger, fit_tagger_gradually, tagging_items
+
+        out = os.path.join(self.workdir, "students", spec.name)
+        done = finished_record(self.workdir, out)
+        if done is not None:
+            return done
+        variant = self._variant(spec)
+        objectives = [replace(o, k=spec.k) if o.needs_teacher else o for o in variant.objectives]
+        items = tagging_items(self.data.train)
+        if variant.da:
+            items += tagging_items(self.data.pool, first_id=len(self.data.train), with_tags=False)
+        needs_hidden = any(o.needs_teacher_hidden for o in objectives)
+        # the hidden cache labelled the selection text after the transfer set (see label_transfer_set)
+        dev_items = tagging_items(self.data.selection, first_id=len(self.data.transfer) if needs_hidden else 0)
+        transformers.set_seed(spec.seed)
+        if variant.transformer_layers:
+            # the teacher's recipe (layer-wise decay, a larger head rate) on the encoder's first layers
+            encoder = load_tagger(self.teacher_dir).encoder_name if self.given_teacher else self.encoder
+            student = TransformerCRFTagger(self.data.labels, encoder=encoder, scheme=self.data.scheme,
+                                           num_layers=variant.transformer_layers)
+            settings = dict(learning_rate=self.teacher_args.teacher_learning_rate,
+                            head_learning_rate=self.teacher_args.teacher_head_learning_rate,
+                            layer_decay=self.teacher_args.teacher_layer_decay, weight_decay=0.01)
+        else:
+            student = self.build_student(variant.embeddings)
+            settings = dict(learning_rate=self.student_args.student_learning_rate, lr_scheduler_type="constant",
+                            max_grad_norm=5.0)
+        projection = None
+        if needs_hidden:  # GELU(W h + b) from the student's word features to the teacher's layer
+            width = student.word_features(student.featurize([["a"]])).shape[-1]
+            projection = distill.GeluProjectionLoss(width, cache[len(self.data.transfer)].hidden.shape[1])
+
+        def make_args(directory):
+            return self.stage_arguments(directory, num_train_epochs=self.student_args.student_epochs, seed=spec.seed,
+                                        **settings)
+
+        clock = RunClock(out)  # the wall time over every process and stage that trained it
+        trainer = None
+        for stage, objective in enumerate(objectives, 1):
+            stage_out = out if len(objectives) == 1 else os.path.join(out, f"stage{stage}")
+            log(f"student {spec.name}" + (f", stage {stage} of {len(objectives)}" if len(objectives) > 1 else "")
+                + f": {len(items)} training sentences, losses {objective.losses}"
+                + (f" ({objective.weighting} weighting, K = {spec.k})" if len(objective.losses) > 1 else ""))
+            saved = os.path.join(stage_out, "model")
+            if os.path.isfile(os.path.join(saved, "config.json")):  # this stage finished earlier: never train it on
+                student = load_tagger(saved).train()
+                continue
+            if variant.gradual_unfreezing:
+                trainer = fit_tagger_gradually(student, items, dev_items, make_args, stage_out, objective=objective,
+                                               cache=cache, hidden_projection=projection, callbacks=[clock]) or trainer
+                if is_main_process():
+                    student.save_pretrained(saved)   # the stage's result: its last round's best
+                _barrier()
+                continue
+            trainer = fit_tagger(student, items, dev_items, make_args(stage_out), objective=objective, cache=cache,
+                                 hidden_projection=projection, callbacks=[clock])
+            student = trainer.model.tagger
+        record = None
+        if is_main_process():
+            if len(objectives) > 1:  # the last stage's tagger is the run's model
+                student.save_pretrained(os.path.join(out, "model"))
+            final = objectives[-1]
+            record = self.finish_run(student, out, {
+                "run": spec.name, "variant": spec.variant, "teacher_sha256": self.teacher_sha256(),
+                "K": spec.k if any(o.uses_kbest for o in objectives) else None,
+                "da_pool": self.data.description["pool"] if variant.da else None, "seed": spec.seed,
+                "losses": [list(o.losses) for o in objectives] if len(objectives) > 1 else list(final.losses),
+                "weighting": final.weighting, **({"gradual_unfreezing": True} if variant.gradual_unfreezing else {})},
+                clock, trainer)
+        _barrier()
+        return record
+
+    def finish_run(self, tagger, out: str, fields: dict, clock, trainer=None) -> dict:
+        """Score the finished run once on validation and test, record it, append to results.jsonl.
+        clock: the run's RunClock (wall_s: its training time over every process, without the
+        scoring below). trainer: the last stage's (None when every stage had finished before)."""
+        import datetime
+
+        from ..training.evaluation import evaluate_tagger, tagging_throughput
+
+        wall_s = clock.seconds()
+        clock.save()
+        tagger.eval()
+        dev = evaluate_tagger(tagger, self.data.validation)
+        test = evaluate_tagger(tagger, self.data.test)
+        speed = tagging_throughput(tagger, [s.tokens for s in self.data.test[:512]],
+                                   batch_size=self.training.per_device_train_batch_size)
+        record = {**fields, "dev_f1": round(100 * dev["f1"], 2), "test_f1": round(100 * test["f1"], 2),
+                  "dev": dev, "test": test, "test_sentences": len(self.data.test), "params": tagger.num_parameters(),
+                  "trainable_params": tagger.num_parameters(trainable_only=True),
+                  "sentences_per_s": round(speed["sentences_per_s"], 1), "wall_s": round(wall_s, 1),
+                  "epochs": trainer.state.epoch if trainer else None,
+                  "best_checkpoint": _relative(trainer.state.best_model_checkpoint, self.workdir) if trainer else None,
+                  **self.record_fields(), "command": self.command, "git": git_commit(),
+                  "machine": machine_description(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+        write_result(self.workdir, out, record)
+        log(f"{fields['variant']}: dev F1 {record['dev_f1']:.2f}, test F1 {record['test_f1']:.2f}, "
+            f"{record['sentences_per_s']:.0f} sentences/s, {wall_s / 60:.1f} min")
+        return record
+
+    # ------------------------------------------------------------------ all of it
+    def run(self) -> list[dict]:
+        """The stages asked for, in order; returns the records of the student runs."""
+        from .report import write_report
+
+        stages = self.distillation.stages
+        git_commit()  # read now: the records name the code this process runs
+        self.write_configuration()
+        log(f"work folder {self.workdir}; stages {', '.join(stages)}; {len(self.runs)} student run(s); "
+            f"{machine_description()}")
+        if "teacher" in stages:
+            self.train_teacher()
+        elif not os.path.isfile(os.path.join(self.teacher_dir, "config.json")):
+            raise ConfigurationError(f"no trained teacher in {self.teacher_dir}: run the 'teacher' stage first")
+
+        def needs(spec, what):
+            return any(getattr(o, what) for o in self._variant(spec).objectives)
+
+        needs_cache = any(needs(spec, "needs_teacher") or self._variant(spec).da for spec in self.runs)
+        needs_hidden = any(needs(spec, "needs_teacher_hidden") for spec in self.runs)
+        cache = hidden_cache = None
+        if "label" in stages or "students" in stages:
+            if needs_cache:
+                cache = self.label_transfer_set()
+            if needs_hidden:
+                hidden_cache = self.label_transfer_set(with_hidden=True)
+        records = []
+        if "students" in stages:
+            for spec in self.runs:
+                chosen = hidden_cache if needs(spec, "needs_teacher_hidden") else cache
+                records.append(self.train_student(chosen, spec))
+        else:
+            records = [finished_record(self.workdir, os.path.join(self.workdir, "students", spec.name))
+                       for spec in self.runs]
+        records = [r for r in records if r is not None]
+        if "report" in stages and is_main_process():
+            write_report(self.workdir, self.teacher_dir, records, self.data.test,
+                         batch_size=self.training.per_device_train_batch_size, command=self.command)
+        return records
+
+
+def _relative(path: Optional[str], workdir: str) -> Optional[str]:
+    """path relative to the work folder (records carry no machine paths)."""
+    return None if path is None else os.path.relpath(path, workdir)
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
