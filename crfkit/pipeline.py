@@ -120,6 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from .tool.arguments import DataArguments, DistillationArguments
     from .tool.job import plan_runs
 
+    args.requested_cache_k = args.cache_k  # what the tool is given (None: the largest K, as it resolves)
     try:
         distillation = DistillationArguments(runs=list(args.runs), k=args.k, cache_k=args.cache_k,
                                              seeds=list(args.seeds), stages=list(args.stages))
@@ -146,7 +147,8 @@ def tool_arguments(args: argparse.Namespace):
                              teacher_layer_decay=args.layer_decay, teacher_hidden_layer=args.teacher_hidden_layer),
             StudentArguments(student_epochs=args.student_epochs, student_learning_rate=args.student_lr,
                              student_hidden=args.student_hidden, student_dropout=args.student_dropout),
-            DistillationArguments(runs=list(args.runs), k=args.k, cache_k=args.cache_k, seeds=list(args.seeds),
+            DistillationArguments(runs=list(args.runs), k=args.k,
+                                  cache_k=getattr(args, "requested_cache_k", args.cache_k), seeds=list(args.seeds),
                                   stages=list(args.stages)),
             DistillTrainingArguments(output_dir=args.workdir, per_device_train_batch_size=args.batch_size,
                                      patience=args.patience, seed=args.seed, report_to="none"))
@@ -157,8 +159,8 @@ def main(argv=None) -> int:
     from .tool.records import command_line
 
     args = parse_args(argv)
-    return execute(tool_arguments(args), prog="python -m crfkit.pipeline", command=command_line("crfkit.pipeline"),
-                   workdir_option="--workdir")
+    return execute(tool_arguments(args), prog="python -m crfkit.pipeline",
+                   command=command_line("crfkit.pipeline", args.workdir), workdir_option="--workdir")
 
 
 if __name__ == "__main__":

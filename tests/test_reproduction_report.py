@@ -123,7 +123,9 @@ def test_a_second_workdir_with_another_encoder(report, tmp_path):
     assert "| + TE + SEQ | 86.00 (n = 1) |" in text
     assert f"| `{mpnet[:12]}` | mpnet | teacher | - | 0 | 91.50 |" in text
     assert f"| `{mpnet[:12]}` | mpnet | te_seq | 5 | 0 | 87.50 |" in text
-    assert f"`{first}/results.jsonl`, `{second}/results.jsonl`" in text
+    # work folders outside the repository are named by their own name: no machine paths in the docs
+    assert "`runs/results.jsonl`, `mpnet/results.jsonl`, commands as run from inside that work folder" in text
+    assert str(tmp_path) not in text and str(tmp_path) not in json.dumps(data)
     assert len(data["records"]) == 8
     targets = text[text.index("## Targets"):]
     assert "SEQ (86.00" not in targets   # the main teacher has no TOKEN-POS run: no verdict
@@ -141,3 +143,15 @@ def test_a_second_workdir_with_another_encoder(report, tmp_path):
 def test_encoder_name(report, command, encoder):
     assert report.encoder_name({"command": command}) == encoder
     assert report.encoder_name(None) == "?"
+
+
+def test_recorded_commands_lose_the_machine_paths(report):
+    """Runs recorded before the tool wrote commands relative to their work folder carry the
+    machine's paths; the docs show them as run from inside that folder."""
+    assert (report.without_machine_paths("python -m crfkit.pipeline --full --workdir /root/runs/full --stages "
+                                         "students --runs te_seq") ==
+            "python -m crfkit.pipeline --full --workdir . --stages students --runs te_seq")
+    assert (report.without_machine_paths("python -m crfkit.distill --train_file /data/a.conll --output_dir /w/x")
+            == "python -m crfkit.distill --train_file ../../data/a.conll --output_dir .")
+    assert report.without_machine_paths("python -m crfkit.pipeline --full") == "python -m crfkit.pipeline --full"
+    assert report.without_machine_paths(None) is None

@@ -106,7 +106,7 @@ def test_the_tool_end_to_end_on_a_users_own_files(dataset):
     for r in records:
         assert r["config"] == "config.json" and r["config_sha256"] == config_sha and r["data"] == "train.conll"
         assert 0 <= r["test_f1"] <= 100 and r["test_sentences"] == 12 and r["command"].startswith(
-            os.path.basename(sys.executable) + " -m crfkit.distill --train_file train.conll")
+            os.path.basename(sys.executable) + " -m crfkit.distill --train_file ../train.conll")
     # the pool: its sentences that are validation / test sentences (3 put there, more by chance) dropped
     from crfkit import data
 
@@ -257,8 +257,43 @@ def test_the_pipeline_is_the_conll_configuration_of_the_tool():
 
     args = pipeline.parse_args(["--runs", "vanilla", "te_da_seq@10", "--da-augment", "1", "--train-sentences", "48",
                                 "--workdir", "runs/x", "--student-hidden", "64"])
-    configuration = resolved_configuration(pipeline.tool_arguments(args))
+    arguments = pipeline.tool_arguments(args)
+    configuration = resolved_configuration(arguments)
     assert configuration["train_file"] is None and configuration["output_dir"] == "runs/x"
     assert (configuration["runs"], configuration["cache_k"], configuration["max_train_sentences"],
             configuration["student_hidden"], configuration["max_selection_sentences"]) == (
-        ["vanilla", "te_da_seq@10"], 10, 48, 64, 1000)
+        ["vanilla", "te_da_seq@10"], None, 48, 64, 1000)
+    from crfkit.tool.job import plan_runs
+
+    specs, cache_k, _ = plan_runs(arguments[3], arguments[0])
+    assert cache_k == args.cache_k == 10 and [s.name for s in specs] == [s.name for s in args.run_specs]
+
+
+def test_the_reproduction_is_a_set_of_configurations_of_the_tool():
+    """examples/conll2003/*.json parse as the tool's arguments, and quick.json is the pipeline's
+    quick default, table1.json its --full."""
+    import glob
+
+    from crfkit import pipeline
+    from crfkit.tool.arguments import parse_arguments, resolved_configuration
+
+    paths = sorted(glob.glob(os.path.join(ROOT, "examples", "conll2003", "*.json")))
+    assert [os.path.basename(p) for p in paths] == ["kbest_ablation.json", "quick.json", "table1.json",
+                                                    "table2.json", "table3.json"]
+    parsed = {os.path.basename(p): resolved_configuration(parse_arguments([p])) for p in paths}
+    for argv, name in (([], "quick.json"), (["--full"], "table1.json")):
+        from_pipeline = resolved_configuration(pipeline.tool_arguments(pipeline.parse_args(argv)))
+        assert from_pipeline == parsed[name], name
+    assert {parsed[n]["output_dir"] for n in parsed if n != "quick.json"} == {"runs/full"}
+
+
+def test_the_report_summarises_each_variant_over_its_seeds():
+    from crfkit.tool.report import _seed_groups, _seed_summary
+
+    records = [{"variant": "te_seq", "K": 5, "test_f1": 50.0}, {"variant": "te_seq", "K": 5, "test_f1": 53.0},
+               {"variant": "vanilla", "K": None, "test_f1": 40.0}]
+    assert _seed_groups(records) == [{"variant": "te_seq", "K": 5, "n": 2, "mean": 51.5, "sd": 2.12},
+                                     {"variant": "vanilla", "K": None, "n": 1, "mean": 40.0, "sd": None}]
+    assert _seed_summary(records).splitlines()[2:] == ["| te_seq | 5 | 51.50 ± 2.12 | 2 |",
+                                                       "| vanilla | - | 40.00 | 1 |"]
+    assert _seed_summary(records[1:]) == ""   # one seed each: the table above says it all

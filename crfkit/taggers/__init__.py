@@ -10,7 +10,7 @@ crfkit.pipeline.
 from .base import CRFTagger, load_tagger
 from .bilstm import BiLSTMCRFTagger
 from .casing import CASING_CLASSES, casing_id, casing_ids
-from .encoders import encoder_path
+from ..packaged import encoder_path
 from .transformer import TransformerCRFTagger
 
 __all__ = ["BiLSTMCRFTagger", "CASING_CLASSES", "CRFTagger", "TransformerCRFTagger", "casing_id", "casing_ids",

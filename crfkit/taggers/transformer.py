@@ -25,7 +25,8 @@ from .._validation import check_choice, check_int, check_number
 from ..distill.alignment import REDUCTIONS, align_to_words, word_index_from_word_ids
 from .base import CRFTagger, _check_token_lists
 from .casing import NUM_CASING_CLASSES, PAD_CASING, casing_tensor
-from .encoders import encoder_path, require
+from .._optional import require
+from ..packaged import encoder_path
 
 __all__ = ["TransformerCRFTagger"]
 

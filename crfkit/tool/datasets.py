@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .. import data as datasets
+from .. import packaged
 from .arguments import DataArguments
 
 __all__ = ["TaggingData", "load_data"]
@@ -60,7 +61,7 @@ def load_data(args: DataArguments) -> TaggingData:
         description = {"train_file": args.train_file, "validation_file": args.validation_file,
                        "test_file": args.test_file}
     else:
-        train, validation, test = (datasets.load_conll2003(split) for split in datasets.CONLL2003_SPLITS)
+        train, validation, test = (packaged.load_conll2003(split) for split in datasets.CONLL2003_SPLITS)
         labels = datasets.CONLL2003_TAGS
         description = {"dataset": "conll2003"}
     if args.scheme is None:
@@ -93,7 +94,7 @@ def _pool(args: DataArguments, train: list, held_out: set) -> tuple[list, dict]:
     pool: list[tuple[str, ...]] = []
     description = {"news": 0, "augment": args.da_augment}
     if args.da_news:
-        news = datasets.load_news_sentences()
+        news = packaged.load_news_sentences()
         pool += news
         description["news"] = len(news)
     if args.unlabelled_file is not None:

@@ -118,7 +118,7 @@ class DistillationJob:
         self.data_args, self.teacher_args, self.student_args, self.distillation, self.training = arguments
         self.data = tagging
         self.workdir = self.training.output_dir
-        self.command = command or command_line("crfkit.distill")
+        self.command = command or command_line("crfkit.distill", self.workdir)
         self.runs, self.cache_k, self.variants = plan_runs(self.distillation, self.data_args)
         self.configuration = resolved_configuration(arguments)
         self.given_teacher = is_trained_teacher(self.teacher_args.teacher_model_name_or_path)
@@ -238,7 +238,8 @@ class DistillationJob:
             their rows, frozen (train words without a vector keep a random row);
         "random": the train words seen at least twice (so <unk> is trained on the singletons),
             random rows of the teacher's width, trained."""
-        from ..taggers.vectors import glove_vectors, read_word2vec_text
+        from ..packaged import glove_vectors
+        from ..taggers.vectors import read_word2vec_text
 
         teacher = load_tagger(self.teacher_dir)
         width = teacher.encoder.get_input_embeddings().weight.shape[1]

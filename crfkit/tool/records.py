@@ -22,7 +22,7 @@ from .._distributed import is_main_process
 from .._files import atomic_write
 
 __all__ = ["RESULT", "RESULTS", "append_to_results", "command_line", "file_sha256", "finished_record",
-           "git_commit", "log", "machine_description", "write_result"]
+           "git_commit", "log", "machine_description", "read_results", "relative_command", "write_result"]
 
 RESULT = "result.json"      # in a run's folder: its record, written (atomically) when it finishes
 RESULTS = "results.jsonl"   # in the work folder: every finished run's record, one per line
@@ -69,9 +69,29 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def command_line(module: str) -> str:
-    """This process's command, as `python -m module ARGS` (the interpreter by its name only)."""
-    return shlex.join([os.path.basename(sys.executable), "-m", module, *sys.argv[1:]])
+def command_line(module: str, workdir: Optional[str] = None) -> str:
+    """This process's command, as `python -m module ARGS` (the interpreter by its name only). With
+    workdir, the command as run from inside the work folder: every argument that names an existing
+    file or folder, or is an absolute path, is written relative to it (the work folder itself is
+    "."), so a record carries no path of the machine it ran on (see relative_command)."""
+    command = [os.path.basename(sys.executable), "-m", module, *sys.argv[1:]]
+    return relative_command(command, workdir) if workdir is not None else shlex.join(command)
+
+
+def relative_command(command, workdir: str, base: Optional[str] = None) -> str:
+    """command (a list of arguments, or a shell string) with its paths relative to workdir: an
+    absolute argument, or one naming a file or folder that exists relative to base (default: the
+    current folder), becomes os.path.relpath(its absolute form, workdir)."""
+    arguments = shlex.split(command) if isinstance(command, str) else list(command)
+    base = os.getcwd() if base is None else base
+    target = os.path.abspath(os.path.join(base, workdir))
+    out = arguments[:3]
+    for argument in arguments[3:]:
+        path = argument if os.path.isabs(argument) else os.path.join(base, argument)
+        if os.path.isabs(argument) or (not argument.startswith("-") and os.path.exists(path)):
+            argument = os.path.relpath(os.path.abspath(path), target)
+        out.append(argument)
+    return shlex.join(out)
 
 
 def write_result(workdir: str, out: str, record: dict) -> None:

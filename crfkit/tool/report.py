@@ -2,6 +2,7 @@
 of the teacher and each student, the speeds measured side by side in one process.
 
     python -m crfkit.tool.report runs/mydata          # after the job: report.md and report.json
+    python -m crfkit.tool.report runs/wnut16/work --out docs/wnut16_report.md
 
 Writes WORKDIR/report.md (a table) and WORKDIR/report.json (its rows, the machine, the command).
 """
@@ -32,9 +33,10 @@ def _kind(tagger) -> str:
 
 
 def write_report(workdir: str, teacher_dir: str, records: Sequence[dict], test_sentences: Sequence,
-                 batch_size: int = 32, command: Optional[str] = None) -> dict:
+                 batch_size: int = 32, command: Optional[str] = None, out: Optional[str] = None) -> dict:
     """Write report.md / report.json for the teacher (workdir/teacher/result.json) and the given
-    student records, timing each model on the first 512 test sentences at batch_size."""
+    student records, timing each model on the first 512 test sentences at batch_size. out: the
+    path of the .md file to write instead of workdir/report.md (its .json beside it)."""
     from ..training.evaluation import tagging_throughput
 
     with open(os.path.join(workdir, "teacher", RESULT), encoding="utf-8") as f:
@@ -65,17 +67,45 @@ def write_report(workdir: str, teacher_dir: str, records: Sequence[dict], test_s
         lines.append(f"| {row['model']} | {row['test_f1']:.2f} | {row['dev_f1']:.2f} | {params} | "
                      f"{row['sentences_per_s']:.0f} | {row['speedup']:.1f}x |")
     table = "\n".join(lines)
+    summary = _seed_summary(records)
+    if summary:
+        table += "\n\nTest F1 over seeds (mean ± sample standard deviation, n seeds):\n\n" + summary
+        result["over_seeds"] = _seed_groups(records)
     data = teacher_record.get("data") or "the data"
     name = "CoNLL-2003 English" if data == "conll2003" else f"`{data}`"
     header = (f"{name}, entity F1 (seqeval, strict). Speed: tagging the first {len(sentences)} test sentences, "
               f"batch {batch_size}, {result['machine']}, measured side by side in one run.\n")
-    with open(os.path.join(workdir, "report.json"), "w", encoding="utf-8") as f:
+    markdown = out or os.path.join(workdir, "report.md")
+    with open(os.path.splitext(markdown)[0] + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
-    with open(os.path.join(workdir, "report.md"), "w", encoding="utf-8") as f:
+    with open(markdown, "w", encoding="utf-8") as f:
         f.write(f"# crfkit distillation report\n\n- command: `{result['command']}`\n- git: {result['git']}\n"
                 f"- date: {result['date']}\n\n{header}\n{table}\n")
     print("\n" + header + "\n" + table + "\n", flush=True)
     return result
+
+
+def _seed_groups(records: Sequence[dict]) -> list[dict]:
+    """One entry per (variant, K) with its seeds' test F1: mean, sample standard deviation, n."""
+    import statistics
+
+    groups: dict = {}
+    for record in records:
+        groups.setdefault((record["variant"], record.get("K")), []).append(record["test_f1"])
+    return [{"variant": variant, "K": k, "n": len(scores), "mean": round(statistics.mean(scores), 2),
+             "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None}
+            for (variant, k), scores in groups.items()]
+
+
+def _seed_summary(records: Sequence[dict]) -> str:
+    groups = _seed_groups(records)
+    if all(group["n"] == 1 for group in groups):
+        return ""
+    lines = ["| variant | K | test F1 | n |", "|---|---|---|---|"]
+    for group in groups:
+        spread = f" ± {group['sd']:.2f}" if group["sd"] is not None else ""
+        lines.append(f"| {group['variant']} | {group['K'] or '-'} | {group['mean']:.2f}{spread} | {group['n']} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -86,7 +116,11 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m crfkit.tool.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("workdir", help="a work folder of python -m crfkit.distill")
+    parser.add_argument("--out", help="write the report to this .md file (and its .json beside it) instead of "
+                        "WORKDIR/report.md, e.g. docs/wnut16_report.md")
     args = parser.parse_args(argv)
+    if args.out is not None and not args.out.endswith(".md"):
+        parser.error(f"argument --out: expected a path ending in .md, got {args.out!r}")
     config = os.path.join(args.workdir, "config.json")
     if not os.path.isfile(config):
         parser.error(f"{config} does not exist: not a work folder of python -m crfkit.distill")
@@ -99,7 +133,7 @@ def main(argv=None) -> int:
     if not is_trained_teacher(teacher_dir):
         teacher_dir = os.path.join(args.workdir, "teacher", "model")
     write_report(args.workdir, teacher_dir, records, tagging.test,
-                 batch_size=arguments[4].per_device_train_batch_size)
+                 batch_size=arguments[4].per_device_train_batch_size, out=args.out)
     return 0
 
 

