@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ._optional import moved_to
 from ._validation import check_choice, check_int
 
 __all__ = [
@@ -385,17 +386,9 @@ def tokenize_text(text: str) -> list[tuple[str, ...]]:
     return sentences
 
 
-# Kept here for the code written against them; they live in crfkit.packaged (resources inside
-# installed PyPI packages), which imports this module, hence the lazy attribute.
-_PACKAGED = ("conll2003_path", "load_conll2003", "load_news_sentences", "news_text_path")
-
-
-def __getattr__(name: str):
-    if name in _PACKAGED:
-        from . import packaged
-
-        return getattr(packaged, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Kept for the code written against this module: these names live in crfkit.packaged now.
+__getattr__ = moved_to("crfkit.packaged", ("conll2003_path", "load_conll2003", "load_news_sentences",
+                                          "news_text_path"), __name__)
 
 
 class Vocabulary:

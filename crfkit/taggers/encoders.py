@@ -3,17 +3,9 @@ encoders (encoder_path("minilm") and friends) in crfkit.packaged.
 """
 from __future__ import annotations
 
-from .._optional import require
+from .._optional import moved_to, require
 
 __all__ = ["require"]
 
-# Kept here for the code written against them; they live in crfkit.packaged.
-_PACKAGED = ("ENCODERS", "encoder_path")
-
-
-def __getattr__(name: str):
-    if name in _PACKAGED:
-        from .. import packaged
-
-        return getattr(packaged, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Kept for the code written against this module: these names live in crfkit.packaged now.
+__getattr__ = moved_to("crfkit.packaged", ("ENCODERS", "encoder_path"), __name__)

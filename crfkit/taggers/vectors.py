@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._optional import moved_to
+
 __all__ = ["read_word2vec_text"]
 
-# Kept here for the code written against them; they live in crfkit.packaged.
-_PACKAGED = ("GLOVE_INSTALL", "glove_vectors")
-
-
-def __getattr__(name: str):
-    if name in _PACKAGED:
-        from .. import packaged
-
-        return getattr(packaged, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Kept for the code written against this module: these names live in crfkit.packaged now.
+__getattr__ = moved_to("crfkit.packaged", ("GLOVE_INSTALL", "glove_vectors"), __name__)
 
 
 def read_word2vec_text(path: str) -> tuple[list[str], np.ndarray]:
