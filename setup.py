@@ -1,12 +1,21 @@
-"""Build crfkit's compiled kernels ahead of time.
+"""Build crfkit: the Python package, and its compiled kernels (crfkit._C) ahead of time.
 
     pip install --no-build-isolation -e .
 
 builds crfkit._C against the torch already installed (no isolated build environment, so pip
 never downloads another torch). The torch version it was built against is written next to it,
 to crfkit/_build_info.py (generated, not in git): at import, crfkit warns when the running torch
-differs (crfkit/_extension.py). Environment variables:
-    CRFKIT_NO_EXTENSION=1   install the pure-Python package only (the reference backend runs)
+differs (crfkit/_extension.py).
+
+Where torch is not importable (a plain `pip install crfkit` or `pip install crfkit-*.tar.gz`:
+pip builds in an isolated environment, and pyproject.toml's [build-system] does not ask for
+torch) or with CRFKIT_NO_EXTENSION=1, this builds the pure-Python package: a py3-none-any wheel
+that carries the C++ / CUDA sources (crfkit/_sources/csrc/), which crfkit compiles against the
+running torch at first use (crfkit/_build.py; `python -m crfkit.build`). Making the sdist or the
+metadata never imports torch. The sources, flags and per-ISA defines are in
+crfkit/_build_config.py, shared by both builds. Environment variables:
+    CRFKIT_NO_EXTENSION=1   build the pure-Python package only (at run time, it also turns the
+                            first-use build off: then numba or the reference backend runs)
     CRFKIT_FORCE_CUDA=1     build the CUDA kernels even when no GPU is visible (needs nvcc)
     CRFKIT_ARCH=dispatch    the CPUs the C++ kernels are compiled for:
         dispatch  (default) portable: the kernels compiled three times, for x86-64 (baseline),
@@ -35,50 +44,47 @@ differs (crfkit/_extension.py). Environment variables:
     CRFKIT_EXTRA_CFLAGS     more C++ compiler flags, after the mode's (split like a shell would)
     CRFKIT_EXTRA_LDFLAGS    more linker flags, appended last
 """
-import glob
+import importlib.util
 import os
-import platform
-import shlex
+import shutil
 import sys
 
 from setuptools import setup
-
-# Compile and link flags of each CRFKIT_BUILD_MODE. -fno-sanitize-recover: a UBSan report stops
-# the process, so a test run cannot pass over one.
-BUILD_MODES = {
-    "release": (["-O3", "-g0"], []),
-    "debug": (["-O0", "-g"], []),
-    "sanitize": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-                  "-fno-sanitize-recover=all"], ["-fsanitize=address,undefined"]),
-    "tsan": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=thread"], ["-fsanitize=thread"]),
-}
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# ---- CPU kernel copies (CRFKIT_ARCH) ------------------------------------------------------------
-# The CPU kernel files (csrc/cpu/*.cpp but the shared ones below) are compiled once per
-# instruction-set level, each copy with -DCRFKIT_CPU_ISA=<level> so that its code lives in
-# namespace crfkit::cpu::<level> (csrc/cpu/isa.h); csrc/cpu/dispatch.cpp registers one copy.
-CPU_SHARED_SOURCES = ("csrc/cpu/dispatch.cpp", "csrc/cpu/recycled_memory.cpp")  # compiled once
 
-# -mtune=generic: a wheel is built once and run on many CPUs, so no one CPU's tuning.
-DISPATCH_LEVELS = (
-    ("baseline", ["-march=x86-64", "-mtune=generic"]),
-    ("avx2", ["-march=x86-64-v3", "-mtune=generic"]),
-    ("avx512", ["-march=x86-64-v4", "-mtune=generic"]),
-)
+def _load_build_config():
+    """crfkit/_build_config.py, loaded by its path: the sources, flags and per-ISA defines, shared
+    with the first-use build (crfkit/_build.py). Importing `crfkit` would import torch."""
+    spec = importlib.util.spec_from_file_location("_crfkit_build_config",
+                                                  os.path.join(ROOT, "crfkit", "_build_config.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def cpu_build_plan(arch):
-    """(flags of the sources compiled once, [(level, flags of that copy of the kernels)],
-    flags of dispatch.cpp) for CRFKIT_ARCH=arch."""
-    if arch == "dispatch" and platform.machine().lower() in ("x86_64", "amd64"):
-        # Everything outside the kernel copies is built for the baseline: it runs on any x86-64.
-        return DISPATCH_LEVELS[0][1], list(DISPATCH_LEVELS), ["-DCRFKIT_CPU_DISPATCH"]
-    if arch == "dispatch":
-        arch = "none"
-    flags = [] if arch == "none" else [f"-march={arch}"]
-    return flags, [("single", flags)], [f"-DCRFKIT_CPU_ARCH={arch}"]
+config = _load_build_config()
+
+
+class BuildPyWithSources(build_py):
+    """build_py that also puts the C++ / CUDA sources (csrc/) into the wheel, as
+    crfkit/_sources/csrc/: the first-use build (crfkit/_build.py) compiles them where the wheel has
+    no crfkit._C for the running torch (a pure-Python wheel, or after a torch upgrade). Not in an
+    editable install: that one finds csrc/ in the checkout."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        for directory, _, names in os.walk(os.path.join(ROOT, "csrc")):
+            for name in sorted(names):
+                if name.endswith(config.SOURCE_SUFFIXES):
+                    source = os.path.join(directory, name)
+                    target = os.path.join(self.build_lib, "crfkit", "_sources", os.path.relpath(source, ROOT))
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.copy2(source, target)
 
 
 def with_cpu_kernel_copies(build_extension_class):
@@ -120,51 +126,67 @@ def with_cpu_kernel_copies(build_extension_class):
     return BuildWithCpuKernelCopies
 
 
+# Commands that compile; any other (sdist, egg_info, dist_info: making the sdist and the metadata)
+# needs no torch, so setup.py does not import it for them.
+BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "bdist", "bdist_egg", "install", "develop", "editable_wheel"}
+
+
+def _extension_wanted():
+    """Whether to build crfkit._C, and why not (printed) when not."""
+    if os.environ.get("CRFKIT_NO_EXTENSION", "0") == "1":
+        return False, "CRFKIT_NO_EXTENSION=1"
+    if not BUILD_COMMANDS & set(sys.argv[1:]):
+        return False, None  # the sdist or the metadata: nothing is compiled anyway
+    try:
+        import torch  # noqa: F401
+    except ImportError as error:
+        return False, (f"torch cannot be imported here ({error}; an isolated build: pip install without "
+                       "--no-build-isolation)")
+    return True, None
+
+
 ext_modules = []
-cmdclass = {}
-if os.environ.get("CRFKIT_NO_EXTENSION", "0") != "1":
+cmdclass = {"build_py": BuildPyWithSources}
+wanted, why_not = _extension_wanted()
+if why_not:
+    print(f"crfkit: building the pure-Python package, without crfkit._C: {why_not}; crfkit compiles its "
+          "kernels against the running torch at first use (`python -m crfkit.build`; crfkit/_build.py)",
+          file=sys.stderr)
+if wanted:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
 
-    mode = os.environ.get("CRFKIT_BUILD_MODE", "release").strip().lower() or "release"
-    if mode not in BUILD_MODES:
-        raise SystemExit(f"CRFKIT_BUILD_MODE must be one of {sorted(BUILD_MODES)}, got {mode!r}")
-    mode_cflags, mode_ldflags = BUILD_MODES[mode]
+    try:
+        mode = config.build_mode()
+    except ValueError as error:
+        raise SystemExit(str(error))
+    cxx_flags, link_flags = config.compile_flags(mode)
     arch = os.environ.get("CRFKIT_ARCH", "dispatch")
-    shared_arch_flags, levels, dispatch_flags = cpu_build_plan(arch)
-    kernel_sources = sorted(set(glob.glob("csrc/cpu/*.cpp")) - set(CPU_SHARED_SOURCES))
-    sources = sorted(glob.glob("csrc/*.cpp")) + list(CPU_SHARED_SOURCES)
-    # No fast-math: -inf / NaN stay exact. Wide vectors and FMA come from each copy's -march.
-    cxx_flags = [*mode_cflags, "-std=c++20", "-fopenmp", *shlex.split(os.environ.get("CRFKIT_EXTRA_CFLAGS", ""))]
-    link_flags = ["-fopenmp", *mode_ldflags, *shlex.split(os.environ.get("CRFKIT_EXTRA_LDFLAGS", ""))]
+    shared_arch_flags, levels, dispatch_flags = config.cpu_build_plan(arch)
+    files = config.sources()
+    kernel_sources = files["kernels"]
     use_cuda = CUDA_HOME is not None and (
         torch.cuda.is_available() or os.environ.get("CRFKIT_FORCE_CUDA", "0") == "1"
     )
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    if use_cuda and cuda_sources:
+    if use_cuda and files["cuda"]:
         if not torch.cuda.is_available():
-            # Forced build without a visible GPU: real code for A100 / H100 / H200 and PTX for
-            # newer GPUs, unless TORCH_CUDA_ARCH_LIST (the standard variable) says otherwise.
-            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", config.FORCED_CUDA_ARCH_LIST)
         extension = CUDAExtension(
             "crfkit._C",
-            sources + cuda_sources,
-            # No --use_fast_math: -inf and NaN must keep their meaning in every kernel.
-            # -lineinfo: source lines in compute-sanitizer / profiler reports, no cost at run time.
-            extra_compile_args={"cxx": cxx_flags + shared_arch_flags + dispatch_flags,
-                                "nvcc": ["-O3", "-std=c++20", "-lineinfo"]},
+            files["main"] + files["cuda"],
+            extra_compile_args={"cxx": cxx_flags + shared_arch_flags + dispatch_flags, "nvcc": list(config.NVCC_FLAGS)},
             extra_link_args=link_flags,
         )
     else:
         extension = CppExtension(
-            "crfkit._C", sources, extra_compile_args={"cxx": cxx_flags + shared_arch_flags + dispatch_flags},
+            "crfkit._C", files["main"], extra_compile_args={"cxx": cxx_flags + shared_arch_flags + dispatch_flags},
             extra_link_args=link_flags,
         )
     extension.cpu_kernel_copies = [(level, kernel_sources, flags) for level, flags in levels]
     extension.cpu_shared_only_flags = shared_arch_flags + dispatch_flags
     # Relink when a kernel file or a header changed (setuptools looks at sources and depends
     # only; the kernel files are not the extension's sources, and ninja recompiles what changed).
-    extension.depends = kernel_sources + sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/cuda/*.cuh"))
+    extension.depends = kernel_sources + files["depends"]
     ext_modules = [extension]
 
     class BuildWithInfo(with_cpu_kernel_copies(BuildExtension).with_options(use_ninja=True)):
@@ -190,6 +212,6 @@ if os.environ.get("CRFKIT_NO_EXTENSION", "0") != "1":
                         f"TORCH_VERSION = {torch.__version__!r}\n"
                         f"BUILD_MODE = {mode!r}\n")
 
-    cmdclass = {"build_ext": BuildWithInfo}
+    cmdclass["build_ext"] = BuildWithInfo
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

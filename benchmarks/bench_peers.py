@@ -3,8 +3,11 @@
     python benchmarks/bench_peers.py [--quick | --full] [--threads N] [--peers a,b] [--out PATH]
 
 Peers (adapters in benchmarks/peers/, installed by benchmarks/peers/install.sh): torch-struct,
-pytorch-crf, allencrf, TorchCRF, pytorchcrf, pyt-crf, transformers-crf. A peer that cannot be
-imported is reported as "not installed: <reason>".
+pytorch-crf, allencrf, TorchCRF, pytorchcrf, pyt-crf, transformers-crf, pytorch-crf-compiled
+(pytorch-crf's log Z and decode under torch.compile, timed after warm-up, so without compilation;
+sentences over 256 positions skipped), hmmlearn (its C++ forward-backward and Viterbi, one
+sentence per call) and torbi (Viterbi only). A peer that cannot be imported is reported as
+"not installed: <reason>"; a cell an adapter declines (Peer.skip_reason) as "skipped: <reason>".
 
 Ops (the same as benchmarks/cases.py): log Z forward (no grad), log Z forward + backward
 (d log Z.sum() / d emissions and transitions), marginals, Viterbi (paths and scores), k-best
@@ -194,6 +197,9 @@ def check_peer(peer, case: cases.Case, x: cases.Inputs, want: tuple, budget_s: f
     "estimate_s", "fn"} where fn is the bound timed callable when the status is "ok"."""
     if case.op not in peer.supports:
         return {"status": "unsupported", "single_s": None, "estimate_s": None, "fn": None}
+    declined = peer.skip_reason(case.op, x, case.K)
+    if declined:
+        return {"status": f"skipped: {declined}", "single_s": None, "estimate_s": None, "fn": None}
     estimate = None
     try:
         if PROBE < case.L:
@@ -363,7 +369,8 @@ def run_cell(case: cases.Case, loaded, args) -> dict:
             continue
         load = core_run.OtherLoad().start()
         result = check_peer(peer, case, xp, want_p, args.budget)
-        if result["status"].startswith("skipped: too slow") and (load.stop() or 0) > core_run.BUSY:
+        if (result["status"].startswith("skipped: too slow") and not args.no_wait
+                and (load.stop() or 0) > core_run.BUSY):
             row["quiet_wait_s"] += wait_for_quiet(args.max_wait)  # the estimate was taken on a busy machine
             result = check_peer(peer, case, xp, want_p, args.budget)
         entry["status"], entry["single_s"] = result["status"], result["single_s"]
@@ -447,6 +454,8 @@ def _short(status: Optional[str]) -> str:
         return "WRONG"
     if status.startswith("skipped: too slow"):
         return "too slow"
+    if status.startswith("skipped"):
+        return "skipped"
     if "out of memory" in status:
         return "OOM"
     if status.startswith("not installed"):
@@ -528,10 +537,15 @@ def markdown(env: dict, rows: List[dict], loaded, memory: List[dict], heads: Lis
               "and every peer.",
               f"- timing: torch.utils.benchmark blocked_autorange median (min_run_time {args.min_run_time} s) of one "
               f"call, the smallest of {args.rounds} interleaved rounds (crfkit and the peers in turn; a peer whose "
-              "single call takes over 1 s gets one round). Before each cell the benchmark waits for a quiet machine "
-              f"(other processes under {core_run.BUSY:.0%} of the CPUs, at most {args.max_wait:g} s), and a cell whose "
-              f"timing saw more is re-timed up to {args.retries} times, the quietest attempt kept (column others' "
-              "CPU). crfkit: one call of the public function "
+              "single call takes over 1 s gets one round). "
+              + ("With --no-wait the benchmark neither waited for a quiet machine nor re-timed a disturbed cell: "
+                 "each cell was timed once, whatever the other processes did (column others' CPU). "
+                 if args.no_wait else
+                 "Before each cell the benchmark waits for a quiet machine "
+                 f"(other processes under {core_run.BUSY:.0%} of the CPUs, at most {args.max_wait:g} s), and a cell "
+                 f"whose timing saw more is re-timed up to {args.retries} times, the quietest attempt kept (column "
+                 "others' CPU). ")
+              + "crfkit: one call of the public function "
               "(benchmarks/cases.py's op, compiled backend). A peer: its own call on inputs already in its "
               "layout (module built and parameters set beforehand; see 'How each peer is called'). "
               "tokens/s = B*L / time (padded positions count).",
@@ -541,6 +555,9 @@ def markdown(env: dict, rows: List[dict], loaded, memory: List[dict], heads: Lis
               f"- torch-struct cells whose scan is expected to need over {args.isolate_mb} MiB run in a subprocess "
               f"with an address-space cap of {args.mem_cap_gb:g} GiB (+{CHILD_BASE_GB:g} GiB for the process "
               "itself): an allocation beyond it is reported as 'failed: out of memory'.",
+              f"- peers: {', '.join(n for n, _, _ in loaded)}"
+              + ("" if not args.peers else f" (chosen with --peers; also known: "
+                 f"{', '.join(n for n in peers.NAMES if n not in [m for m, _, _ in loaded]) or 'none'})") + ".",
               "- peers installed by `bash benchmarks/peers/install.sh` (pip --no-deps, never touching torch); "
               "`pip install -e '.[bench]'` installs the ones that resolve cleanly (see install.sh).",
               ""]

@@ -6,13 +6,16 @@
     best.scores, best.paths, best.log_probs                                 # (B,5), (B,5,L), (B,5)
 
 See crfkit.functional for shapes and conventions, crfkit.backend_info() for which
-implementation runs. The layers above the CRF ops (crfkit.distill, crfkit.taggers,
-crfkit.training) are imported on first use, so `import crfkit` loads the ops only.
+implementation runs, crfkit.build_extension() (`python -m crfkit.build`) to compile the kernels
+for the running torch where the installed package has none (crfkit/_build.py). The layers above
+the CRF ops (crfkit.distill, crfkit.taggers, crfkit.training) are imported on first use, so
+`import crfkit` loads the ops only.
 """
 import importlib
 
 from . import constraints, reference
-from .backends import backend_info, cached_memory, release_cached_memory, set_backend, use_backend
+from .backends import (backend_info, build_extension, cached_memory, release_cached_memory, set_backend,
+                       use_backend)
 from .backends.deferred_errors import check_errors, deferred_errors
 from .distribution import LinearChainCRF
 from .functional import (
@@ -45,6 +48,7 @@ __all__ = [
     "KBest",
     "LinearChainCRF",
     "backend_info",
+    "build_extension",
     "cached_memory",
     "check_errors",
     "constraints",

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -826,3 +827,9 @@ def test_quick_main_job(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = __import__("json").loads((tmp_path / "report.json").read_text())
     assert [row["model"].split(",")[0] for row in report["rows"]][1:] == ["BiLSTM+CRF vanilla", "BiLSTM+CRF te_seq"]
+    # the numbers docs/pipeline_quick_report.md shows, to within what thread counts and machines
+    # change in CPU training (the same seeds; sums in another order)
+    published = __import__("json").loads((Path(ROOT) / "docs" / "pipeline_quick_report.json").read_text())
+    assert [row["model"] for row in report["rows"]] == [row["model"] for row in published["rows"]]
+    for row, expected in zip(report["rows"], published["rows"]):
+        assert abs(row["test_f1"] - expected["test_f1"]) <= 0.5, (row["model"], row["test_f1"], expected["test_f1"])

@@ -5,8 +5,9 @@
 
 The stamp (build/.setup-stamp, JSON, one entry per Python environment) records what the last
 successful install was made from: the contents of setup.py, pyproject.toml, MANIFEST.in, the
-Makefile, crfkit/_version.py and every file under csrc/; the torch installed; the build
-variables (CRFKIT_ARCH, CRFKIT_BUILD_MODE, ...); and the built crfkit/_C*.so (size and mtime).
+Makefile, crfkit/_version.py, crfkit/_build_config.py (the build's sources and flags) and every
+file under csrc/; the torch installed; the build variables (CRFKIT_ARCH, CRFKIT_BUILD_MODE, ...);
+and the built crfkit/_C*.so (size and mtime).
 `check` also wants this checkout installed in editable mode in this environment and every
 DIST==VERSION given (the data packages) installed: anything else reinstalls. It reads files and
 package metadata only (no torch import), so an up-to-date check takes well under a second.
@@ -21,7 +22,8 @@ from urllib.parse import unquote, urlparse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAMP = os.path.join(ROOT, "build", ".setup-stamp")
-SOURCES = ["setup.py", "pyproject.toml", "MANIFEST.in", "Makefile", os.path.join("crfkit", "_version.py")]
+SOURCES = ["setup.py", "pyproject.toml", "MANIFEST.in", "Makefile", os.path.join("crfkit", "_version.py"),
+           os.path.join("crfkit", "_build_config.py")]
 BUILD_VARIABLES = ["CRFKIT_NO_EXTENSION", "CRFKIT_ARCH", "CRFKIT_BUILD_MODE", "CRFKIT_FORCE_CUDA",
                    "CRFKIT_EXTRA_CFLAGS", "CRFKIT_EXTRA_LDFLAGS", "TORCH_CUDA_ARCH_LIST", "CXX", "CC"]
 

@@ -23,6 +23,9 @@ REGISTRY: Dict[str, Tuple[str, str]] = {
     "pytorchcrf": ("pytorchcrf_peer", "PytorchCrfNbest"),
     "pyt-crf": ("pyt_crf_peer", "PytCrf"),
     "transformers-crf": ("transformers_crf_peer", "TransformersCrf"),
+    "pytorch-crf-compiled": ("pytorch_crf_compiled_peer", "PytorchCrfCompiled"),
+    "hmmlearn": ("hmmlearn_peer", "Hmmlearn"),
+    "torbi": ("torbi_peer", "Torbi"),
 }
 NAMES = tuple(REGISTRY)
 

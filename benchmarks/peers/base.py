@@ -152,6 +152,11 @@ class Peer:
             return VIA_AUTOGRAD
         return None
 
+    def skip_reason(self, op: str, x, k: Optional[int] = None) -> Optional[str]:
+        """Why the adapter declines this cell (reported as "skipped: <why>", not run nor
+        timed), or None (default: it runs every cell of the ops it supports)."""
+        return None
+
     def memory_estimate(self, op: str, x, k: Optional[int] = None) -> int:
         """Bytes the peer's largest intermediate is expected to take (0: small)."""
         return 0

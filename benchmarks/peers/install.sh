@@ -13,6 +13,8 @@
 #   transformers-crf pins transformers==4.56.1 and pulls in ~50 packages (datasets, onnx,
 #                    onnxruntime, optimum, wandb, ...); the benchmark only uses its crf.py,
 #                    which needs torch alone: installed with --no-deps here
+#   hmmlearn, torbi  see below (torbi is compiled from its sdist against this torch)
+# pytorch-crf-compiled is pytorch-crf under torch.compile: nothing more to install.
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 PIP="$PYTHON -m pip"
@@ -26,6 +28,17 @@ $PIP install --no-deps \
     "pytorchcrf==1.2.0" \
     "transformers-crf==0.3.2"
 $PIP install --no-deps --ignore-requires-python "pyt-crf==0.1.2"
+# hmmlearn: only its compiled hmmlearn._hmmc is used, which needs numpy alone; its declared
+# scipy and scikit-learn (for its model classes, no torch) are installed if missing.
+$PIP install --no-deps "hmmlearn==0.3.3"
+$PYTHON -c "import scipy, sklearn" 2>/dev/null || $PIP install scipy scikit-learn
+# torbi: the 1.4.1 wheel carries prebuilt libraries for torch 2.6 - 2.11 only, which do not load
+# on a newer torch (undefined symbols); the 1.3.3 sdist is compiled here against the installed
+# torch (--no-build-isolation: no second torch; needs a C++ compiler, about 30 s). Its declared
+# dependencies are not installed: torchaudio would bring a torch of its own, and torchutil
+# (tensorboard, apprise, ...) and yapecs are only imported by torbi's package __init__, which
+# the adapter does not run (it loads the compiled operator itself: see torbi_peer.py).
+USE_CUDA=0 MAX_JOBS=1 $PIP install --no-deps --no-build-isolation "torbi==1.3.3"
 # their small dependencies (numpy: TorchCRF, allencrf; pytest: allencrf), and matplotlib for the plot
 $PYTHON -c "import numpy" 2>/dev/null || $PIP install numpy
 $PYTHON -c "import pytest" 2>/dev/null || $PIP install pytest

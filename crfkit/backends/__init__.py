@@ -12,6 +12,12 @@ The environment variable CRFKIT_BACKEND (compiled | numba | reference) forces on
 crfkit.use_backend(name) switches now, or within a `with` block (the tests use it to run one
 suite on each).
 
+Where no usable crfkit._C is installed but this copy of crfkit can compile one (crfkit/_build.py,
+which says when and why), the first op call (the first current()) compiles it, announced on
+stderr, loads it and switches to "compiled", unless a backend was forced or chosen; until then,
+and where it cannot or fails, numba or the reference runs and backend_info()["reason"] says why.
+build_extension() does it now.
+
 The numba backend is imported on first need (when it is chosen, or asked about by available() /
 backend_info()): importing numba takes about 0.23 s and 55 MiB of memory, which users of the
 compiled backend would otherwise pay at every `import crfkit`.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 import types
 import warnings
 from typing import Dict, Protocol, Tuple, runtime_checkable
@@ -103,6 +110,9 @@ class CRFBackend(Protocol):
 
 _available: Dict[str, types.ModuleType] = {"reference": reference}
 _unavailable: Dict[str, str] = {}
+# True while the first op call is to compile crfkit._C (crfkit/_build.py): current() checks it.
+_first_use_pending = False
+_first_use_lock = threading.RLock()
 
 try:
     # First crfkit._C itself (crfkit/_extension.py): its error says why it cannot be used (not
@@ -115,6 +125,7 @@ try:
     _available["compiled"] = compiled
 except Exception as error:  # ImportError, or an ABI mismatch (OSError / undefined symbol)
     _unavailable["compiled"] = f"{type(error).__name__}: {error}"
+    _first_use_pending = getattr(error, "first_use_build", False) is True
     if "crfkit._C" in sys.modules and sys.modules["crfkit._C"] is not None:
         # The extension loaded, but the compiled backend did not (an extension older than
         # compiled.py: its op schemas differ): as loud as an extension that fails to load.
@@ -142,13 +153,22 @@ _DESCRIPTION = {"compiled": "the compiled extension", "numba": "numba", "referen
 
 
 def _initial_choice():
+    global _first_use_pending
     forced = os.environ.get("CRFKIT_BACKEND", "").strip().lower()
     if forced:
         if forced not in _PREFERENCE:
             raise ValueError(f"CRFKIT_BACKEND must be one of {_PREFERENCE}, got {forced!r}")
+        if forced == "compiled" and _first_use_pending:  # asked for: compiled now, at import
+            _build_and_load(explicit=False)
+        _first_use_pending = False  # a forced backend is kept: no build at the first op call
         if not _load(forced):
             raise ImportError(f"CRFKIT_BACKEND={forced} but it cannot be loaded: {_unavailable[forced]}")
         return forced, f"forced by CRFKIT_BACKEND={forced}"
+    return _automatic_choice()
+
+
+def _automatic_choice():
+    """The best backend that loads, and why the better ones did not."""
     for name in _PREFERENCE:
         if _load(name):
             # Why each better backend was passed over, e.g. "the compiled extension is not
@@ -158,16 +178,101 @@ def _initial_choice():
             why = "; ".join(skipped) if skipped else f"{_DESCRIPTION[name]} loaded"
             if name == "compiled" and _extension.version_note:
                 why += f" ({_extension.version_note})"
+            if name == "compiled" and _extension.cached_build:
+                why += f" (built at first use: {_extension.cached_build})"
             return name, why
     raise AssertionError("the reference backend is always available")
 
 
+def _build_and_load(explicit: bool, verbose: bool = False) -> str:
+    """Compile crfkit._C for this process, or take the finished build in crfkit's cache
+    (crfkit/_build.py), load it and make the compiled backend available; the library's path.
+    A failure is recorded as the compiled backend's reason; raised (RuntimeError) if `explicit`."""
+    from .. import _build
+
+    try:
+        _, library, _ = _build.build(verbose=verbose, retry=explicit)
+        _build.load_library(library)
+        from . import compiled
+    except Exception as error:
+        why = str(error) if isinstance(error, _build.BuildError) else f"{type(error).__name__}: {error}"
+        _unavailable["compiled"] = why
+        if not explicit:
+            _build.announce(f"crfkit: {why}; running {_DESCRIPTION[_automatic_choice()[0]]} instead")
+            return ""
+        raise RuntimeError(why) from error
+    _extension.cached_build = os.path.dirname(library)
+    _available["compiled"] = compiled
+    _unavailable.pop("compiled", None)
+    return library
+
+
+def _first_use_build() -> None:
+    """The first op call's build (current()): only for the backend chosen automatically, and
+    not while torch.compile traces."""
+    global _first_use_pending, _current, _reason, _automatic_reason
+    if _reason is not _automatic_reason:  # forced or chosen by the user: no build
+        return
+    import torch
+
+    if torch.compiler.is_compiling():
+        return
+    with _first_use_lock:
+        if not _first_use_pending or _reason is not _automatic_reason:
+            return
+        _first_use_pending = False
+        _build_and_load(explicit=False)
+        _current, _reason = _automatic_choice()
+        _automatic_reason = _reason
+
+
 _current, _reason = _initial_choice()
+# The reason of the automatic choice (the same object): a first-use build replaces that choice only.
+_automatic_reason = _reason if not os.environ.get("CRFKIT_BACKEND", "").strip() else None
 
 
 def current():
     """The backend module in use."""
+    if _first_use_pending:
+        _first_use_build()
     return _available[_current]
+
+
+def build_extension(verbose: bool = False) -> str:
+    """Compile crfkit._C for the running torch and this CPU now, or reuse the build in crfkit's
+    cache (crfkit/_build.py: the first-use build, done ahead of the first op call; also what
+    `python -m crfkit.build` runs), load it, and use the compiled backend from now on unless a
+    backend was forced or chosen. Returns the path of the crfkit._C library in use (of the one
+    just built, for the next process, when this one already runs a crfkit._C built for another
+    torch: one process cannot load two). A build that failed before is retried. RuntimeError
+    says why it cannot be built, with the log's path when compiling failed. verbose: the
+    compiler's output on stdout."""
+    global _first_use_pending, _current, _reason, _automatic_reason
+    with _first_use_lock:
+        if "compiled" in _available and not _extension.version_note:
+            from .. import _C
+
+            return _C.__file__
+        if sys.modules.get("crfkit._C", 0) is None:
+            raise RuntimeError("crfkit._C is blocked in this process (sys.modules['crfkit._C'] is None)")
+        if "crfkit._C" in sys.modules:
+            # A crfkit._C built for another torch, or refused (out of date), is loaded: build for
+            # the next process, which loads this one (crfkit/_extension.py looks in the cache).
+            from .. import _build
+
+            try:
+                _, library, _ = _build.build(verbose=verbose, retry=True)
+            except _build.BuildError as error:
+                raise RuntimeError(str(error)) from error
+            _build.announce(f"crfkit: built {library}; this process keeps the crfkit._C it has loaded "
+                            f"({sys.modules['crfkit._C'].__file__})")
+            return library
+        _first_use_pending = False
+        library = _build_and_load(explicit=True, verbose=verbose)
+        if _reason is _automatic_reason:
+            _current, _reason = _automatic_choice()
+            _automatic_reason = _reason
+        return library
 
 
 def available() -> tuple:
@@ -180,14 +285,17 @@ def backend_info() -> dict:
 
     {'backend': 'compiled', 'reason': 'the compiled extension loaded',
      'available': ('compiled', 'numba', 'reference'), 'unavailable': {}, 'cuda_kernels': False,
-     'cpu_isa': 'avx512'}
+     'cpu_isa': 'avx512', 'extension': '/.../crfkit/_C.cpython-311-x86_64-linux-gnu.so'}
 
     cpu_isa: the copy of the C++ CPU kernels in use (crfkit._C.cpu_isa(); None without the
     extension): 'baseline', 'avx2' or 'avx512' in the default build, 'march=native' in a
-    CRFKIT_ARCH=native build (setup.py).
+    CRFKIT_ARCH=native build (setup.py), the level's -march ('march=x86-64-v4' for avx512) in a
+    first-use build (crfkit/_build.py).
+    extension: the file of the crfkit._C in use (the installed one, or a first-use build in
+    crfkit's cache), or None.
     """
     usable = available()  # first: it records why a backend loaded on first need is unusable
-    cuda, cpu_isa = False, None
+    cuda, cpu_isa, extension = False, None, None
     if "compiled" in _available:
         import torch
 
@@ -195,6 +303,7 @@ def backend_info() -> dict:
 
         cuda = torch._C._dispatch_has_kernel_for_dispatch_key("crfkit::log_partition", "CUDA")
         cpu_isa = _C.cpu_isa() if hasattr(_C, "cpu_isa") else None  # None: built before it existed
+        extension = getattr(_C, "__file__", None)
     return {
         "backend": _current,
         "reason": _reason,
@@ -202,6 +311,7 @@ def backend_info() -> dict:
         "unavailable": dict(_unavailable),
         "cuda_kernels": cuda,
         "cpu_isa": cpu_isa,
+        "extension": extension,
     }
 
 

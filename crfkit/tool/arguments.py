@@ -192,6 +192,10 @@ class DistillTrainingArguments(TaggerTrainingArguments):
     save_total_limit: Optional[int] = field(default=2, metadata=_help("checkpoints kept per run"))
     logging_steps: float = field(default=50, metadata=_help("log every N steps"))
     seed: int = field(default=0, metadata=_help("the teacher's seed (students: --seeds)"))
+    num_train_epochs: float = field(default=3.0, metadata=_help(
+        "not used by the tool: each stage's epochs are --teacher_epochs and --student_epochs"))
+    learning_rate: float = field(default=5e-5, metadata=_help(
+        "not used by the tool: --teacher_learning_rate, --teacher_head_learning_rate, --student_learning_rate"))
 
 
 def _parser():

@@ -79,7 +79,10 @@ def write_report(workdir: str, teacher_dir: str, records: Sequence[dict], test_s
     with open(os.path.splitext(markdown)[0] + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
     with open(markdown, "w", encoding="utf-8") as f:
-        f.write(f"# crfkit distillation report\n\n- command: `{result['command']}`\n- git: {result['git']}\n"
+        runs = (f"- the runs: `{teacher_record['command']}` (the teacher's record; the work folder's "
+                f"`config.json` holds every argument), git {teacher_record.get('git')}\n"
+                if teacher_record.get("command") else "")
+        f.write(f"# crfkit distillation report\n\n- command: `{result['command']}`\n{runs}- git: {result['git']}\n"
                 f"- date: {result['date']}\n\n{header}\n{table}\n")
     print("\n" + header + "\n" + table + "\n", flush=True)
     return result
