@@ -40,7 +40,7 @@ Conventions, the same in every backend:
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -65,7 +65,8 @@ class KBest(NamedTuple):
     log_probs: Tensor
 
 
-def log_partition(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+def log_partition(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
+                  start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> Tensor:
     """log Z(x) = logsumexp over all tag sequences of their score: (B,).
 
     Differentiable in emissions, transitions, start and end; the gradient with respect to
@@ -78,7 +79,8 @@ def log_partition(emissions, transitions, lengths=None, start=None, end=None) ->
     return backends.current().log_partition(*prepare(emissions, transitions, lengths, start, end))
 
 
-def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+def marginals(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
+              start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> Tensor:
     """P(y_i = t | x): (B, L, T), zero at padded positions.
 
     Differentiable in emissions, transitions, start and end: the gradient is a Hessian-vector
@@ -91,14 +93,17 @@ def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Ten
     return backends.current().marginals(*prepare(emissions, transitions, lengths, start, end))
 
 
-def marginals_and_transition_counts(emissions, transitions, lengths=None, start=None, end=None):
+def marginals_and_transition_counts(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
+                                    start: Optional[Tensor] = None,
+                                    end: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(marginals(...), expected_transition_counts(...)), from one forward-backward where the
     backend can (crfkit.distribution's exact entropy, cross entropy and KL need both). Not
     exported by the crfkit package: crfkit.LinearChainCRF is its user-facing form."""
     return backends.current().marginals_and_transition_counts(*prepare(emissions, transitions, lengths, start, end))
 
 
-def expected_transition_counts(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+def expected_transition_counts(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
+                               start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> Tensor:
     """Expected number of s -> t transitions per sentence: (B, T, T), i.e. the pairwise
     marginals P(y_{i-1} = s, y_i = t | x) summed over positions. With marginals() it gives
     every expectation of a score, E_p[s_q(y)], hence exact CRF cross entropy and KL divergence.
@@ -112,13 +117,15 @@ def expected_transition_counts(emissions, transitions, lengths=None, start=None,
     return backends.current().expected_transition_counts(*prepare(emissions, transitions, lengths, start, end))
 
 
-def viterbi(emissions, transitions, lengths=None, start=None, end=None) -> BestPath:
+def viterbi(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
+            start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> BestPath:
     """The best tag sequence: BestPath(scores (B,), paths (B, L) int64); paths are -1 at padded
     positions. scores are differentiable (they are the sequence scores of the paths)."""
     return BestPath(*backends.current().viterbi(*prepare(emissions, transitions, lengths, start, end)))
 
 
-def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=None) -> KBest:
+def kbest_viterbi(emissions: Tensor, transitions: Tensor, k: int, lengths: Optional[Tensor] = None,
+                  start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> KBest:
     """The k highest-scoring DISTINCT tag sequences, best first (exact k-best Viterbi).
 
     Returns KBest(scores (B, k), paths (B, k, L) int64, log_probs (B, k)) with
@@ -131,7 +138,8 @@ def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=
     return KBest(*backends.current().kbest_viterbi(emissions, transitions, k, lengths, start, end))
 
 
-def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=None) -> Tensor:
+def sequence_score(emissions: Tensor, transitions: Tensor, tags: Tensor, lengths: Optional[Tensor] = None,
+                   start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> Tensor:
     """Score s(x, y) of given tag sequences, differentiable.
 
     tags (B, L) -> (B,), or (B, N, L) -> (B, N) for N sequences per sentence. Tags at real
