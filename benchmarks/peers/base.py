@@ -62,6 +62,20 @@ def import_peer(module: str, dist: str):
         raise PeerUnavailable(f"{dist}: import {module} failed: {type(error).__name__}: {error}") from error
 
 
+def package_folder(peer: str, package: str) -> str:
+    """The folder of installed package `package`, found without importing it (its __init__ may
+    need what is not installed); PeerUnavailable naming `peer` when it is not there."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except Exception as error:
+        raise PeerUnavailable(f"{peer}: {type(error).__name__}: {error}") from error
+    if spec is None or not spec.submodule_search_locations:
+        raise PeerUnavailable(f"{peer}: package {package} not found")
+    return list(spec.submodule_search_locations)[0]
+
+
 def mask_from_lengths(lengths: torch.Tensor, L: int) -> torch.Tensor:
     """(B, L) bool, True at positions < lengths[b] (left-aligned)."""
     return torch.arange(L, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)

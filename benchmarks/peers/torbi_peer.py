@@ -34,24 +34,17 @@ Conventions (read from torbi/csrc/viterbi.cpp and torbi/viterbi.py, 1.3.3):
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 
 import torch
 
-from .base import Peer, PeerUnavailable, mask_paths, rescore
+from .base import Peer, PeerUnavailable, mask_paths, package_folder, rescore
 
 
 def _load_operator():
     if hasattr(torch.ops, "torbi") and hasattr(torch.ops.torbi, "viterbi_decode"):
         return torch.ops.torbi
-    try:
-        spec = importlib.util.find_spec("torbi")
-    except Exception as error:
-        raise PeerUnavailable(f"torbi: {type(error).__name__}: {error}") from error
-    if spec is None or not spec.submodule_search_locations:
-        raise PeerUnavailable("torbi: package torbi not found")
-    folder = list(spec.submodule_search_locations)[0]
+    folder = package_folder("torbi", "torbi")
     libraries = sorted(glob.glob(os.path.join(folder, "_C*.so")))
     if not libraries:
         raise PeerUnavailable(f"torbi: no compiled library (_C*.so) in {folder}")

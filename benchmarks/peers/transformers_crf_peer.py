@@ -29,7 +29,7 @@ import os
 import sys
 import warnings
 
-from .base import PeerUnavailable
+from .base import PeerUnavailable, package_folder
 from .pytorchcrf_peer import PytorchCrfNbest
 
 warnings.filterwarnings("ignore", message="where received a uint8 condition tensor")
@@ -38,13 +38,8 @@ _MODULE = "crfkit_bench_transformers_crf_crf"
 
 
 def _load_crf_module():
-    try:
-        spec = importlib.util.find_spec("transformers_crf")
-    except Exception as error:
-        raise PeerUnavailable(f"transformers-crf: {type(error).__name__}: {error}") from error
-    if spec is None or not spec.submodule_search_locations:
-        raise PeerUnavailable("transformers-crf: package transformers_crf not found")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "crf.py")
+    folder = package_folder("transformers-crf", "transformers_crf")
+    path = os.path.join(folder, "crf.py")
     if not os.path.exists(path):
         raise PeerUnavailable(f"transformers-crf: {path} missing")
     if _MODULE in sys.modules:
