@@ -156,14 +156,36 @@ def shown(workdir) -> str:
         return Path(workdir).name
 
 
+def rewrite_from_docs(out: str) -> int:
+    """<out>.md and .json again from the records in <out>.json, with each work folder and each
+    --workdir of the recorded command as shown() names it; the numbers are kept as they are."""
+    records = json.loads(Path(out + ".json").read_text())
+    for record in records:
+        record["workdir"] = shown(record["workdir"])
+        words = shlex.split(record["command"])
+        record["command"] = " ".join(shlex.quote(shown(w) if previous == "--workdir" else w)
+                                     for previous, w in zip([None, *words], words))
+    Path(out + ".json").write_text(json.dumps(records, indent=1) + "\n")
+    Path(out + ".md").write_text(markdown(records, records[0]["command"]))
+    print(f"wrote {out}.md and .json")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", action="append", required=True,
+    parser.add_argument("--workdir", action="append",
                         help="a pipeline workdir with teacher/model and one labels-k* cache; repeat for more")
+    parser.add_argument("--from-docs", action="store_true", help="rewrite the docs from the records already in "
+                        "<out>.json (no work folder: e.g. on a machine without the runs), their work folders named "
+                        "without the machine's path")
     parser.add_argument("--no-validation", action="store_true", help="skip running the teacher on validation")
     parser.add_argument("--validation-sentences", type=cli_int(minimum=1), help="only the first N validation sentences")
     parser.add_argument("--out", default=str(DOCS / "teacher_targets"), help="output path without extension")
     args = parser.parse_args(argv)
+    if bool(args.from_docs) == bool(args.workdir):
+        parser.error("give --workdir (once or more) or --from-docs")
+    if args.from_docs:
+        return rewrite_from_docs(args.out)
     # the docs name work folders by their name (or their path in the repository), not the machine's path
     arguments = [shown(a) if previous == "--workdir" else a
                  for previous, a in zip([None, *(argv if argv is not None else sys.argv[1:])],

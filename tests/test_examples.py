@@ -96,3 +96,18 @@ def test_example_command_lines_refuse_out_of_range_counts(example, argv, message
         _load_example(example).main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_teacher_targets_rewrites_its_docs_without_machine_paths(tmp_path):
+    import json
+
+    teacher_targets = _load_example("teacher_targets")
+    record = {"workdir": "/root/runs/full", "cache": "labels-k15", "encoder": "minilm", "teacher": "ab", "k": 15,
+              "texts": {}, "git": "abc", "date": "2026-11-27", "machine": "m",
+              "command": "python examples/teacher_targets.py --workdir /root/runs/full --workdir /root/runs/mpnet"}
+    (tmp_path / "t.json").write_text(json.dumps([record]))
+    assert teacher_targets.main(["--from-docs", "--out", str(tmp_path / "t")]) == 0
+    rewritten = json.loads((tmp_path / "t.json").read_text())[0]
+    assert rewritten["workdir"] == "full" and rewritten["texts"] == {}
+    assert rewritten["command"] == "python examples/teacher_targets.py --workdir full --workdir mpnet"
+    assert "/root" not in (tmp_path / "t.md").read_text()
