@@ -40,6 +40,7 @@ Conventions, the same in every backend:
 """
 from __future__ import annotations
 
+import typing
 from typing import NamedTuple, Optional
 
 import torch
@@ -63,6 +64,13 @@ class KBest(NamedTuple):
     scores: Tensor
     paths: Tensor
     log_probs: Tensor
+
+
+# TorchScript reads a NamedTuple's field types from __annotations__ and cannot resolve the strings
+# that `from __future__ import annotations` leaves there (pytorch issue 95858); resolved here so
+# that scripted crfkit.CRF.decode / kbest can return these classes.
+for _result in (BestPath, KBest):
+    _result.__annotations__.update(typing.get_type_hints(_result))
 
 
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,

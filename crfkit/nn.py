@@ -5,14 +5,20 @@ Familiar to pytorch-crf users, with two deliberate differences:
 - CRF(...)(emissions, tags) returns the NEGATIVE log-likelihood, a loss to minimise
   (pytorch-crf returns the log-likelihood; crf.log_likelihood(...) gives that).
 Masks from pytorch-crf / AllenNLP are accepted as `mask` (B, L) bool, left-aligned.
+
+torch.jit.script(crf) works (with crfkit's compiled extension loaded): each method's
+`torch.jit.is_scripting()` branch runs the TorchScript form of the front end (crfkit/_scripting.py),
+which calls the compiled ops directly; scripted decode / kbest return BestPath / KBest named
+tuples, and errors arrive as torch.jit.Error carrying the eager message.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from . import _scripting
 from . import functional as crf_ops
 from ._arguments import check_tensor
 from ._validation import CRF_REDUCTIONS, check_int, check_reduction
@@ -22,7 +28,7 @@ from .reference import log_likelihood_from_scores
 
 
 def reduce_per_sentence(values: Tensor, reduction: str, lengths: Optional[Tensor] = None,
-                        batch_and_length=None) -> Tensor:
+                        batch_and_length: Optional[Tuple[int, int]] = None) -> Tensor:
     """values (B,) per sentence -> reduced as `reduction` says (one of CRF_REDUCTIONS): 'none',
     'sum', 'mean' over sentences, or 'token_mean' (the sum over the real tokens: lengths.sum(),
     or B * L when lengths is None; batch_and_length = (B, L)). An empty batch, or one without a
@@ -34,6 +40,7 @@ def reduce_per_sentence(values: Tensor, reduction: str, lengths: Optional[Tensor
     if reduction == "mean":
         return values.mean()
     if lengths is None:
+        assert batch_and_length is not None, "token_mean without lengths needs batch_and_length"
         return values.sum() / max(batch_and_length[0] * batch_and_length[1], 1)
     return values.sum() / lengths.sum().clamp(min=1)
 
@@ -71,6 +78,12 @@ class CRF(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_tags={self.num_tags}, constrained={self.transition_mask is not None}"
+
+    def __prepare_scriptable__(self) -> "CRF":
+        # torch.jit.script calls this first: a clear error where the compiled ops are missing,
+        # instead of TorchScript's "unknown builtin op crfkit::...".
+        _scripting.require_compiled_ops("crfkit.CRF")
+        return self
 
     # The scores the ops see: parameters plus constraint masks.
     def _parameters_for(self, emissions: Tensor):
@@ -112,24 +125,42 @@ class CRF(nn.Module):
         transitions, start, end = self._parameters_for(emissions)
         return transitions, self._lengths(emissions, lengths, mask), start, end
 
+    @torch.jit.export
     def log_partition(self, emissions: Tensor, lengths: Optional[Tensor] = None,
                       mask: Optional[Tensor] = None) -> Tensor:
         """log Z per sentence: (B,)."""
+        if torch.jit.is_scripting():
+            em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
+            return torch.ops.crfkit.log_partition(em, tr, ln, st, en)
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
         return crf_ops.log_partition(emissions, transitions, lengths, start, end)
 
-    def log_likelihood(self, emissions: Tensor, tags: Tensor, lengths=None, mask=None) -> Tensor:
+    @torch.jit.export
+    def log_likelihood(self, emissions: Tensor, tags: Tensor, lengths: Optional[Tensor] = None,
+                       mask: Optional[Tensor] = None) -> Tensor:
         """log P(tags | x) per sentence: (B,), <= 0."""
+        if torch.jit.is_scripting():
+            em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
+            score = _scripting.sequence_score(em, tr, tags, ln, st, en)
+            return _scripting.log_likelihood_from_scores(score, torch.ops.crfkit.log_partition(em, tr, ln, st, en))
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
         score = crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
         return log_likelihood_from_scores(score, crf_ops.log_partition(emissions, transitions, lengths, start, end))
 
-    def nll(self, emissions: Tensor, tags: Tensor, lengths=None, mask=None, reduction: str = "mean") -> Tensor:
+    @torch.jit.export
+    def nll(self, emissions: Tensor, tags: Tensor, lengths: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+            reduction: str = "mean") -> Tensor:
         """Negative log-likelihood of gold tags (B, L), >= 0.
 
         reduction: 'mean' over sentences (default), 'sum', 'none' (per sentence, (B,)),
         or 'token_mean' (sum divided by the number of real tokens).
         """
+        if torch.jit.is_scripting():
+            _scripting.check_reduction(reduction)
+            _scripting.check_emissions(emissions)
+            lengths = self._scripted_lengths(emissions, lengths, mask)
+            return reduce_per_sentence(-self.log_likelihood(emissions, tags, lengths, None), reduction, lengths,
+                                       (emissions.shape[0], emissions.shape[1]))
         check_reduction(reduction, CRF_REDUCTIONS)
         lengths = self._lengths(emissions, lengths, mask)
         return reduce_per_sentence(-self.log_likelihood(emissions, tags, lengths), reduction, lengths,
@@ -137,17 +168,70 @@ class CRF(nn.Module):
 
     forward = nll
 
-    def decode(self, emissions: Tensor, lengths=None, mask=None) -> crf_ops.BestPath:
+    @torch.jit.export
+    def decode(self, emissions: Tensor, lengths: Optional[Tensor] = None,
+               mask: Optional[Tensor] = None) -> crf_ops.BestPath:
         """Viterbi: BestPath(scores (B,), paths (B, L) int64 with -1 at padding)."""
+        if torch.jit.is_scripting():
+            em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
+            scores, paths = torch.ops.crfkit.viterbi(em, tr, ln, st, en)
+            return crf_ops.BestPath(scores, paths)
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
         return crf_ops.viterbi(emissions, transitions, lengths, start, end)
 
-    def kbest(self, emissions: Tensor, k: int, lengths=None, mask=None) -> crf_ops.KBest:
+    @torch.jit.export
+    def kbest(self, emissions: Tensor, k: int, lengths: Optional[Tensor] = None,
+              mask: Optional[Tensor] = None) -> crf_ops.KBest:
         """k best distinct paths with scores and true log-probabilities (see crfkit.kbest_viterbi)."""
+        if torch.jit.is_scripting():
+            em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
+            scores, paths, log_probs = _scripting.kbest_viterbi(em, tr, k, ln, st, en)
+            return crf_ops.KBest(scores, paths, log_probs)
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
         return crf_ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)
 
-    def marginals(self, emissions: Tensor, lengths=None, mask=None) -> Tensor:
+    @torch.jit.export
+    def marginals(self, emissions: Tensor, lengths: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Tensor:
         """P(y_i = t | x): (B, L, T)."""
+        if torch.jit.is_scripting():
+            em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
+            return torch.ops.crfkit.marginals(em, tr, ln, st, en)
         transitions, lengths, start, end = self._args(emissions, lengths, mask)
         return crf_ops.marginals(emissions, transitions, lengths, start, end)
+
+    # ---- under torch.jit.script (crfkit/_scripting.py): the eager checks, in TorchScript ----------
+    def _scripted_parameters(self) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """_parameters_for() in TorchScript: the parameters plus the constraint masks."""
+        transitions = self.transitions
+        if self.transition_mask is not None:
+            transitions = transitions + self.transition_mask
+        start: Optional[Tensor] = self.start
+        if self.start_mask is not None:
+            start = self.start_mask if start is None else start + self.start_mask
+        end: Optional[Tensor] = self.end
+        if self.end_mask is not None:
+            end = self.end_mask if end is None else end + self.end_mask
+        return transitions, start, end
+
+    def _scripted_lengths(self, emissions: Tensor, lengths: Optional[Tensor],
+                          mask: Optional[Tensor]) -> Optional[Tensor]:
+        """_lengths() in TorchScript."""
+        if mask is not None:
+            if lengths is not None:
+                raise ValueError("give lengths or mask, not both")
+            _scripting.check_emissions(emissions)
+            if mask.shape != emissions.shape[:2]:
+                raise ValueError(f"mask must have shape (batch, seq_len) = {emissions.shape[:2]} of emissions "
+                                 f"{emissions.shape}, got {mask.shape}")
+            return _scripting.lengths_from_mask(mask)
+        return lengths
+
+    def _scripted_args(self, emissions: Tensor, lengths: Optional[Tensor],
+                       mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """_args() then crfkit._arguments.prepare, in TorchScript: the ops' five arguments."""
+        if emissions.dim() == 3 and emissions.shape[2] != self.num_tags:
+            raise ValueError(f"emissions must have num_tags = {self.num_tags} (the CRF's) in its last dimension, "
+                             f"got shape {emissions.shape}")
+        transitions, start, end = self._scripted_parameters()
+        lengths = self._scripted_lengths(emissions, lengths, mask)
+        return _scripting.prepare(emissions, transitions, lengths, start, end)

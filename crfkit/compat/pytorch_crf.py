@@ -18,6 +18,11 @@ Differences from torchcrf, all on inputs where torchcrf's result is not meaningf
   values such as -100 raise IndexError there).
 - Tie-breaking between equally scored paths in `decode` follows crfkit's rule
   (crfkit.functional's docstring); torchcrf's depends on `Tensor.max`.
+
+torch.jit.script(CRF(...)) works as torchcrf's does (forward and decode), with crfkit's compiled
+extension loaded: the `torch.jit.is_scripting()` branches run crfkit/_scripting.py, which calls
+the compiled ops directly. Errors of a scripted module arrive as torch.jit.Error carrying the
+eager message.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .. import _scripting
 from .. import functional as crf_ops
 from .._arguments import HALF_DTYPES
 from .._validation import CRF_REDUCTIONS, check_int, check_reduction
@@ -68,6 +74,11 @@ class CRF(nn.Module):
     def extra_repr(self) -> str:
         return f"num_tags={self.num_tags}, batch_first={self.batch_first}"
 
+    def __prepare_scriptable__(self) -> "CRF":
+        # torch.jit.script calls this first: a clear error where the compiled ops are missing.
+        _scripting.require_compiled_ops("crfkit.compat.pytorch_crf.CRF")
+        return self
+
     def forward(self, emissions: Tensor, tags: Tensor, mask: Optional[Tensor] = None,
                 reduction: str = "sum") -> Tensor:
         """Log-likelihood log P(tags | emissions), to be MAXIMISED (negate it for a loss).
@@ -87,6 +98,8 @@ class CRF(nn.Module):
             emissions.shape[:2], a mask whose first time step is off or that is not
             left-aligned, an unknown reduction.
         """
+        if torch.jit.is_scripting():
+            return self._scripted_forward(emissions, tags, mask, reduction)
         self._validate(emissions, tags=tags, mask=mask)
         check_reduction(reduction, CRF_REDUCTIONS)
         emissions, tags, lengths = self._batch_first(emissions, tags, mask)
@@ -96,6 +109,7 @@ class CRF(nn.Module):
         log_likelihood = log_likelihood_from_scores(score, log_z)
         return reduce_per_sentence(log_likelihood, reduction, lengths, emissions.shape[:2])
 
+    @torch.jit.export
     def decode(self, emissions: Tensor, mask: Optional[Tensor] = None) -> List[List[int]]:
         """Most likely tag sequence of each sentence (Viterbi).
 
@@ -106,6 +120,8 @@ class CRF(nn.Module):
         Returns:
             B lists of ints, list b as long as sentence b (its number of on mask positions).
         """
+        if torch.jit.is_scripting():
+            return self._scripted_decode(emissions, mask)
         self._validate(emissions, mask=mask)
         emissions, _, lengths = self._batch_first(emissions, None, mask)
         with torch.no_grad():  # the paths are integers: nothing to differentiate
@@ -172,3 +188,62 @@ class CRF(nn.Module):
         if dtype in HALF_DTYPES:
             return (*parameters, emissions)
         return (*(p.to(dtype) for p in parameters), emissions.to(dtype))
+
+    # ---- under torch.jit.script (crfkit/_scripting.py): the eager steps above, in TorchScript ----
+    def _scripted_validate(self, emissions: Tensor, tags: Optional[Tensor], mask: Optional[Tensor]) -> None:
+        layout = "(batch, seq_len" if self.batch_first else "(seq_len, batch"
+        if emissions.dim() != 3:
+            raise ValueError(f"emissions must have 3 dimensions {layout}, num_tags), got shape {emissions.shape}")
+        if emissions.shape[2] != self.num_tags:
+            raise ValueError(f"emissions must have num_tags = {self.num_tags} in its last dimension, "
+                             f"got shape {emissions.shape}")
+        if tags is not None and tags.shape != emissions.shape[:2]:
+            raise ValueError(f"tags must have the shape of emissions' first two dimensions "
+                             f"{emissions.shape[:2]}, got {tags.shape}")
+        if mask is not None and mask.shape != emissions.shape[:2]:
+            raise ValueError(f"mask must have the shape of emissions' first two dimensions "
+                             f"{emissions.shape[:2]}, got {mask.shape}")
+        seq_len = emissions.shape[1] if self.batch_first else emissions.shape[0]
+        if seq_len == 0:
+            raise ValueError(f"emissions must have at least one time step, got shape {emissions.shape}")
+        if mask is not None:
+            first_step = mask[:, 0] if self.batch_first else mask[0]
+            if not bool(first_step.to(torch.bool).all()):
+                raise ValueError("mask must have the first time step on for every sentence")
+
+    def _scripted_inputs(self, emissions: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                                  Tensor, Optional[Tensor]]:
+        """_batch_first() and _scores() then crfkit._arguments.prepare: the ops' five arguments
+        (emissions (B, L, T), transitions, lengths, start, end) and the mask's lengths (or None)."""
+        if not self.batch_first:
+            emissions = emissions.transpose(0, 1)
+            mask = None if mask is None else mask.transpose(0, 1)
+        lengths = None if mask is None else _scripting.lengths_from_mask(mask)
+        dtype = torch.promote_types(emissions.dtype, self.transitions.dtype)
+        transitions, start, end = self.transitions, self.start_transitions, self.end_transitions
+        if not _scripting._is_half(dtype):
+            transitions, start, end, emissions = (transitions.to(dtype), start.to(dtype), end.to(dtype),
+                                                  emissions.to(dtype))
+        em, tr, ln, st, en = _scripting.prepare(emissions, transitions, lengths, start, end)
+        return em, tr, ln, st, en, lengths
+
+    def _scripted_forward(self, emissions: Tensor, tags: Tensor, mask: Optional[Tensor], reduction: str) -> Tensor:
+        self._scripted_validate(emissions, tags, mask)
+        _scripting.check_reduction(reduction)
+        em, tr, ln, st, en, lengths = self._scripted_inputs(emissions, mask)
+        tags = tags if self.batch_first else tags.transpose(0, 1)
+        score = _scripting.sequence_score(em, tr, tags, ln, st, en)
+        log_z = torch.ops.crfkit.log_partition(em, tr, ln, st, en)
+        log_likelihood = _scripting.log_likelihood_from_scores(score, log_z)
+        return reduce_per_sentence(log_likelihood, reduction, lengths, (em.shape[0], em.shape[1]))
+
+    def _scripted_decode(self, emissions: Tensor, mask: Optional[Tensor]) -> List[List[int]]:
+        self._scripted_validate(emissions, None, mask)
+        with torch.no_grad():
+            em, tr, ln, st, en, lengths = self._scripted_inputs(emissions, mask)
+            paths = torch.ops.crfkit.viterbi(em, tr, ln, st, en)[1]
+        rows: List[List[int]] = paths.tolist()
+        if lengths is None:
+            return rows
+        sizes: List[int] = lengths.tolist()
+        return [rows[b][:sizes[b]] for b in range(len(rows))]

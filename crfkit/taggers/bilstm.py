@@ -177,6 +177,8 @@ class BiLSTMCRFTagger(CRFTagger):
             features.append(torch.where(torch.isfinite(pooled), pooled, 0.0).reshape(B, L, -1))
         x = self.embedding_dropout(torch.cat(features, dim=-1))
         B, L = x.shape[:2]
+        if torch.compiler.is_exporting():  # torch.export (crfkit/export/pt2.py: L >= 1 there)
+            return self._bilstm_unpacked(x, lengths)
         if L == 0:  # a batch of empty sentences: nothing to run the LSTM over
             return x.new_zeros(B, 0, self.hidden_size)
         # pack_padded_sequence refuses length 0; such a sentence's outputs are never read.
@@ -184,6 +186,40 @@ class BiLSTMCRFTagger(CRFTagger):
         output, _ = self.lstm(packed)
         output, _ = pad_packed_sequence(output, batch_first=True, total_length=L)
         return output
+
+    def _bilstm_unpacked(self, x: Tensor, lengths: Tensor) -> Tensor:
+        """The BiLSTM over padded x (B, L, width) -> (B, L, hidden_size) without packing: what
+        word_features runs under torch.export, which traces it with a dynamic batch and length
+        (pack_padded_sequence sorts by length on the host, which the export cannot follow).
+        Each layer is two one-direction LSTMs with the layer's own weights: the forward one over
+        the padded rows (a real position sees only those before it), the backward one over each
+        row reversed within its length (so it starts at the sentence's last word, as packing
+        makes it), then reversed back. Real positions get the packed run's outputs (to rounding:
+        the matrix products have other shapes), padded ones zeros as pad_packed_sequence gives;
+        a length-0 sentence runs one step, as word_features' lengths.clamp(min=1) makes it."""
+        B, L = x.shape[0], x.shape[1]
+        steps = lengths.clamp(min=1).unsqueeze(1)                          # (B, 1)
+        positions = torch.arange(L, device=x.device).unsqueeze(0)           # (1, L)
+        real = positions < steps                                            # (B, L)
+        # Position i of a sentence of n steps read backwards: n - 1 - i inside it, i past it.
+        # The permutation is its own inverse: the same gather puts the outputs back in order.
+        backwards = torch.where(real, steps - 1 - positions, positions).unsqueeze(2)  # (B, L, 1)
+        lstm, width = self.lstm, self.lstm.hidden_size
+        hidden = x
+        for layer in range(lstm.num_layers):
+            outputs = []
+            for reverse in (False, True):
+                suffix = f"_l{layer}_reverse" if reverse else f"_l{layer}"
+                weights = [getattr(lstm, name + suffix) for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+                inputs = hidden.gather(1, backwards.expand(B, L, hidden.shape[2])) if reverse else hidden
+                # Two zero states, not one tensor twice: the export's while_loop refuses aliased inputs.
+                h0, c0 = x.new_zeros(1, B, width), x.new_zeros(1, B, width)
+                out = torch.lstm(inputs, (h0, c0), weights, True, 1, 0.0, self.training, False, True)[0]
+                outputs.append(out.gather(1, backwards.expand(B, L, width)) if reverse else out)
+            hidden = torch.cat(outputs, dim=2)
+            if layer + 1 < lstm.num_layers:  # nn.LSTM's dropout between layers
+                hidden = nn.functional.dropout(hidden, lstm.dropout, self.training)
+        return hidden.masked_fill(~real.unsqueeze(2), 0.0)
 
     def emissions_from_features(self, features: Tensor) -> Tensor:
         return self.head(self.output_dropout(features))

@@ -101,6 +101,8 @@ class TransformerCRFTagger(CRFTagger):
 
     def _words(self, batch: Mapping[str, Tensor], pieces: Tensor) -> Tensor:
         """(B, P, H) piece states -> (B, L, H) word states (word_pooling over each word's pieces)."""
+        if torch.compiler.is_exporting():  # torch.export (crfkit/export/pt2.py)
+            return pool_word_pieces(pieces, batch["word_index"], batch["casing"].shape[1], self.word_pooling)
         words, _ = align_to_words(pieces, batch["word_index"], num_words=batch["lengths"], reduce=self.word_pooling)
         return words
 
@@ -194,6 +196,30 @@ class TransformerCRFTagger(CRFTagger):
             return cls(labels, **config, _saved_encoder=encoder)
         except OSError as error:  # transformers: a tokenizer file missing or unreadable in encoder/
             raise ValueError(f"{encoder} holds no usable tokenizer / encoder configuration: {error}") from None
+
+
+def pool_word_pieces(pieces: Tensor, word_index: Tensor, num_words: int, reduce: str = "first") -> Tensor:
+    """crfkit.distill.align_to_words(pieces, word_index, num_words, reduce)[0] for export (torch.export,
+    crfkit/export/pt2.py; the ONNX exporter, crfkit/export/onnx.py):
+    pieces (B, P, H), word_index (B, P) (-1: no word) -> (B, num_words, H), zero for a word with
+    no piece, without the argument checks and the Python ints read from tensors there (num_words
+    comes from a shape). "first" gathers the same rows (identical values); "mean" sums by a
+    batched matrix product (equal to rounding); "max" takes a masked maximum over a
+    (B, num_words, P, H) tensor."""
+    B, P, _ = pieces.shape
+    member = word_index.unsqueeze(1) == torch.arange(num_words, device=pieces.device).view(1, -1, 1)   # (B, W, P)
+    has_piece = member.any(2, keepdim=True)                                                           # (B, W, 1)
+    if reduce == "first":
+        position = torch.arange(P, device=pieces.device).view(1, 1, -1).expand_as(member)
+        first = torch.where(member, position, P).amin(2).clamp(max=max(P - 1, 0))                     # (B, W)
+        words = pieces.gather(1, first.unsqueeze(2).expand(-1, -1, pieces.shape[2]))
+    elif reduce == "mean":
+        weights = member.to(pieces.dtype)
+        words = torch.bmm(weights, pieces) / weights.sum(2, keepdim=True).clamp(min=1)
+    else:
+        masked = torch.where(member.unsqueeze(3), pieces.unsqueeze(1), float("-inf"))
+        words = masked.amax(2)
+    return torch.where(has_piece, words, 0.0)
 
 
 def _load_encoder(transformers, path: str, config) -> nn.Module:
