@@ -44,6 +44,7 @@ pipeline: setup
 
 test: setup
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q
 
 bench: setup

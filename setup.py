@@ -161,6 +161,11 @@ if wanted:
     except ValueError as error:
         raise SystemExit(str(error))
     cxx_flags, link_flags = config.compile_flags(mode)
+    try:
+        target_flags = config.torch_target_flags(config.torch_target())
+    except ValueError as error:
+        raise SystemExit(str(error))
+    cxx_flags = cxx_flags + target_flags
     arch = os.environ.get("CRFKIT_ARCH", "dispatch")
     shared_arch_flags, levels, dispatch_flags = config.cpu_build_plan(arch)
     files = config.sources()
@@ -174,13 +179,14 @@ if wanted:
         extension = CUDAExtension(
             "crfkit._C",
             files["main"] + files["cuda"],
-            extra_compile_args={"cxx": cxx_flags + shared_arch_flags + dispatch_flags, "nvcc": list(config.NVCC_FLAGS)},
-            extra_link_args=link_flags,
+            extra_compile_args={"cxx": cxx_flags + shared_arch_flags + dispatch_flags,
+                                "nvcc": [*config.NVCC_FLAGS, *target_flags]},
+            extra_link_args=link_flags, py_limited_api=True,
         )
     else:
         extension = CppExtension(
             "crfkit._C", files["main"], extra_compile_args={"cxx": cxx_flags + shared_arch_flags + dispatch_flags},
-            extra_link_args=link_flags,
+            extra_link_args=link_flags, py_limited_api=True,
         )
     extension.cpu_kernel_copies = [(level, kernel_sources, flags) for level, flags in levels]
     extension.cpu_shared_only_flags = shared_arch_flags + dispatch_flags
@@ -210,8 +216,11 @@ if wanted:
             with open(target, "w") as f:
                 f.write("# Written by setup.py (build_ext) with crfkit._C; not in git.\n"
                         f"TORCH_VERSION = {torch.__version__!r}\n"
+                        f"TORCH_TARGET = {config.torch_target()!r}  # the stable ABI: this torch and later\n"
                         f"BUILD_MODE = {mode!r}\n")
 
     cmdclass["build_ext"] = BuildWithInfo
 
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+# A wheel with crfkit._C is tagged abi3 (cp310-abi3): the module uses Python's limited API only.
+options = {"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {}
+setup(ext_modules=ext_modules, cmdclass=cmdclass, options=options)

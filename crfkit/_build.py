@@ -172,8 +172,10 @@ def plan(cuda: bool, root: Optional[str] = None) -> Plan:
     cxx, link = config.compile_flags(mode)
     files = config.sources(root)
     sources = files["main"] + files["kernels"] + (files["cuda"] if cuda else [])
-    cflags = [*cxx, *cpu_flags, *defines]
-    cuda_cflags = list(config.NVCC_FLAGS) if cuda else []
+    # The running torch's stable ABI; the limited API, as setup.py's py_limited_api extension has.
+    target = [*config.torch_target_flags(None), f"-DPy_LIMITED_API={config.PYTHON_LIMITED_API}"]
+    cflags = [*cxx, *cpu_flags, *defines, *target]
+    cuda_cflags = [*config.NVCC_FLAGS, *target] if cuda else []
     digest = hashlib.sha256()
     for path in sorted(sources + files["depends"]):
         digest.update(os.path.relpath(path, root).encode() + b"\0")

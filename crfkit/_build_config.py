@@ -26,8 +26,40 @@ BUILD_MODES = {
     "tsan": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=thread"], ["-fsanitize=thread"]),
 }
 
+# The kernels use torch's stable C ABI only (csrc/tensor.h) and Python's limited API (an abi3
+# module, Python 3.10 on): one binary loads under every torch from TORCH_TARGET (a version whose
+# stable ABI has everything the kernels call) on, and every Python from 3.10 on.
+# CRFKIT_TORCH_TARGET=2.11 builds for torch >= 2.11, whose stable ABI also lets the CPU kernels
+# recycle their large buffers (csrc/cpu/recycled_memory.h). The first-use build targets the
+# running torch (it is compiled for that torch anyway).
+TORCH_TARGET = "2.10"
+PYTHON_LIMITED_API = "0x030a0000"
+
+
+def torch_target_flags(target):
+    """The defines that make the torch headers offer the stable ABI of torch `target` ('2.10')
+    and no later one; none for target None (the running torch's)."""
+    if target is None:
+        return []
+    try:
+        major, minor = (int(part) for part in target.split("."))
+    except ValueError:
+        raise ValueError(f"CRFKIT_TORCH_TARGET must be a torch version like 2.10, got {target!r}") from None
+    if (major, minor) < (2, 10):
+        raise ValueError(f"CRFKIT_TORCH_TARGET must be 2.10 or later (the first stable ABI with every call "
+                         f"the kernels make), got {target!r}")
+    return [f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"]
+
+
+def torch_target(environ=os.environ) -> str:
+    """CRFKIT_TORCH_TARGET (default TORCH_TARGET): the oldest torch an ahead-of-time build loads under."""
+    return environ.get("CRFKIT_TORCH_TARGET", "").strip() or TORCH_TARGET
+
+
 # No fast-math: -inf / NaN stay exact. Wide vectors and FMA come from each copy's -march.
-CXX_FLAGS = ["-std=c++20", "-fopenmp"]
+# -fvisibility=hidden: torch's stable types live in a hidden namespace (each library its own
+# copy), and the library exports nothing but PyInit__C.
+CXX_FLAGS = ["-std=c++20", "-fopenmp", "-fvisibility=hidden"]
 LINK_FLAGS = ["-fopenmp"]
 # No --use_fast_math: -inf and NaN must keep their meaning in every kernel.
 # -lineinfo: source lines in compute-sanitizer / profiler reports, no cost at run time.

@@ -1,11 +1,12 @@
 """Loading crfkit._C (the compiled kernels), and the true reason when it cannot be used.
 
-The extension is compiled against one torch and links to that torch's C++ library: with another
-torch it fails to load (an undefined symbol) or loads with a stale binary interface. setup.py
-records the torch it built against in crfkit/_build_info.py (generated, not in git). load()
-compares it with the running torch and warns (RuntimeWarning) when they differ, or when a built
-extension fails to load, naming both versions and the rebuild command: otherwise crfkit would
-quietly fall back to a slower backend. A checkout where the extension was never built
+The extension is compiled against torch's stable C ABI (csrc/tensor.h) for a target torch
+version: it loads under that torch and every later one. setup.py records the torch it built
+against and the target in crfkit/_build_info.py (generated, not in git). load() refuses a build
+whose target is newer than the running torch, and warns (RuntimeWarning) when an extension
+present fails to load, naming both versions and the rebuild command: otherwise crfkit would
+quietly fall back to a slower backend. (A build that recorded no target, made before the stable
+ABI, is taken as one for its exact torch.) A checkout where the extension was never built
 (CRFKIT_NO_EXTENSION=1) gets no warning, only the reason in crfkit.backend_info().
 
 Where no usable crfkit._C is installed (not built: a pure-Python wheel; built for another torch
@@ -50,6 +51,30 @@ def built_with_torch() -> Optional[str]:
     if not os.path.isfile(path):
         return None
     return runpy.run_path(path).get("TORCH_VERSION")
+
+
+def built_for_torch() -> Optional[str]:
+    """The oldest torch crfkit._C loads under (its stable-ABI target, crfkit/_build_info.py), or
+    None when the build recorded none."""
+    path = os.path.join(PACKAGE_DIR, "_build_info.py")
+    if not os.path.isfile(path):
+        return None
+    return runpy.run_path(path).get("TORCH_TARGET")
+
+
+def _release(version: str) -> tuple:
+    """(major, minor) of a torch version string: '2.13.0+cpu' -> (2, 13)."""
+    parts = version.split("+")[0].split(".")
+    return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in parts[:2])
+
+
+def _fits_running_torch(built: Optional[str]) -> bool:
+    """Whether the installed crfkit._C suits the running torch: built against it, or against a
+    stable-ABI target it reaches."""
+    target = built_for_torch()
+    if target is not None:
+        return _release(torch.__version__) >= _release(target)
+    return built is None or built == torch.__version__
 
 
 def _versions(built: Optional[str]) -> str:
@@ -128,7 +153,7 @@ def load():
             return _raise_or_load(f"crfkit._C is not built in {PACKAGE_DIR}; the one found, {origin}, belongs to "
                                   "another copy of crfkit (an editable install) and is not loaded", warn=True,
                                   rebuild="build this one")
-        if built is not None and built != torch.__version__:
+        if not _fits_running_torch(built):
             # Not loaded where a build for the running torch replaces it: once loaded, its ops
             # stay registered in this process, and it may misbehave with this torch.
             module, version_note = _first_use_instead(_versions(built))
@@ -143,8 +168,33 @@ def load():
         version_note = None
         return _raise_or_load(f"crfkit._C failed to load ({type(error).__name__}: {error}); {_versions(built)}",
                               warn=True, cause=error)
-    if built is not None and built != torch.__version__:
+    if not _fits_running_torch(built):
         version_note = version_note or f"{_versions(built)}; rebuild it with {REBUILD}"
         warnings.warn(f"crfkit: {version_note} (it may fail or misbehave with this torch)", RuntimeWarning,
                       stacklevel=2)
+    warn_about_cpu_isa(module)
     return module
+
+
+_DISPATCH_LEVELS = ("baseline", "avx2", "avx512")
+
+
+def warn_about_cpu_isa(module) -> None:
+    """Warn (RuntimeWarning) when CRFKIT_CPU_ISA asks for a copy of the CPU kernels that `module`
+    (crfkit._C) does not run: an unknown level, one above what this CPU runs (the best is used),
+    or any level for a build with one copy (it is ignored). The C++ side picks the copy
+    (csrc/cpu/dispatch.cpp); the stable ABI gives it no way to warn, so the warning is here."""
+    asked = os.environ.get("CRFKIT_CPU_ISA", "")
+    in_use = module.cpu_isa() if hasattr(module, "cpu_isa") else None
+    if not asked or in_use is None:
+        return
+    if in_use not in _DISPATCH_LEVELS:  # a one-copy build: 'march=...'
+        message = (f"crfkit: CRFKIT_CPU_ISA={asked} is ignored: this build has one copy of the CPU kernels "
+                   f"({in_use})")
+    elif asked.lower() not in _DISPATCH_LEVELS:
+        message = f"crfkit: CRFKIT_CPU_ISA must be baseline, avx2 or avx512, got {asked!r}; using {in_use}"
+    elif asked.lower() != in_use:
+        message = f"crfkit: CRFKIT_CPU_ISA={asked} but this CPU runs at most {in_use}; using {in_use}"
+    else:
+        return
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

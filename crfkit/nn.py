@@ -164,7 +164,7 @@ class CRF(nn.Module):
         check_reduction(reduction, CRF_REDUCTIONS)
         lengths = self._lengths(emissions, lengths, mask)
         return reduce_per_sentence(-self.log_likelihood(emissions, tags, lengths), reduction, lengths,
-                                   emissions.shape[:2])
+                                   (emissions.shape[0], emissions.shape[1]))
 
     forward = nll
 
@@ -202,15 +202,19 @@ class CRF(nn.Module):
     # ---- under torch.jit.script (crfkit/_scripting.py): the eager checks, in TorchScript ----------
     def _scripted_parameters(self) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """_parameters_for() in TorchScript: the parameters plus the constraint masks."""
-        transitions = self.transitions
-        if self.transition_mask is not None:
-            transitions = transitions + self.transition_mask
+        # The buffers, typed (nn.Module's __getattr__ gives type checkers Tensor | Module).
+        transition_mask: Optional[Tensor] = self.transition_mask  # type: ignore[assignment]
+        start_mask: Optional[Tensor] = self.start_mask  # type: ignore[assignment]
+        end_mask: Optional[Tensor] = self.end_mask  # type: ignore[assignment]
+        transitions: Tensor = self.transitions
+        if transition_mask is not None:
+            transitions = transitions + transition_mask
         start: Optional[Tensor] = self.start
-        if self.start_mask is not None:
-            start = self.start_mask if start is None else start + self.start_mask
+        if start_mask is not None:
+            start = start_mask if start is None else start + start_mask
         end: Optional[Tensor] = self.end
-        if self.end_mask is not None:
-            end = self.end_mask if end is None else end + self.end_mask
+        if end_mask is not None:
+            end = end_mask if end is None else end + end_mask
         return transitions, start, end
 
     def _scripted_lengths(self, emissions: Tensor, lengths: Optional[Tensor],

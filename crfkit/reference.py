@@ -246,5 +246,5 @@ def gradients_by_autograd(fn, inputs, grad_output: Tensor):
                   for x in (emissions, transitions, start, end)]
         out = fn(params[0], params[1], lengths, params[2], params[3])
         grads = torch.autograd.grad(out, params, grad_output, allow_unused=True, create_graph=create_graph)
-    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, params)]
-    return grads[0], grads[1], None, grads[2], grads[3]
+    filled = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, params)]
+    return filled[0], filled[1], None, filled[2], filled[3]

@@ -5,11 +5,11 @@
 // registered ops directly (torch.ops.crfkit.*), so a wrong call raises instead of crashing.
 #pragma once
 
+#include "tensor.h"
+
 #include <cstring>
 #include <type_traits>
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 
 namespace crfkit {
 #ifdef CRFKIT_CPU_ISA  // a copy of the CPU kernels (csrc/cpu/isa.h): functions of its own
@@ -17,55 +17,55 @@ inline namespace CRFKIT_CPU_ISA {
 #endif
 
 // emissions (B, L, T), float32 or float64 (the dtypes the kernels are built for).
-inline void check_emissions_argument(const at::Tensor& emissions) {
-  TORCH_CHECK_VALUE(emissions.dim() == 3, "crfkit: emissions must be (batch, seq_len, num_tags), got ",
+inline void check_emissions_argument(const Tensor& emissions) {
+  CRFKIT_CHECK_VALUE(emissions.dim() == 3, "crfkit: emissions must be (batch, seq_len, num_tags), got ",
                     emissions.dim(), " dimensions");
-  TORCH_CHECK_TYPE(emissions.scalar_type() == at::kFloat || emissions.scalar_type() == at::kDouble,
+  CRFKIT_CHECK_TYPE(emissions.scalar_type() == kFloat || emissions.scalar_type() == kDouble,
                    "crfkit: the compiled ops take float32 or float64 emissions, got ",
                    emissions.scalar_type(), " (crfkit.functional upcasts float16/bfloat16)");
 }
 
 // tags (B, N, L) int64 on the device of emissions (B, L, T); the values are checked by the
 // kernels, which read them.
-inline void check_tags(const at::Tensor& tags, const at::Tensor& emissions) {
-  TORCH_CHECK_VALUE(tags.dim() == 3 && tags.size(0) == emissions.size(0) && tags.size(2) == emissions.size(1),
+inline void check_tags(const Tensor& tags, const Tensor& emissions) {
+  CRFKIT_CHECK_VALUE(tags.dim() == 3 && tags.size(0) == emissions.size(0) && tags.size(2) == emissions.size(1),
                     "crfkit: tags must be (batch, num_sequences, seq_len) = (", emissions.size(0), ", N, ",
                     emissions.size(1), "), got ", tags.sizes());
-  TORCH_CHECK_TYPE(tags.scalar_type() == at::kLong, "crfkit: tags must be int64, got ", tags.scalar_type());
-  TORCH_CHECK(tags.device() == emissions.device(), "crfkit: tags must be on the device of emissions");
+  CRFKIT_CHECK_TYPE(tags.scalar_type() == kLong, "crfkit: tags must be int64, got ", tags.scalar_type());
+  CRFKIT_CHECK(tags.device() == emissions.device(), "crfkit: tags must be on the device of emissions");
 }
 
 // lengths (B,) int64 on the device of `like` (the op's emissions, or its marginals).
-inline void check_lengths_argument(const at::Tensor& lengths, int64_t B, const at::Tensor& like) {
-  TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == B, "crfkit: lengths must be (batch,) = (",
+inline void check_lengths_argument(const Tensor& lengths, int64_t B, const Tensor& like) {
+  CRFKIT_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == B, "crfkit: lengths must be (batch,) = (",
                     B, ",), got ", lengths.sizes());
-  TORCH_CHECK_TYPE(lengths.scalar_type() == at::kLong, "crfkit: lengths must be int64, got ",
+  CRFKIT_CHECK_TYPE(lengths.scalar_type() == kLong, "crfkit: lengths must be int64, got ",
                    lengths.scalar_type());
-  TORCH_CHECK(lengths.device() == like.device(), "crfkit: lengths must be on the device of the scores (",
+  CRFKIT_CHECK(lengths.device() == like.device(), "crfkit: lengths must be on the device of the scores (",
               like.device(), "), got ", lengths.device());
 }
 
 // The extra tensors of the backward ops (an upstream gradient, saved marginals or counts):
 // exactly `sizes` (ValueError; `layout` names the dimensions), the dtype of `like` (TypeError),
 // its device (RuntimeError).
-inline void check_argument_like(const at::Tensor& x, const char* name, const char* layout,
-                                at::IntArrayRef sizes, const at::Tensor& like, const char* like_name) {
-  TORCH_CHECK_VALUE(x.sizes() == sizes, "crfkit: ", name, " must be ", layout, " = ", sizes, ", got ",
+inline void check_argument_like(const Tensor& x, const char* name, const char* layout,
+                                Sizes sizes, const Tensor& like, const char* like_name) {
+  CRFKIT_CHECK_VALUE(x.sizes() == sizes, "crfkit: ", name, " must be ", layout, " = ", sizes, ", got ",
                     x.sizes());
-  TORCH_CHECK_TYPE(x.scalar_type() == like.scalar_type(), "crfkit: ", name, " must have the dtype of ",
+  CRFKIT_CHECK_TYPE(x.scalar_type() == like.scalar_type(), "crfkit: ", name, " must have the dtype of ",
                    like_name, " (", like.scalar_type(), "), got ", x.scalar_type());
-  TORCH_CHECK(x.device() == like.device(), "crfkit: ", name, " must be on the device of ", like_name, " (",
+  CRFKIT_CHECK(x.device() == like.device(), "crfkit: ", name, " must be on the device of ", like_name, " (",
               like.device(), "), got ", x.device());
 }
 
 // The arguments of log_partition_backward_from_marginals (CPU and CUDA): marginals (B, L, T)
 // float32 / float64, transition_counts (B, T, T) and grad_log_z (B,) like them, lengths (B,)
 // int64 on their device. The lengths' values are checked by each device's kernel code.
-inline void check_backward_from_marginals_arguments(const at::Tensor& grad_log_z, const at::Tensor& marginals,
-                                                    const at::Tensor& counts, const at::Tensor& lengths) {
-  TORCH_CHECK_VALUE(marginals.dim() == 3, "crfkit: marginals must be (batch, seq_len, num_tags), got ",
+inline void check_backward_from_marginals_arguments(const Tensor& grad_log_z, const Tensor& marginals,
+                                                    const Tensor& counts, const Tensor& lengths) {
+  CRFKIT_CHECK_VALUE(marginals.dim() == 3, "crfkit: marginals must be (batch, seq_len, num_tags), got ",
                     marginals.dim(), " dimensions");
-  TORCH_CHECK_TYPE(marginals.scalar_type() == at::kFloat || marginals.scalar_type() == at::kDouble,
+  CRFKIT_CHECK_TYPE(marginals.scalar_type() == kFloat || marginals.scalar_type() == kDouble,
                    "crfkit: marginals must be float32 or float64, got ", marginals.scalar_type());
   const int64_t B = marginals.size(0), T = marginals.size(2);
   check_argument_like(counts, "transition_counts", "(batch, num_tags, num_tags)", {B, T, T}, marginals,
@@ -77,38 +77,38 @@ inline void check_backward_from_marginals_arguments(const at::Tensor& grad_log_z
 // Shapes every op agrees on: emissions (B, L, T), transitions (T, T), start (T,),
 // end (T,), lengths (B,) int64. Raises with the argument's name (TypeError for a wrong dtype,
 // ValueError for a wrong shape or value, RuntimeError for a wrong device).
-inline void check_crf_inputs(const at::Tensor& emissions, const at::Tensor& transitions,
-                             const at::Tensor& lengths, const at::Tensor& start,
-                             const at::Tensor& end) {
+inline void check_crf_inputs(const Tensor& emissions, const Tensor& transitions,
+                             const Tensor& lengths, const Tensor& start,
+                             const Tensor& end) {
   check_emissions_argument(emissions);
   const int64_t B = emissions.size(0);
   const int64_t T = emissions.size(2);
-  TORCH_CHECK_VALUE(T >= 1, "crfkit: emissions must have at least one tag (num_tags >= 1)");
-  TORCH_CHECK_VALUE(transitions.dim() == 2 && transitions.size(0) == T && transitions.size(1) == T,
+  CRFKIT_CHECK_VALUE(T >= 1, "crfkit: emissions must have at least one tag (num_tags >= 1)");
+  CRFKIT_CHECK_VALUE(transitions.dim() == 2 && transitions.size(0) == T && transitions.size(1) == T,
               "crfkit: transitions must be (num_tags, num_tags) = (", T, ", ", T, "), got ",
               transitions.sizes());
-  TORCH_CHECK_VALUE(start.dim() == 1 && start.size(0) == T, "crfkit: start must be (num_tags,) = (", T,
+  CRFKIT_CHECK_VALUE(start.dim() == 1 && start.size(0) == T, "crfkit: start must be (num_tags,) = (", T,
               ",), got ", start.sizes());
-  TORCH_CHECK_VALUE(end.dim() == 1 && end.size(0) == T, "crfkit: end must be (num_tags,) = (", T,
+  CRFKIT_CHECK_VALUE(end.dim() == 1 && end.size(0) == T, "crfkit: end must be (num_tags,) = (", T,
               ",), got ", end.sizes());
   check_lengths_argument(lengths, B, emissions);
   for (const auto* t : {&transitions, &start, &end}) {
-    TORCH_CHECK_TYPE(t->scalar_type() == emissions.scalar_type(),
+    CRFKIT_CHECK_TYPE(t->scalar_type() == emissions.scalar_type(),
                 "crfkit: transitions, start and end must have the dtype of emissions (",
                 emissions.scalar_type(), "), got ", t->scalar_type());
   }
   for (const auto* t : {&transitions, &start, &end, &lengths}) {
-    TORCH_CHECK(t->device() == emissions.device(),
+    CRFKIT_CHECK(t->device() == emissions.device(),
                 "crfkit: every argument must be on the device of emissions (", emissions.device(),
                 "), got one on ", t->device());
   }
 }
 
 // lengths[b] in [0, L] for every b; read on the host (CPU tensors only).
-inline void check_lengths_cpu(const at::Tensor& lengths, int64_t max_len) {
-  const int64_t* len = lengths.data_ptr<int64_t>();
+inline void check_lengths_cpu(const Tensor& lengths, int64_t max_len) {
+  const int64_t* len = lengths.mutable_data_ptr<int64_t>();
   for (int64_t b = 0; b < lengths.size(0); ++b) {
-    TORCH_CHECK_VALUE(len[b] >= 0 && len[b] <= max_len, "crfkit: lengths[", b, "] = ", len[b],
+    CRFKIT_CHECK_VALUE(len[b] >= 0 && len[b] <= max_len, "crfkit: lengths[", b, "] = ", len[b],
                 " is outside [0, seq_len = ", max_len, "]");
   }
 }
@@ -132,14 +132,14 @@ inline bool has_nan_or_posinf(const scalar_t* x, int64_t n) {
   return bad != 0;
 }
 
-inline void check_parameters_finite_cpu(const at::Tensor& transitions, const at::Tensor& start,
-                                        const at::Tensor& end) {
-  AT_DISPATCH_FLOATING_TYPES(transitions.scalar_type(), "crfkit_check_parameters", [&] {
-    TORCH_CHECK_VALUE(!has_nan_or_posinf(transitions.data_ptr<scalar_t>(), transitions.numel()),
+inline void check_parameters_finite_cpu(const Tensor& transitions, const Tensor& start,
+                                        const Tensor& end) {
+  CRFKIT_DISPATCH_FLOATING_TYPES(transitions.scalar_type(), "crfkit_check_parameters", [&] {
+    CRFKIT_CHECK_VALUE(!has_nan_or_posinf(transitions.mutable_data_ptr<scalar_t>(), transitions.numel()),
                 "crfkit: transitions contains NaN or +inf (use -inf to forbid a transition)");
-    TORCH_CHECK_VALUE(!has_nan_or_posinf(start.data_ptr<scalar_t>(), start.numel()),
+    CRFKIT_CHECK_VALUE(!has_nan_or_posinf(start.mutable_data_ptr<scalar_t>(), start.numel()),
                 "crfkit: start contains NaN or +inf (use -inf to forbid a first tag)");
-    TORCH_CHECK_VALUE(!has_nan_or_posinf(end.data_ptr<scalar_t>(), end.numel()),
+    CRFKIT_CHECK_VALUE(!has_nan_or_posinf(end.mutable_data_ptr<scalar_t>(), end.numel()),
                 "crfkit: end contains NaN or +inf (use -inf to forbid a last tag)");
   });
 }
@@ -148,22 +148,22 @@ inline void check_parameters_finite_cpu(const at::Tensor& transitions, const at:
 // emissions (padded positions are never read, so garbage there is harmless).
 inline void raise_if_bad_emissions(const std::vector<char>& bad_sentence) {
   for (size_t b = 0; b < bad_sentence.size(); ++b) {
-    TORCH_CHECK_VALUE(!bad_sentence[b], "crfkit: emissions[", b,
+    CRFKIT_CHECK_VALUE(!bad_sentence[b], "crfkit: emissions[", b,
                 "] contains NaN or +inf within its length (use -inf to forbid a tag)");
   }
 }
 
 // The CRF arguments of a CPU op, dense and checked. The raw ops accept any strides (expanded
-// tensors included): `.contiguous()` copies only where needed, and the kernels index dense memory.
+// tensors included): `.as_contiguous()` copies only where needed, and the kernels index dense memory.
 struct CrfArgs {
-  at::Tensor emissions, transitions, lengths, start, end;
+  Tensor emissions, transitions, lengths, start, end;
 };
 
-inline CrfArgs checked_cpu_args(const at::Tensor& emissions, const at::Tensor& transitions,
-                                const at::Tensor& lengths, const at::Tensor& start,
-                                const at::Tensor& end) {
-  CrfArgs a{emissions.contiguous(), transitions.contiguous(), lengths.contiguous(), start.contiguous(),
-            end.contiguous()};
+inline CrfArgs checked_cpu_args(const Tensor& emissions, const Tensor& transitions,
+                                const Tensor& lengths, const Tensor& start,
+                                const Tensor& end) {
+  CrfArgs a{as_contiguous(emissions), as_contiguous(transitions), as_contiguous(lengths), as_contiguous(start),
+            as_contiguous(end)};
   check_crf_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
   check_lengths_cpu(a.lengths, a.emissions.size(1));
   check_parameters_finite_cpu(a.transitions, a.start, a.end);

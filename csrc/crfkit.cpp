@@ -1,12 +1,19 @@
 // The crfkit operator library: one schema per op, nothing else. The CPU kernels are registered
 // by csrc/cpu/dispatch.cpp (the copy for this CPU's instruction set), the CUDA kernels by
-// csrc/cuda/*.cu, the autograd formulas in csrc/autograd.cpp, the fake (meta) implementations
-// from Python in crfkit/backends/compiled.py.
+// csrc/cuda/*.cu; the autograd formulas and the fake (meta) implementations from Python
+// (crfkit/backends/compiled.py, crfkit/backends/op_table.py).
+//
+// Built against torch's stable C ABI only (csrc/tensor.h), and against Python's limited API
+// (Py_LIMITED_API, set by the build: an abi3 module), so one binary serves every torch from the
+// targeted version on and every Python from 3.10 on. The library also loads without Python's
+// import machinery: torch.ops.load_library(path) registers the ops (a torch.export /
+// AOTInductor package needs nothing else).
 //
 // Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,);
 // lengths (B,) int64; tags (B, N, L) int64.
 #include <Python.h>
-#include <torch/library.h>
+
+#include "tensor.h"
 
 #include "cpu/dispatch.h"
 #include "cpu/recycled_memory.h"
@@ -27,23 +34,34 @@ PyObject* cached_memory(PyObject*, PyObject*) {
 // crfkit._C.cpu_isa() -> str: the copy of the CPU kernels in use (csrc/cpu/dispatch.h).
 PyObject* cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(crfkit::cpu::cpu_isa_in_use()); }
 
+// crfkit._C.recycles_memory() -> bool: whether this build keeps freed buffers for reuse (it
+// needs torch 2.11's stable ABI: a build targeting 2.10 allocates afresh; recycled_memory.h).
+PyObject* recycles_memory(PyObject*, PyObject*) {
+#if TORCH_FEATURE_VERSION >= TORCH_VERSION_2_11_0
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
 PyMethodDef methods[] = {
     {"release_cached_memory", release_cached_memory, METH_NOARGS, "Free crfkit's cached CPU buffers."},
     {"cached_memory", cached_memory, METH_NOARGS, "Bytes of CPU buffers crfkit keeps between calls."},
     {"cpu_isa", cpu_isa, METH_NOARGS, "The instruction set of the CPU kernels in use."},
+    {"recycles_memory", recycles_memory, METH_NOARGS, "Whether freed CPU buffers are kept for reuse."},
     {nullptr, nullptr, 0, nullptr},
 };
 
 }  // namespace
 
-// Importing crfkit._C loads this library and so registers the ops; the module has two functions
+// Importing crfkit._C loads this library and so registers the ops; the module has three functions
 // for the memory crfkit keeps between calls and one that names the CPU kernels' instruction set.
-extern "C" PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 
-TORCH_LIBRARY(crfkit, m) {
+STABLE_TORCH_LIBRARY(crfkit, m) {
   // Every op takes its arguments in the order of crfkit.functional: emissions, transitions, then
   // k or tags where the op has one, then lengths, start, end. Backward ops take the upstream
   // gradient first and return the gradients of emissions, transitions, start and end.
@@ -59,7 +77,7 @@ TORCH_LIBRARY(crfkit, m) {
   m.def("log_partition_backward(Tensor grad_log_z, Tensor emissions, Tensor transitions, "
         "Tensor lengths, Tensor start, Tensor end) -> (Tensor, Tensor, Tensor, Tensor)");
   // log Z (B,) with its gradients for grad_log_z = 1: the marginals (B, L, T) and the expected
-  // transition counts (B, T, T) (used when log Z is differentiated; csrc/autograd.cpp).
+  // transition counts (B, T, T) (used when log Z is differentiated; crfkit/backends/compiled.py).
   m.def("log_partition_with_marginals(Tensor emissions, Tensor transitions, Tensor lengths, "
         "Tensor start, Tensor end) -> (Tensor log_z, Tensor marginals, Tensor transition_counts)");
   m.def("log_partition_backward_from_marginals(Tensor grad_log_z, Tensor marginals, "

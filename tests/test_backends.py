@@ -89,16 +89,34 @@ def test_use_backend_restores_the_previous_one():
 
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 def test_an_out_of_date_extension_is_refused(monkeypatch):
-    # The loaded extension's schemas are checked against crfkit/backends/op_table.py: here the
-    # table expects the old argument order of viterbi (lengths last), which the build does not have.
+    # The loaded extension's schemas are checked against those csrc/crfkit.cpp defines: here the
+    # sources define the old argument order of viterbi (lengths last), which the build does not have.
     from crfkit.backends import op_table
 
     op_table.check_schemas()  # the real build matches
     old = ("(Tensor emissions, Tensor transitions, Tensor start, Tensor end, Tensor lengths) "
            "-> (Tensor scores, Tensor paths)")
-    monkeypatch.setitem(op_table.OPS, "viterbi", op_table.OPS["viterbi"]._replace(schema=old))
+    changed = {**op_table.source_schemas(), "viterbi": old}
+    monkeypatch.setattr(op_table, "source_schemas", lambda: changed)
     with pytest.raises(ImportError, match="out of date: op viterbi has schema .*rebuild"):
         op_table.check_schemas()
+
+
+def test_schemas_are_read_from_the_cpp_source():
+    # csrc/crfkit.cpp is the one place the schemas are written; the parser joins a schema's adjacent
+    # string literals and keeps the names of the outputs.
+    from crfkit.backends import op_table
+
+    source = """// m.def("commented(Tensor x) -> Tensor") is not in the block
+    STABLE_TORCH_LIBRARY(crfkit, m) {
+      m.def("first(Tensor emissions, "
+            "int k) -> (Tensor scores, Tensor paths)");
+      // a comment between definitions
+      m.def("second(Tensor a) -> Tensor");
+    }"""
+    assert op_table.schemas_in(source) == {"first": "(Tensor emissions, int k) -> (Tensor scores, Tensor paths)",
+                                           "second": "(Tensor a) -> Tensor"}
+    assert set(op_table.source_schemas()) == set(op_table.OPS)
 
 
 @pytest.fixture

@@ -130,13 +130,13 @@ def test_raw_ops_reject_bad_arguments_without_crashing():
     em, tr, ln, s, e = random_crf(2, 4, 3)
     with pytest.raises(ValueError, match="lengths"):
         ops.log_partition(em, tr, torch.tensor([9, 1]), s, e)
-    with pytest.raises(TypeError, match="lengths must be int64"):
+    with pytest.raises(ValueError, match="lengths must be int64"):  # a dtype: ValueError (csrc/tensor.h)
         ops.viterbi(em, tr, ln.int(), s, e)
     with pytest.raises(ValueError, match="transitions must be"):
         ops.kbest_viterbi(em, tr[:2], 2, ln, s, e)
     with pytest.raises(ValueError, match="k must be at least 1"):
         ops.kbest_viterbi(em, tr, 0, ln, s, e)
-    with pytest.raises(TypeError, match="float32 or float64"):
+    with pytest.raises(ValueError, match="float32 or float64"):
         ops.marginals(em.half(), tr.half(), ln, s.half(), e.half())
     with pytest.raises(ValueError, match="is not a tag index"):
         ops.sequence_score(em, tr, torch.full((2, 1, 4), 7), ln, s, e)
@@ -146,8 +146,10 @@ def test_raw_ops_reject_bad_arguments_without_crashing():
 
 
 # The ops that autograd and crfkit.distribution call internally are registered in torch.ops.crfkit
-# too, so they are checked like the public ones: each wrong argument raises the exception of its
-# kind (ValueError shape or value, TypeError dtype) naming it, never a crash or a silent result.
+# too, so they are checked like the public ones: each wrong argument raises ValueError naming it,
+# never a crash or a silent result. (A wrong dtype too: the stable ABI that crfkit._C is built
+# against can raise ValueError and RuntimeError, not TypeError; csrc/tensor.h. The public
+# functions raise TypeError for it.)
 def _internal_op_calls():
     ops = torch.ops.crfkit
     B, L, T = 2, 4, 3
@@ -159,26 +161,26 @@ def _internal_op_calls():
         "backward: grad_log_z shape": (lambda: ops.log_partition_backward(torch.ones(3, **f64), em, tr, ln, s, e),
                                        ValueError, r"grad_log_z must be \(batch,\) = \[2\], got \[3\]"),
         "backward: grad_log_z dtype": (lambda: ops.log_partition_backward(g.float(), em, tr, ln, s, e),
-                                       TypeError, r"grad_log_z must have the dtype of emissions"),
+                                       ValueError, r"grad_log_z must have the dtype of emissions"),
         "backward: lengths": (lambda: ops.log_partition_backward(g, em, tr, torch.tensor([9, 1]), s, e),
                               ValueError, r"lengths\[0\] = 9 is outside"),
         "with_marginals: NaN": (lambda: ops.log_partition_with_marginals(em * float("nan"), tr, ln, s, e),
                                 ValueError, r"emissions\[0\] contains NaN"),
         "with_marginals: dtype": (
             lambda: ops.log_partition_with_marginals(em.half(), tr.half(), ln, s.half(), e.half()),
-                                  TypeError, r"float32 or float64 emissions"),
+                                  ValueError, r"float32 or float64 emissions"),
         "from_marginals: marginals dims": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals[0], counts, ln),
             ValueError, r"marginals must be \(batch, seq_len, num_tags\), got 2 dimensions"),
         "from_marginals: marginals dtype": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals.long(), counts.long(), ln),
-            TypeError, r"marginals must be float32 or float64"),
+            ValueError, r"marginals must be float32 or float64"),
         "from_marginals: counts shape": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals, counts[:, :, :2], ln),
             ValueError, r"transition_counts must be \(batch, num_tags, num_tags\) = \[2, 3, 3\]"),
         "from_marginals: counts dtype": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals, counts.float(), ln),
-            TypeError, r"transition_counts must have the dtype of marginals"),
+            ValueError, r"transition_counts must have the dtype of marginals"),
         "from_marginals: grad_log_z shape": (
             lambda: ops.log_partition_backward_from_marginals(torch.ones(5, **f64), marginals, counts, ln),
             ValueError, r"grad_log_z must be \(batch,\)"),
@@ -187,7 +189,7 @@ def _internal_op_calls():
             ValueError, r"lengths must be \(batch,\) = \(2,\), got \[1\]"),
         "from_marginals: lengths dtype": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals, counts, ln.int()),
-            TypeError, r"lengths must be int64"),
+            ValueError, r"lengths must be int64"),
         "from_marginals: lengths value": (
             lambda: ops.log_partition_backward_from_marginals(g, marginals, counts, torch.tensor([9, 1])),
             ValueError, r"lengths\[0\] = 9 is outside"),
@@ -201,13 +203,13 @@ def _internal_op_calls():
             ValueError, r"grad_scores must be \(batch, num_sequences\) = \[2, 1\], got \[3, 1\]"),
         "sequence_score_backward: grad dtype": (
             lambda: ops.sequence_score_backward(grad_scores.float(), em, tags, ln),
-            TypeError, r"grad_scores must have the dtype of emissions"),
+            ValueError, r"grad_scores must have the dtype of emissions"),
         "sequence_score_backward: tags shape": (
             lambda: ops.sequence_score_backward(grad_scores, em, tags[:, 0], ln),
             ValueError, r"tags must be \(batch, num_sequences, seq_len\)"),
         "sequence_score_backward: tags dtype": (
             lambda: ops.sequence_score_backward(grad_scores, em, tags.float(), ln),
-            TypeError, r"tags must be int64"),
+            ValueError, r"tags must be int64"),
         "sequence_score_backward: tag value": (
             lambda: ops.sequence_score_backward(grad_scores, em, torch.full((B, 1, L), -5), ln),
             ValueError, r"tags\[0, 0, 0\] = -5 is not a tag index"),
@@ -308,7 +310,7 @@ def test_fast_argument_path_leaves_bad_lengths_to_the_checked_one(lengths):
 @pytest.mark.parametrize("op", ["log_partition", "viterbi", "kbest_viterbi"])
 def test_outputs_record_a_backward_only_when_asked(op):
     # The compiled ops skip the autograd machinery when no score tensor requires grad or grad
-    # mode is off (csrc/autograd.cpp records_backward); with grad on they must still record it.
+    # mode is off (crfkit/backends/compiled.py _call); with grad on they must still record it.
     em = torch.randn(2, 4, 3, requires_grad=True)
     tr = torch.randn(3, 3)
     call = {"log_partition": lambda: crfkit.log_partition(em, tr),

@@ -190,7 +190,7 @@ def test_bad_arguments_raise():
     grad = torch.randn(3, 3, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"grad_counts must be \(batch, num_tags, num_tags\)"):
         kernel(grad[:2], em, tr, ln, s, e)
-    with pytest.raises(TypeError, match="grad_counts must have the dtype"):
+    with pytest.raises(ValueError, match="grad_counts must have the dtype"):
         kernel(grad.float(), em, tr, ln, s, e)
     with pytest.raises(ValueError, match=r"lengths\[0\] = 5 is outside"):
         kernel(grad, em, tr, torch.tensor([5, 0, 4]), s, e)

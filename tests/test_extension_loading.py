@@ -96,6 +96,55 @@ def test_extension_built_for_another_torch_warns(tmp_path):
     assert "built against torch 2.4.0+cu121" in out["reason"]
 
 
+@needs_extension
+def test_stable_abi_build_for_an_older_torch_loads_without_warning(tmp_path):
+    # crfkit._C is built on torch's stable ABI (csrc/tensor.h): a build recording a target the
+    # running torch reaches suits it, whichever torch compiled it.
+    target = package_copy(tmp_path, build_info="2.14.1")
+    with open(target / "_build_info.py", "a") as f:
+        f.write("TORCH_TARGET = '2.10'\n")
+    out = probe(tmp_path)
+    assert out["backend"] == "compiled" and out["reason"] == "the compiled extension loaded"
+    assert out["warnings"] == []
+
+
+@needs_extension
+def test_stable_abi_build_for_a_newer_torch_warns(tmp_path):
+    target = package_copy(tmp_path, build_info="3.1.0")
+    with open(target / "_build_info.py", "a") as f:
+        f.write("TORCH_TARGET = '3.1'\n")
+    out = probe(tmp_path)
+    assert len(out["warnings"]) == 1, out
+    assert f"crfkit._C was built against torch 3.1.0 and torch {torch.__version__} is running" in out["warnings"][0]
+
+
+@pytest.mark.parametrize("in_use,asked,expected", [
+    ("march=x86-64-v3", "avx2", "CRFKIT_CPU_ISA=avx2 is ignored: this build has one copy of the CPU kernels"),
+    ("avx2", "avx1024", "CRFKIT_CPU_ISA must be baseline, avx2 or avx512, got 'avx1024'; using avx2"),
+    ("avx2", "AVX512", "CRFKIT_CPU_ISA=AVX512 but this CPU runs at most avx2; using avx2"),
+    ("avx2", "avx2", None),
+    ("baseline", "Baseline", None),
+])
+def test_a_cpu_isa_the_build_cannot_honour_warns(monkeypatch, in_use, asked, expected):
+    # The C++ side picks the copy (csrc/cpu/dispatch.cpp); the stable ABI cannot warn, Python does.
+    import types
+    import warnings
+
+    from crfkit import _extension
+
+    monkeypatch.setenv("CRFKIT_CPU_ISA", asked)
+    module = types.SimpleNamespace(cpu_isa=lambda: in_use)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _extension.warn_about_cpu_isa(module)
+    messages = [str(w.message) for w in caught]
+    if expected is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and messages[0].startswith(f"crfkit: {expected}")
+        assert caught[0].category is RuntimeWarning
+
+
 def test_extension_that_fails_to_load_warns_with_both_versions(tmp_path):
     # A stand-in for a binary built against another torch: a library with the module's entry
     # point that needs a symbol nothing provides, so loading it fails as such a binary does
@@ -154,15 +203,19 @@ def test_another_checkouts_extension_is_not_loaded(tmp_path):
 
 @needs_extension
 def test_extension_older_than_the_python_side_warns(tmp_path):
-    # An extension whose op schemas differ from what the Python side expects (op_table.py; an
-    # extension built from older sources): it loads, the compiled backend refuses it, and that
-    # is as loud as a failed load.
+    # An extension whose op schemas differ from those its sources define (csrc/crfkit.cpp, read by
+    # op_table.source_schemas; an extension built from older sources): it loads, the compiled
+    # backend refuses it, and that is as loud as a failed load. The copy carries its sources as a
+    # wheel does (crfkit/_sources/csrc), with viterbi's schema changed.
     target = package_copy(tmp_path, build_info=torch.__version__)
-    table = target / "backends" / "op_table.py"
-    source = table.read_text()
-    assert source.count('\n    "viterbi": Op(\n        f"({_CRF}) -> (Tensor scores, Tensor paths)",\n') == 1
-    table.write_text(source.replace('\n    "viterbi": Op(\n        f"({_CRF}) -> (Tensor scores, Tensor paths)",\n',
-                                    '\n    "viterbi": Op(\n        "(a schema from elsewhere)",\n'))
+    (target / "_sources" / "csrc").mkdir(parents=True)
+    cpp = open(os.path.join(ROOT, "csrc", "crfkit.cpp")).read()
+    defined = ('m.def("viterbi(Tensor emissions, Tensor transitions, Tensor lengths, Tensor start, "\n'
+               '        "Tensor end) -> (Tensor scores, Tensor paths)");')
+    assert cpp.count(defined) == 1
+    (target / "_sources" / "csrc" / "crfkit.cpp").write_text(
+        cpp.replace(defined, 'm.def("viterbi(Tensor emissions, Tensor transitions, Tensor start, Tensor end, '
+                             'Tensor lengths) -> (Tensor scores, Tensor paths)");'))
     out = probe(tmp_path)
     assert out["backend"] != "compiled"
     assert out["unavailable"].startswith("ImportError: crfkit._C is out of date: op viterbi has schema ")

@@ -317,7 +317,7 @@ def test_bad_arguments_raise():
     grad = torch.randn(em.shape, dtype=torch.float64)
     with pytest.raises(ValueError, match="grad_marginals must be"):
         kernel(grad[:, :3], em, tr, ln, s, e)
-    with pytest.raises(TypeError, match="grad_marginals must have the dtype"):
+    with pytest.raises(ValueError, match="grad_marginals must have the dtype"):
         kernel(grad.float(), em, tr, ln, s, e)
     bad = em.clone()
     bad[2, 0, 1] = math.nan

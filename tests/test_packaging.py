@@ -286,3 +286,43 @@ def test_plain_isolated_install_gives_the_pure_package_and_the_first_call_compil
     assert second["before"]["backend"] == "compiled" and second["before"]["extension"] == after["extension"]
     assert not [line for line in again.stderr.splitlines() if line.startswith("crfkit: ")]
     assert second["paths"] == out["paths"]
+
+
+# ---- the abi3 wheel: one binary on torch's stable ABI ------------------------------------------
+@pytest.mark.slow
+@needs_tools
+def test_abi3_wheel_installs_into_a_fresh_venv_and_passes_the_parity_suite(sdist, tmp_path):
+    """The wheel a release ships: built from the sdist against the installed torch (no isolation,
+    the portable dispatch build), tagged cp310-abi3 (Python's limited API; torch's stable ABI,
+    target 2.10), installed into a fresh venv, where tests/test_parity.py passes with the
+    compiled backend and crfkit._C reports the stable-ABI target. About 5 minutes on 2 cores."""
+    wheels = tmp_path / "wheels"
+    env = dict(os.environ, MAX_JOBS="2", CRFKIT_ARCH="dispatch", PIP_NO_INPUT="1")
+    for name in ("CRFKIT_CPU_ISA", "PYTHONPATH", "CRFKIT_NO_EXTENSION", "CRFKIT_TORCH_TARGET"):
+        env.pop(name, None)
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-index", "--no-build-isolation", "--no-deps",
+          "--no-cache-dir", "-w", str(wheels), str(sdist)], env=env, timeout=1800, cwd=tmp_path)
+    (wheel,) = wheels.glob("crfkit-*.whl")
+    assert re.search(r"-cp310-abi3-linux_x86_64\.whl$", wheel.name) or platform.machine().lower() not in (
+        "x86_64", "amd64"), wheel.name
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (library,) = [n for n in names if re.fullmatch(r"crfkit/_C\.abi3\.so", n)]
+        build_info = archive.read("crfkit/_build_info.py").decode()
+    assert "TORCH_TARGET = '2.10'" in build_info
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], timeout=300)
+    python = str(venv / "bin" / "python")
+    _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--no-deps",
+          "--ignore-installed", str(wheel)], env=env, timeout=600, cwd=tmp_path)
+    # The parity suite from a copy of tests/ (so that nothing of the checkout is on the path).
+    tests = tmp_path / "tests"
+    shutil.copytree(os.path.join(ROOT, "tests"), tests, ignore=shutil.ignore_patterns("__pycache__"))
+    probe = ("import crfkit, json; info = crfkit.backend_info(); "
+             "print(json.dumps({'file': crfkit.__file__, 'backend': info['backend'], 'extension': info['extension']}))")
+    result = json.loads(_run([python, "-c", probe], env=env, timeout=300, cwd=tmp_path).splitlines()[-1])
+    assert result["file"].startswith(str(venv)) and result["extension"].startswith(str(venv)), result
+    assert result["backend"] == "compiled", result
+    out = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                str(tests / "test_parity.py")], env=dict(env, OMP_NUM_THREADS="1"), timeout=1800, cwd=tmp_path)
+    assert re.search(r"\d+ passed", out) and " failed" not in out, out[-2000:]

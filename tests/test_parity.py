@@ -192,7 +192,7 @@ def _hard_cases(B, scale):
 @pytest.mark.parametrize("scale", [1.0, 1e4])  # 1e4: the exact log-space path
 @pytest.mark.parametrize("B", [6, 21])  # 6: under one lane group of 8 (AVX-512); 21: lane groups (prob_lanes.h)
 def test_log_partition_with_marginals_equals_the_separate_ops(scale, B):
-    # The op behind a differentiable log Z (csrc/autograd.cpp) computes log Z, the marginals and
+    # The op behind a differentiable log Z (crfkit/backends/compiled.py) computes log Z, the marginals and
     # the expected transition counts in one pass: each must be what its own op gives, and its
     # backward what the backward that reruns the forward gives, for any upstream gradient.
     em, tr, ln, s, e = _hard_cases(B, scale)
@@ -216,7 +216,7 @@ def test_log_partition_with_marginals_equals_the_separate_ops(scale, B):
     rerun = ops.log_partition_backward(grad, em, tr, ln, s, e)
     for got, want in zip(from_marginals, rerun):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    with pytest.raises(TypeError, match="transition_counts must have the dtype of marginals"):
+    with pytest.raises(ValueError, match="transition_counts must have the dtype of marginals"):
         ops.log_partition_backward_from_marginals(grad, mu, counts.float(), ln)
     with pytest.raises(ValueError, match="grad_log_z must be"):
         ops.log_partition_backward_from_marginals(grad[:-1], mu, counts, ln)
@@ -282,6 +282,13 @@ def test_log_z_is_the_lane_value_when_only_the_lane_backward_fails():
                                rtol=1e-12, atol=1e-12)
 
 
+# A build for torch 2.10's stable ABI allocates afresh instead (csrc/cpu/recycled_memory.h).
+_needs_recycling = pytest.mark.skipif(
+    "compiled" not in crfkit.backends.available() or not crfkit._C.recycles_memory(),
+    reason="this build of crfkit._C does not recycle CPU buffers (built for torch 2.10's stable ABI)")
+
+
+@_needs_recycling
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_counts_without_transitions_are_zero_in_recycled_memory(dtype):
@@ -307,6 +314,7 @@ def test_counts_without_transitions_are_zero_in_recycled_memory(dtype):
     crfkit.release_cached_memory()
 
 
+@_needs_recycling
 @pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")
 @pytest.mark.parametrize("B", [6, 21])
 def test_recycled_memory_leaves_no_trace(B):

@@ -34,7 +34,7 @@ import sys
 import threading
 import types
 import warnings
-from typing import Dict, Protocol, Tuple, runtime_checkable
+from typing import Dict, Literal, Protocol, Tuple, runtime_checkable
 
 from torch import Tensor
 
@@ -370,7 +370,7 @@ class use_backend:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc_info) -> bool:
+    def __exit__(self, *exc_info) -> Literal[False]:
         global _current, _reason
         _current, _reason = self._previous
         return False  # never swallow the block's exception

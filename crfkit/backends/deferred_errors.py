@@ -19,7 +19,7 @@ CUDA emulator's library (tools/cuda_compile_check/emulator) once loaded.
 from __future__ import annotations
 
 import ctypes
-from typing import List
+from typing import List, Literal
 
 _WORDS = 6  # csrc/cuda/common.cuh: kNumStatusWords
 _CLEAR = 2**63 - 1  # kStatusClear
@@ -77,7 +77,7 @@ class deferred_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc_info) -> bool:
+    def __exit__(self, *exc_info) -> Literal[False]:
         _set(self._previous)
         return False
 

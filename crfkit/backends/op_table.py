@@ -1,11 +1,13 @@
 """The compiled ops, listed once: every other list of them is derived from OPS.
 
-csrc/crfkit.cpp defines the schemas (the C++ kernels register against them). This table holds
-what the Python side needs of each op, and the users of the list derive theirs from it:
+csrc/crfkit.cpp defines the schemas, the one place they are written: the C++ kernels register
+against them, the CUDA emulator copies that block (tools/cuda_compile_check/emulator/build.py),
+and source_schemas() below reads them from the file. This table holds what the Python side
+needs of each op beyond its schema (its fake), and the users of the list derive theirs from it:
 
-- crfkit.backends.compiled checks the loaded extension's schemas against OPS (an extension built
-  from older sources is refused instead of being called with arguments in another order) and
-  registers each op's fake (meta) implementation;
+- crfkit.backends.compiled checks the loaded extension's schemas against those of the sources
+  (an extension built from older sources is refused instead of being called with arguments in
+  another order) and registers each op's fake (meta) implementation;
 - the CUDA emulator (tools/cuda_compile_check/emulator) registers the same fakes for its own
   namespace, and its compare tool runs every op of example_arguments();
 - tests/test_parity.py and tests/test_cuda.py run torch.library.opcheck over example_arguments().
@@ -20,19 +22,17 @@ int64; tags (B, N, L) int64.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple
+import functools
+import os
+import re
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 
 class Op(NamedTuple):
-    schema: str  # as torch prints it, without the "namespace::name" prefix
     fake: Callable  # shapes and dtypes of the outputs, from the arguments' (torch.library.register_fake)
-
-
-_CRF = "Tensor emissions, Tensor transitions, Tensor lengths, Tensor start, Tensor end"
-_GRADS = "(Tensor, Tensor, Tensor, Tensor)"  # of emissions, transitions, start, end
 
 
 def _grads_like(emissions: Tensor):
@@ -47,74 +47,101 @@ def _counts_like(emissions: Tensor) -> Tensor:
 
 OPS: Dict[str, Op] = {
     "log_partition": Op(
-        f"({_CRF}) -> Tensor",
         lambda emissions, transitions, lengths, start, end: emissions.new_empty(emissions.shape[0])),
     "marginals": Op(
-        f"({_CRF}) -> Tensor",
         lambda emissions, transitions, lengths, start, end: torch.empty_like(emissions)),
     # The marginals' vector-Jacobian product (their autograd formula); not differentiable.
     "marginals_backward": Op(
-        f"(Tensor grad_marginals, {_CRF}) -> {_GRADS}",
         lambda grad_marginals, emissions, transitions, lengths, start, end: _grads_like(emissions)),
     "log_partition_backward": Op(
-        f"(Tensor grad_log_z, {_CRF}) -> {_GRADS}",
         lambda grad_log_z, emissions, transitions, lengths, start, end: _grads_like(emissions)),
-    # log Z with its gradients for grad_log_z = 1 (a differentiable log Z: csrc/autograd.cpp).
+    # log Z with its gradients for grad_log_z = 1 (a differentiable log Z: crfkit/backends/compiled.py).
     "log_partition_with_marginals": Op(
-        f"({_CRF}) -> (Tensor log_z, Tensor marginals, Tensor transition_counts)",
         lambda emissions, transitions, lengths, start, end: (
             emissions.new_empty(emissions.shape[0]), torch.empty_like(emissions), _counts_like(emissions))),
     "log_partition_backward_from_marginals": Op(
-        f"(Tensor grad_log_z, Tensor marginals, Tensor transition_counts, Tensor lengths) -> {_GRADS}",
         lambda grad_log_z, marginals, transition_counts, lengths: _grads_like(marginals)),
     "expected_transition_counts": Op(
-        f"({_CRF}) -> Tensor",
         lambda emissions, transitions, lengths, start, end: _counts_like(emissions)),
     # The counts' vector-Jacobian product (their autograd formula); not differentiable.
     "expected_transition_counts_backward": Op(
-        f"(Tensor grad_counts, {_CRF}) -> {_GRADS}",
         lambda grad_counts, emissions, transitions, lengths, start, end: _grads_like(emissions)),
     "viterbi": Op(
-        f"({_CRF}) -> (Tensor scores, Tensor paths)",
         lambda emissions, transitions, lengths, start, end: (
             emissions.new_empty(emissions.shape[0]), emissions.new_empty(emissions.shape[:2], dtype=torch.long))),
     "kbest_viterbi": Op(
-        "(Tensor emissions, Tensor transitions, int k, Tensor lengths, Tensor start, Tensor end) "
-        "-> (Tensor scores, Tensor paths)",
         lambda emissions, transitions, k, lengths, start, end: (
             emissions.new_empty((emissions.shape[0], k)),
             emissions.new_empty((emissions.shape[0], k, emissions.shape[1]), dtype=torch.long))),
     # kbest_viterbi's outputs and scores - log Z from one call; not differentiable.
     "kbest_viterbi_with_log_probs": Op(
-        "(Tensor emissions, Tensor transitions, int k, Tensor lengths, Tensor start, Tensor end) "
-        "-> (Tensor scores, Tensor paths, Tensor log_probs)",
         lambda emissions, transitions, k, lengths, start, end: (
             emissions.new_empty((emissions.shape[0], k)),
             emissions.new_empty((emissions.shape[0], k, emissions.shape[1]), dtype=torch.long),
             emissions.new_empty((emissions.shape[0], k)))),
     "sequence_score": Op(
-        "(Tensor emissions, Tensor transitions, Tensor tags, Tensor lengths, Tensor start, Tensor end) -> Tensor",
         lambda emissions, transitions, tags, lengths, start, end: emissions.new_empty(tags.shape[:2])),
     "sequence_score_backward": Op(
-        f"(Tensor grad_scores, Tensor emissions, Tensor tags, Tensor lengths) -> {_GRADS}",
         lambda grad_scores, emissions, tags, lengths: _grads_like(emissions)),
 }
 
 
+# m.def("..." "..." ...) in csrc/crfkit.cpp: the adjacent string literals of one schema.
+_DEF = re.compile(r'm\.def\(((?:\s*"[^"\\]*")+)\s*\)')
+_LITERAL = re.compile(r'"([^"\\]*)"')
+
+
+def schemas_in(source: str) -> Dict[str, str]:
+    """{op name: schema after the name} of the m.def calls in the STABLE_TORCH_LIBRARY block of C++
+    `source` (csrc/crfkit.cpp's text), e.g. {"log_partition": "(Tensor emissions, ...) -> Tensor"}."""
+    block = source[source.index("STABLE_TORCH_LIBRARY(crfkit, m)"):]
+    found = {}
+    for match in _DEF.finditer(block):
+        text = "".join(_LITERAL.findall(match.group(1)))
+        name, arguments = text.split("(", 1)
+        found[name] = "(" + arguments
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def source_schemas() -> Optional[Dict[str, str]]:
+    """The schemas csrc/crfkit.cpp defines (schemas_in), read from this copy of crfkit's sources
+    (the checkout, or crfkit/_sources in a wheel), or None where it has none."""
+    from .._build import source_root
+
+    root = source_root()
+    path = os.path.join(root, "csrc", "crfkit.cpp") if root else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return schemas_in(f.read())
+
+
 def schema(namespace: str, name: str) -> str:
-    """The full schema of op `name` in `namespace`, as str(torch.ops.<namespace>.<name>.default._schema)."""
-    return f"{namespace}::{name}{OPS[name].schema}"
+    """The full schema of op `name` in `namespace` as the sources define it, as
+    str(torch.ops.<namespace>.<name>.default._schema) prints it."""
+    schemas = source_schemas()
+    if schemas is None or name not in schemas:
+        raise KeyError(f"op {name} is not defined in this copy's csrc/crfkit.cpp")
+    return f"{namespace}::{name}{schemas[name]}"
 
 
 def check_schemas(namespace: str = "crfkit") -> None:
-    """Raise ImportError unless every op of OPS is registered in `namespace` with its schema."""
+    """Raise ImportError unless every op of OPS is registered in `namespace` with the schema the
+    sources define (an extension built from older sources). Without the sources (a copy without
+    them), only that each op is registered."""
     ops = getattr(torch.ops, namespace)
+    schemas = source_schemas()
+    if schemas is not None and set(schemas) != set(OPS):
+        raise ImportError(f"csrc/crfkit.cpp defines the ops {sorted(schemas)}, crfkit/backends/op_table.py lists "
+                          f"{sorted(OPS)}: the two must name the same ops")
     for name in OPS:
         found = str(getattr(ops, name).default._schema) if hasattr(ops, name) else "missing"
-        if found != schema(namespace, name):
+        expected = schema(namespace, name) if schemas is not None else found
+        if found == "missing" or found != expected:
             raise ImportError(
                 f"crfkit._C is out of date: op {name} has schema {found!r}, expected "
-                f"{schema(namespace, name)!r}; rebuild it with `pip install --no-build-isolation -e .`")
+                f"{expected!r}; rebuild it with `pip install --no-build-isolation -e .`")
 
 
 def register_fakes(namespace: str = "crfkit") -> None:

@@ -8,7 +8,7 @@ with torch and crfkit's op library alone tags with it, without crfkit's Python p
 and where it runs (load_pt2 below is a function to copy: it imports torch only):
 
     import torch
-    torch.ops.load_library("/.../crfkit/_C.cpython-311-x86_64-linux-gnu.so")   # crfkit's op library
+    torch.ops.load_library("/.../crfkit/_C.abi3.so")   # crfkit's op library
     model = torch._inductor.aoti_load_package("tagger.pt2")
     paths, scores = model(words, casing, lengths)      # the inputs listed in tagger.pt2.json
 
@@ -28,8 +28,9 @@ sentence's length, and scores (B,) float32, as crfkit.viterbi and tagger.decode 
 
 The op library: the compiled graph calls crfkit::viterbi through the dispatcher, so the process
 that loads the package must first load the library that registers it: crfkit's compiled
-extension, crfkit/_C*.so, built for the torch version that loads the package (the JSON's
-"op_library" records the file used at export and its torch version). Where crfkit is installed,
+extension, crfkit/_C.abi3.so, built on torch's stable ABI: it loads under any torch from its
+target (2.10 for a release build) on, and the package itself needs the torch that compiled it
+(AOTInductor's C++; the JSON's "op_library" records the file used at export and the torch). Where crfkit is installed,
 `python -c "import crfkit; print(crfkit.backend_info()['extension'])"` prints its path; copy that
 one file beside the package to deploy without crfkit.
 
@@ -169,7 +170,8 @@ def _description(tagger, input_names: list[str]) -> dict[str, Any]:
         "op_library": {
             "file": os.path.basename(library), "path_at_export": library,
             "torch_version": torch.__version__, "crfkit_version": __version__,
-            "how_to_find": ("crfkit's compiled extension, built for the torch that loads the package. Where crfkit "
+            "how_to_find": ("crfkit's compiled extension (torch's stable ABI: any torch from its target on). "
+                            "Where crfkit "
                             "is installed, python -c \"import crfkit; print(crfkit.backend_info()['extension'])\" "
                             "prints its path (the installed package's crfkit/_C*.so, or a first-use build under "
                             "~/.cache/crfkit/extensions); copy that file beside the package. Load it with "

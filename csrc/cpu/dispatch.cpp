@@ -9,11 +9,9 @@
 //
 // This file is compiled once, for the baseline, as is everything outside the kernel copies: it
 // must run on any x86-64 CPU, and the torch templates m.impl instantiates stay out of the copies.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
 
 #include "dispatch.h"
 
-#include <torch/library.h>
 
 #include <cstdlib>
 #include <string>
@@ -79,13 +77,9 @@ Level chosen_level() {
     for (int l = kBaseline; l <= kAvx512; ++l) {
       if (strcasecmp(asked, kLevelNames[l]) != 0) continue;
       if (l <= best) return static_cast<Level>(l);
-      TORCH_WARN("crfkit: CRFKIT_CPU_ISA=", asked, " but this CPU runs at most ", kLevelNames[best],
-                 "; using ", kLevelNames[best]);
-      return best;
+      return best;  // crfkit/_extension.py warns
     }
-    TORCH_WARN("crfkit: CRFKIT_CPU_ISA must be baseline, avx2 or avx512, got '", asked, "'; using ",
-               kLevelNames[best]);
-    return best;
+    return best;  // crfkit/_extension.py warns
   }();
   return level;
 }
@@ -102,19 +96,17 @@ const char* cpu_isa_in_use() {
 #endif
 }
 
-TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
+// The warnings for a CRFKIT_CPU_ISA this build cannot honour are Python's (crfkit/_extension.py,
+// from cpu_isa_in_use()): the stable ABI has no warning channel.
+STABLE_TORCH_LIBRARY_IMPL(crfkit, CPU, m) {
 #if defined(CRFKIT_CPU_DISPATCH)
   const Level level = chosen_level();
-#define CRFKIT_REGISTER_CPU_KERNEL(op, ...)                               \
-  m.impl(#op, level == kAvx512 ? &avx512::op##_cpu                        \
-              : level == kAvx2 ? &avx2::op##_cpu                          \
-                               : &baseline::op##_cpu);
+#define CRFKIT_REGISTER_CPU_KERNEL(op, ...)                                                  \
+  m.impl(#op, level == kAvx512 ? TORCH_BOX(&avx512::op##_cpu)                                \
+              : level == kAvx2 ? TORCH_BOX(&avx2::op##_cpu)                                  \
+                               : TORCH_BOX(&baseline::op##_cpu));
 #else
-  if (const char* asked = std::getenv("CRFKIT_CPU_ISA"); asked != nullptr && asked[0] != '\0') {
-    TORCH_WARN("crfkit: CRFKIT_CPU_ISA=", asked, " is ignored: this build has one copy of the CPU "
-               "kernels (", cpu_isa_in_use(), ")");
-  }
-#define CRFKIT_REGISTER_CPU_KERNEL(op, ...) m.impl(#op, &single::op##_cpu);
+#define CRFKIT_REGISTER_CPU_KERNEL(op, ...) m.impl(#op, TORCH_BOX(&single::op##_cpu));
 #endif
   CRFKIT_CPU_KERNELS(CRFKIT_REGISTER_CPU_KERNEL)
 #undef CRFKIT_REGISTER_CPU_KERNEL

@@ -14,13 +14,7 @@
 // follows from two local choices: when merging candidates for (position i, tag t), a smaller
 // predecessor tag wins a tie, and within one predecessor's list the earlier rank wins; the final
 // choice over last tags prefers the smaller tag.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
 
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/full.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
@@ -30,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../tensor.h"
 #include "../backpointers.h"
 #include "../checks.h"
 #include "isa.h"
@@ -474,31 +469,31 @@ int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
 
 // scores (B, K), paths (B, K, L) int64: the K best distinct sequences per sentence, descending;
 // rows beyond the number of allowed sequences hold -1 / -inf.
-std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions_in,
-                                                     const at::Tensor& transitions_in, int64_t k,
-                                                     const at::Tensor& lengths_in, const at::Tensor& start_in,
-                                                     const at::Tensor& end_in) {
+std::tuple<Tensor, Tensor> kbest_viterbi_cpu(const Tensor& emissions_in,
+                                                     const Tensor& transitions_in, int64_t k,
+                                                     const Tensor& lengths_in, const Tensor& start_in,
+                                                     const Tensor& end_in) {
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
-  TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
+  CRFKIT_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   if (k == 1) {  // the 1-best is Viterbi, with the same tie rule: use the cheaper kernel
     auto [best_scores, best_paths] = viterbi_cpu(emissions, transitions, lengths, start, end);
-    return {best_scores.unsqueeze(1), best_paths.unsqueeze(1)};
+    return {torch::stable::unsqueeze(best_scores, 1), torch::stable::unsqueeze(best_paths, 1)};
   }
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
-  auto paths = at::full({B, k, L}, -1, lengths.options());
-  auto scores = at::full({B, k}, -std::numeric_limits<double>::infinity(), emissions.options());
+  auto paths = full({B, k, L}, -1, options_of(lengths));
+  auto scores = full({B, k}, -std::numeric_limits<double>::infinity(), options_of(emissions));
   // No sentence has more than T^L sequences, so lists longer than that only hold -inf.
   const int64_t K = num_sequences_capped(T, L, k);
   std::vector<char> bad(B, 0);
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_kbest_viterbi", [&] {
-    const scalar_t* emit = emissions.data_ptr<scalar_t>();
-    const scalar_t* trans = transitions.data_ptr<scalar_t>();
-    const scalar_t* st = start.data_ptr<scalar_t>();
-    const scalar_t* en = end.data_ptr<scalar_t>();
-    const int64_t* len = lengths.data_ptr<int64_t>();
-    int64_t* path = paths.data_ptr<int64_t>();
-    scalar_t* score = scores.data_ptr<scalar_t>();
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_kbest_viterbi", [&] {
+    const scalar_t* emit = emissions.mutable_data_ptr<scalar_t>();
+    const scalar_t* trans = transitions.mutable_data_ptr<scalar_t>();
+    const scalar_t* st = start.mutable_data_ptr<scalar_t>();
+    const scalar_t* en = end.mutable_data_ptr<scalar_t>();
+    const int64_t* len = lengths.mutable_data_ptr<int64_t>();
+    int64_t* path = paths.mutable_data_ptr<int64_t>();
+    scalar_t* score = scores.mutable_data_ptr<scalar_t>();
     // Several sentences per vector (kbest_lanes.h) where that is faster: same results, bit for
     // bit. Otherwise one sentence at a time, tags in lanes.
     const LanePlan plan = plan_kbest_lanes<scalar_t>(len, B, L, T, K);
@@ -509,7 +504,7 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cpu(const at::Tensor& emissions
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
       const PaddedTransitions<scalar_t> padded_trans(trans, T, /*with_columns=*/true);
-      at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+      parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
         KBestWork<scalar_t, bp_t> work(L, T, padded_trans.stride, K);
         for (int64_t b = b_begin; b < b_end; ++b) {
           const int64_t n = len[b];

@@ -46,7 +46,6 @@
 
 #pragma once
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <bit>

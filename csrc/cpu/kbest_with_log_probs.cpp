@@ -5,59 +5,42 @@
 // Why one op: the two ops called in turn from Python each use the threads only as far as the
 // batch lets them, so a small batch leaves cores idle twice; here, with fewer sentences than
 // threads, the two kernels run side by side, one task per thread. Each kernel is the CPU kernel
-// of its own op (reached by redispatch to the CPU key), so results are those of the two ops, bit
+// of its own op (called as a function), so results are those of the two ops, bit
 // for bit, and log_probs is the front end's formula (reference.log_probs_from_scores) computed
 // here, which also saves its two elementwise calls.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
 
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
 
 #include <algorithm>
+#include <exception>
 #include <limits>
 #include <tuple>
 
+#include "../tensor.h"
 #include "../checks.h"
 #include "isa.h"
+#include "kernels.h"
 
 namespace crfkit {
 namespace cpu {
 inline namespace CRFKIT_CPU_ISA {
+// The CPU kernels of the two ops (kbest.cpp, log_partition.cpp), called directly: this copy's.
+CRFKIT_CPU_KERNELS(CRFKIT_DECLARE_CPU_KERNEL)
+
 namespace {
 
-using Crf = const at::Tensor&;
-using DecodeOutputs = std::tuple<at::Tensor, at::Tensor>;  // scores, paths
-
-// The CPU kernels of the two ops. Redispatch to the CPU key goes straight to them, from any
-// thread, with no autograd in between (this op records none: csrc/autograd.cpp).
-DecodeOutputs kbest_on_cpu(Crf emissions, Crf transitions, int64_t k, Crf lengths, Crf start, Crf end) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("crfkit::kbest_viterbi", "")
-                             .typed<DecodeOutputs(Crf, Crf, int64_t, Crf, Crf, Crf)>();
-  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), emissions, transitions, k, lengths, start, end);
-}
-
-at::Tensor log_partition_on_cpu(Crf emissions, Crf transitions, Crf lengths, Crf start, Crf end) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("crfkit::log_partition", "")
-                             .typed<at::Tensor(Crf, Crf, Crf, Crf, Crf)>();
-  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), emissions, transitions, lengths, start, end);
-}
+using Crf = const Tensor&;
+using DecodeOutputs = std::tuple<Tensor, Tensor>;  // scores, paths
 
 // log_probs (B, k) = scores - log Z, with log Z clamped to the lowest finite value first, so
 // that missing rows (-inf) stay -inf even where log Z is -inf too: the arithmetic of
 // reference.log_probs_from_scores, element for element.
-at::Tensor log_probs_from_scores(const at::Tensor& scores, const at::Tensor& log_z) {
-  auto log_probs = at::empty_like(scores);
+Tensor log_probs_from_scores(const Tensor& scores, const Tensor& log_z) {
+  auto log_probs = empty_as(scores);
   const int64_t B = scores.size(0), k = scores.size(1);
-  AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "crfkit_log_probs", [&] {
-    const scalar_t* score = scores.data_ptr<scalar_t>();
-    const scalar_t* z = log_z.data_ptr<scalar_t>();
-    scalar_t* out = log_probs.data_ptr<scalar_t>();
+  CRFKIT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "crfkit_log_probs", [&] {
+    const scalar_t* score = scores.mutable_data_ptr<scalar_t>();
+    const scalar_t* z = log_z.mutable_data_ptr<scalar_t>();
+    scalar_t* out = log_probs.mutable_data_ptr<scalar_t>();
     for (int64_t b = 0; b < B; ++b) {
       const scalar_t clamped = std::max(z[b], std::numeric_limits<scalar_t>::lowest());
       for (int64_t r = 0; r < k; ++r) out[b * k + r] = score[b * k + r] - clamped;
@@ -69,24 +52,36 @@ at::Tensor log_probs_from_scores(const at::Tensor& scores, const at::Tensor& log
 }  // namespace
 
 // scores (B, k) and paths (B, k, L) as kbest_viterbi, log_probs (B, k) = scores - log Z.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cpu(Crf emissions_in, Crf transitions_in,
+std::tuple<Tensor, Tensor, Tensor> kbest_viterbi_with_log_probs_cpu(Crf emissions_in, Crf transitions_in,
                                                                                 int64_t k, Crf lengths_in,
                                                                                 Crf start_in, Crf end_in) {
   // Checked once, before either kernel starts, so that a bad argument raises the same message
   // whichever task would have met it first.
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
-  TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
-  at::Tensor scores, paths, log_z;
-  auto decode = [&] { std::tie(scores, paths) = kbest_on_cpu(emissions, transitions, k, lengths, start, end); };
-  auto partition = [&] { log_z = log_partition_on_cpu(emissions, transitions, lengths, start, end); };
+  CRFKIT_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
+  Tensor scores, paths, log_z;
+  auto decode = [&] { std::tie(scores, paths) = kbest_viterbi_cpu(emissions, transitions, k, lengths, start, end); };
+  auto partition = [&] { log_z = log_partition_cpu(emissions, transitions, lengths, start, end); };
   // Fewer sentences than threads: neither kernel can use every thread, so give each its own.
   // (Inside the parallel region their own parallel loops run inline, on the task's thread.)
   // A sentence with NaN / +inf emissions makes both raise the same message.
-  if (emissions.size(0) < at::get_num_threads() && !at::in_parallel_region()) {
-    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end_task) {
-      for (int64_t task = begin; task < end_task; ++task) task == 0 ? decode() : partition();
+  // An exception leaves a task as a std::exception_ptr, rethrown here: thrown through torch's
+  // parallel_for it would lose its type and message (csrc/tensor.h).
+  if (emissions.size(0) < num_threads() && !in_parallel_region()) {
+    std::exception_ptr failed[2];
+    parallel_for(0, 2, 1, [&](int64_t begin, int64_t end_task) {
+      for (int64_t task = begin; task < end_task; ++task) {
+        try {
+          task == 0 ? decode() : partition();
+        } catch (...) {
+          failed[task] = std::current_exception();
+        }
+      }
     });
+    for (const auto& error : failed) {
+      if (error) std::rethrow_exception(error);
+    }
   } else {
     decode();
     partition();

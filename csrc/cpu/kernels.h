@@ -8,60 +8,61 @@
 // (after #include "isa.h"; helpers in an anonymous namespace there), and add its line here.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "../tensor.h"
+
 
 #include <tuple>
 #include <type_traits>
 
 #define CRFKIT_CPU_KERNELS(X)                                                                      \
-  X(log_partition, at::Tensor(const at::Tensor& emissions, const at::Tensor& transitions,          \
-                              const at::Tensor& lengths, const at::Tensor& start,                 \
-                              const at::Tensor& end))                                             \
-  X(marginals, at::Tensor(const at::Tensor& emissions, const at::Tensor& transitions,              \
-                          const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end)) \
+  X(log_partition, Tensor(const Tensor& emissions, const Tensor& transitions,          \
+                              const Tensor& lengths, const Tensor& start,                 \
+                              const Tensor& end))                                             \
+  X(marginals, Tensor(const Tensor& emissions, const Tensor& transitions,              \
+                          const Tensor& lengths, const Tensor& start, const Tensor& end)) \
   X(marginals_backward,                                                                            \
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(                                    \
-        const at::Tensor& grad_marginals, const at::Tensor& emissions, const at::Tensor& transitions, \
-        const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end))                \
+    std::tuple<Tensor, Tensor, Tensor, Tensor>(                                    \
+        const Tensor& grad_marginals, const Tensor& emissions, const Tensor& transitions, \
+        const Tensor& lengths, const Tensor& start, const Tensor& end))                \
   X(log_partition_backward,                                                                        \
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(                                    \
-        const at::Tensor& grad_log_z, const at::Tensor& emissions, const at::Tensor& transitions,  \
-        const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end))                \
+    std::tuple<Tensor, Tensor, Tensor, Tensor>(                                    \
+        const Tensor& grad_log_z, const Tensor& emissions, const Tensor& transitions,  \
+        const Tensor& lengths, const Tensor& start, const Tensor& end))                \
   X(log_partition_with_marginals,                                                                  \
-    std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor& emissions,                    \
-                                                   const at::Tensor& transitions,                  \
-                                                   const at::Tensor& lengths,                      \
-                                                   const at::Tensor& start, const at::Tensor& end)) \
+    std::tuple<Tensor, Tensor, Tensor>(const Tensor& emissions,                    \
+                                                   const Tensor& transitions,                  \
+                                                   const Tensor& lengths,                      \
+                                                   const Tensor& start, const Tensor& end)) \
   X(log_partition_backward_from_marginals,                                                         \
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(                                    \
-        const at::Tensor& grad_log_z, const at::Tensor& marginals,                                 \
-        const at::Tensor& transition_counts, const at::Tensor& lengths))                           \
+    std::tuple<Tensor, Tensor, Tensor, Tensor>(                                    \
+        const Tensor& grad_log_z, const Tensor& marginals,                                 \
+        const Tensor& transition_counts, const Tensor& lengths))                           \
   X(expected_transition_counts,                                                                    \
-    at::Tensor(const at::Tensor& emissions, const at::Tensor& transitions,                         \
-               const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end))         \
+    Tensor(const Tensor& emissions, const Tensor& transitions,                         \
+               const Tensor& lengths, const Tensor& start, const Tensor& end))         \
   X(expected_transition_counts_backward,                                                           \
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(                                    \
-        const at::Tensor& grad_counts, const at::Tensor& emissions, const at::Tensor& transitions, \
-        const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end))                \
-  X(viterbi, std::tuple<at::Tensor, at::Tensor>(const at::Tensor& emissions,                       \
-                                                const at::Tensor& transitions,                     \
-                                                const at::Tensor& lengths,                         \
-                                                const at::Tensor& start, const at::Tensor& end))   \
+    std::tuple<Tensor, Tensor, Tensor, Tensor>(                                    \
+        const Tensor& grad_counts, const Tensor& emissions, const Tensor& transitions, \
+        const Tensor& lengths, const Tensor& start, const Tensor& end))                \
+  X(viterbi, std::tuple<Tensor, Tensor>(const Tensor& emissions,                       \
+                                                const Tensor& transitions,                     \
+                                                const Tensor& lengths,                         \
+                                                const Tensor& start, const Tensor& end))   \
   X(kbest_viterbi,                                                                                 \
-    std::tuple<at::Tensor, at::Tensor>(const at::Tensor& emissions, const at::Tensor& transitions, \
-                                       int64_t k, const at::Tensor& lengths,                       \
-                                       const at::Tensor& start, const at::Tensor& end))            \
+    std::tuple<Tensor, Tensor>(const Tensor& emissions, const Tensor& transitions, \
+                                       int64_t k, const Tensor& lengths,                       \
+                                       const Tensor& start, const Tensor& end))            \
   X(kbest_viterbi_with_log_probs,                                                                  \
-    std::tuple<at::Tensor, at::Tensor, at::Tensor>(                                                \
-        const at::Tensor& emissions, const at::Tensor& transitions, int64_t k,                     \
-        const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end))                \
-  X(sequence_score, at::Tensor(const at::Tensor& emissions, const at::Tensor& transitions,         \
-                               const at::Tensor& tags, const at::Tensor& lengths,                 \
-                               const at::Tensor& start, const at::Tensor& end))                   \
+    std::tuple<Tensor, Tensor, Tensor>(                                                \
+        const Tensor& emissions, const Tensor& transitions, int64_t k,                     \
+        const Tensor& lengths, const Tensor& start, const Tensor& end))                \
+  X(sequence_score, Tensor(const Tensor& emissions, const Tensor& transitions,         \
+                               const Tensor& tags, const Tensor& lengths,                 \
+                               const Tensor& start, const Tensor& end))                   \
   X(sequence_score_backward,                                                                       \
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(                                    \
-        const at::Tensor& grad_scores, const at::Tensor& emissions, const at::Tensor& tags,        \
-        const at::Tensor& lengths))
+    std::tuple<Tensor, Tensor, Tensor, Tensor>(                                    \
+        const Tensor& grad_scores, const Tensor& emissions, const Tensor& tags,        \
+        const Tensor& lengths))
 
 // Declares <op>_cpu in the enclosing namespace: CRFKIT_CPU_KERNELS(CRFKIT_DECLARE_CPU_KERNEL).
 #define CRFKIT_DECLARE_CPU_KERNEL(op, ...) std::type_identity_t<__VA_ARGS__> op##_cpu;

@@ -7,7 +7,8 @@
 // loops have no scalar tail.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "../tensor.h"
+
 
 #include <algorithm>
 #include <atomic>
@@ -78,7 +79,7 @@ inline std::vector<int64_t> longest_first(const int64_t* lengths, int64_t B, int
   return order;
 }
 
-// Runs body(work, g) for every group g in [0, num_groups) on the threads of at::parallel_for,
+// Runs body(work, g) for every group g in [0, num_groups) on the threads of parallel_for,
 // each thread with its own work space make_work(). A work queue: each thread takes the next
 // group until none is left. The batch-lane kernels order their groups longest first, so the
 // threads end close together whatever the spread of lengths (fixed chunks would give one thread
@@ -87,8 +88,8 @@ template <typename MakeWork, typename Body>
 void for_each_group(int64_t num_groups, MakeWork&& make_work, Body&& body) {
   if (num_groups <= 0) return;
   std::atomic<int64_t> next_group{0};
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_groups);
-  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+  const int64_t num_workers = std::min<int64_t>(num_threads(), num_groups);
+  parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     auto work = make_work();
     for (int64_t g = next_group++; g < num_groups; g = next_group++) body(work, g);
   });

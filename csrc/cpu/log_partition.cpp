@@ -7,18 +7,11 @@
 // lengths (B,) int64. Sentence b uses positions 0 .. lengths[b]-1; padded positions are never
 // read and get zero marginals / gradients. A length-0 sentence has exactly one (empty) tag
 // sequence of score 0: log Z = 0 and no marginals.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
 
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <memory>
 
+#include "../tensor.h"
 #include "../checks.h"
 #include "isa.h"
 #include "log_space.h"
@@ -129,7 +122,7 @@ void backward_scan(const scalar_t* emit, const scalar_t* trans, const scalar_t* 
 // kLogPartitionWithMarginals is log Z together with its gradients for an upstream gradient of 1
 // per sentence (the marginals and the expected transition counts), computed while each group's
 // forward rows are still in cache: the backward of a differentiable log Z is then only these
-// scaled by the upstream gradient (csrc/autograd.cpp).
+// scaled by the upstream gradient (crfkit/backends/compiled.py).
 enum class Output { kLogPartition, kLogPartitionWithMarginals, kMarginals, kBackward };
 
 // Per-thread space for a lane group's rows (the ops other than log Z): kept between calls,
@@ -153,16 +146,16 @@ inline double* lane_rows_workspace(int64_t size) {
 // log-space scans above when that path reports a value out of its range. Outputs that an op
 // does not have are null (start_out / end_out may be null in the pairwise ops too).
 template <typename scalar_t, Output kOut>
-void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& transitions,
-                            const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end,
+void forward_backward_batch(const Tensor& emissions, const Tensor& transitions,
+                            const Tensor& lengths, const Tensor& start, const Tensor& end,
                             const scalar_t* grad_log_z, scalar_t* log_z_out, scalar_t* emit_out,
                             scalar_t* trans_out, scalar_t* start_out, scalar_t* end_out) {
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
-  const scalar_t* emit = emissions.data_ptr<scalar_t>();
-  const scalar_t* trans = transitions.data_ptr<scalar_t>();
-  const scalar_t* st = start.data_ptr<scalar_t>();
-  const scalar_t* en = end.data_ptr<scalar_t>();
-  const int64_t* len = lengths.data_ptr<int64_t>();
+  const scalar_t* emit = emissions.mutable_data_ptr<scalar_t>();
+  const scalar_t* trans = transitions.mutable_data_ptr<scalar_t>();
+  const scalar_t* st = start.mutable_data_ptr<scalar_t>();
+  const scalar_t* en = end.mutable_data_ptr<scalar_t>();
+  const int64_t* len = lengths.mutable_data_ptr<int64_t>();
   const ProbTables tables(trans, en, T);
   constexpr bool writes_log_z = kOut == Output::kLogPartition || kOut == Output::kLogPartitionWithMarginals;
   constexpr bool keep_rows = kOut != Output::kLogPartition;
@@ -245,7 +238,7 @@ void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& trans
   // need them (after the lanes, usually none does).
   const ScaledTransitions<scalar_t> by_col(trans, T, /*by_column=*/true);
   const ScaledTransitions<scalar_t> by_row(trans, T, /*by_column=*/false);
-  at::parallel_for(0, static_cast<int64_t>(left.size()), 1, [&](int64_t l_begin, int64_t l_end) {
+  parallel_for(0, static_cast<int64_t>(left.size()), 1, [&](int64_t l_begin, int64_t l_end) {
     // Fast path: scaled probabilities in double. Exact path: normalised log space.
     const int64_t stride = tables.stride;
     std::vector<double> prob_a(rows * stride);
@@ -312,29 +305,29 @@ void forward_backward_batch(const at::Tensor& emissions, const at::Tensor& trans
 }  // namespace
 
 // log Z per sentence: (B,). Working memory O(T) per thread; nothing of size L is kept.
-at::Tensor log_partition_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                             const at::Tensor& lengths_in, const at::Tensor& start_in,
-                             const at::Tensor& end_in) {
+Tensor log_partition_cpu(const Tensor& emissions_in, const Tensor& transitions_in,
+                             const Tensor& lengths_in, const Tensor& start_in,
+                             const Tensor& end_in) {
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
-  auto log_z = at::empty({emissions.size(0)}, emissions.options());
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition", [&] {
+  auto log_z = empty({emissions.size(0)}, options_of(emissions));
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition", [&] {
     forward_backward_batch<scalar_t, Output::kLogPartition>(emissions, transitions, lengths, start, end,
-                                                            nullptr, log_z.data_ptr<scalar_t>(), nullptr,
+                                                            nullptr, log_z.mutable_data_ptr<scalar_t>(), nullptr,
                                                             nullptr, nullptr, nullptr);
   });
   return log_z;
 }
 
 // P(y_i = t | x): (B, L, T), zero at padded positions.
-at::Tensor marginals_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                         const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
+Tensor marginals_cpu(const Tensor& emissions_in, const Tensor& transitions_in,
+                         const Tensor& lengths_in, const Tensor& start_in, const Tensor& end_in) {
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
-  auto marginals = at::empty_like(emissions);  // zeroed per sentence by the kernel
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals", [&] {
+  auto marginals = empty_as(emissions);  // zeroed per sentence by the kernel
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals", [&] {
     forward_backward_batch<scalar_t, Output::kMarginals>(emissions, transitions, lengths, start, end,
-                                                         nullptr, nullptr, marginals.data_ptr<scalar_t>(),
+                                                         nullptr, nullptr, marginals.mutable_data_ptr<scalar_t>(),
                                                          nullptr, nullptr, nullptr);
   });
   return marginals;
@@ -342,48 +335,48 @@ at::Tensor marginals_cpu(const at::Tensor& emissions_in, const at::Tensor& trans
 
 // Gradients of sum_b grad_log_z[b] * log Z[b] with respect to emissions (B, L, T),
 // transitions (T, T), start (T,) and end (T,): the marginals and pairwise marginals, weighted.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cpu(
-    const at::Tensor& grad_log_z_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-    const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
-  const at::Tensor grad_log_z = grad_log_z_in.contiguous();
+std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_cpu(
+    const Tensor& grad_log_z_in, const Tensor& emissions_in, const Tensor& transitions_in,
+    const Tensor& lengths_in, const Tensor& start_in, const Tensor& end_in) {
+  const Tensor grad_log_z = as_contiguous(grad_log_z_in);
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
   check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, emissions, "emissions");
-  auto grad_emissions = at::empty_like(emissions);  // zeroed per sentence by the kernel
+  auto grad_emissions = empty_as(emissions);  // zeroed per sentence by the kernel
   // Per-sentence partial sums, reduced in a fixed order afterwards: deterministic.
-  auto grad_trans = at::zeros({B, T, T}, emissions.options());
-  auto grad_start = at::zeros({B, T}, emissions.options());
-  auto grad_end = at::zeros({B, T}, emissions.options());
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward", [&] {
+  auto grad_trans = zeros({B, T, T}, options_of(emissions));
+  auto grad_start = zeros({B, T}, options_of(emissions));
+  auto grad_end = zeros({B, T}, options_of(emissions));
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_backward", [&] {
     forward_backward_batch<scalar_t, Output::kBackward>(
-        emissions, transitions, lengths, start, end, grad_log_z.data_ptr<scalar_t>(), nullptr,
-        grad_emissions.data_ptr<scalar_t>(), grad_trans.data_ptr<scalar_t>(),
-        grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>());
+        emissions, transitions, lengths, start, end, grad_log_z.mutable_data_ptr<scalar_t>(), nullptr,
+        grad_emissions.mutable_data_ptr<scalar_t>(), grad_trans.mutable_data_ptr<scalar_t>(),
+        grad_start.mutable_data_ptr<scalar_t>(), grad_end.mutable_data_ptr<scalar_t>());
   });
-  return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
+  return {grad_emissions, sum_first_dim(grad_trans), sum_first_dim(grad_start), sum_first_dim(grad_end)};
 }
 
 // log Z (B,) and its gradients for grad_log_z = 1: the marginals (B, L, T), which are also the
 // gradients with respect to emissions, start (marginals[:, 0]) and end (each sentence's last
 // row), and the expected transition counts (B, T, T), the per-sentence gradients with respect to
-// transitions. Used when log Z will be differentiated (csrc/autograd.cpp): the backward for any
+// transitions. Used when log Z will be differentiated (crfkit/backends/compiled.py): the backward for any
 // upstream gradient is then these scaled, and the forward recursion runs once per step, its
 // rows never leaving the cache (the backward is linear in the upstream gradient).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cpu(
-    const at::Tensor& emissions_in, const at::Tensor& transitions_in, const at::Tensor& lengths_in,
-    const at::Tensor& start_in, const at::Tensor& end_in) {
+std::tuple<Tensor, Tensor, Tensor> log_partition_with_marginals_cpu(
+    const Tensor& emissions_in, const Tensor& transitions_in, const Tensor& lengths_in,
+    const Tensor& start_in, const Tensor& end_in) {
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
-  auto log_z = at::empty({B}, emissions.options());
+  auto log_z = empty({B}, options_of(emissions));
   // Recycled memory (recycled_memory.h): fresh blocks this size would page-fault on every step.
   auto marginals = recycled_tensor(emissions.sizes(), emissions.scalar_type());  // zeroed per sentence by the kernel
-  auto counts = recycled_tensor({B, T, T}, emissions.scalar_type()).zero_();
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_with_marginals", [&] {
+  auto counts = zeroed(recycled_tensor({B, T, T}, emissions.scalar_type()));
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_log_partition_with_marginals", [&] {
     forward_backward_batch<scalar_t, Output::kLogPartitionWithMarginals>(
-        emissions, transitions, lengths, start, end, nullptr, log_z.data_ptr<scalar_t>(),
-        marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(), nullptr, nullptr);
+        emissions, transitions, lengths, start, end, nullptr, log_z.mutable_data_ptr<scalar_t>(),
+        marginals.mutable_data_ptr<scalar_t>(), counts.mutable_data_ptr<scalar_t>(), nullptr, nullptr);
   });
   return {log_z, marginals, counts};
 }
@@ -393,42 +386,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cpu(
 // op's marginals (B, L, T) and expected transition counts (B, T, T). d/d start is the marginals
 // at position 0, d/d end those at each sentence's last position. One pass over the marginals;
 // the sums over sentences run in sentence order (deterministic).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_from_marginals_cpu(
-    const at::Tensor& grad_log_z_in, const at::Tensor& marginals_in, const at::Tensor& counts_in,
-    const at::Tensor& lengths_in) {
-  const at::Tensor grad_log_z = grad_log_z_in.contiguous(), marginals = marginals_in.contiguous(),
-                   counts = counts_in.contiguous(), lengths = lengths_in.contiguous();
+std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_from_marginals_cpu(
+    const Tensor& grad_log_z_in, const Tensor& marginals_in, const Tensor& counts_in,
+    const Tensor& lengths_in) {
+  const Tensor grad_log_z = as_contiguous(grad_log_z_in), marginals = as_contiguous(marginals_in),
+                   counts = as_contiguous(counts_in), lengths = as_contiguous(lengths_in);
   check_backward_from_marginals_arguments(grad_log_z, marginals, counts, lengths);
   const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
   check_lengths_cpu(lengths, L);
   // Recycled memory (recycled_memory.h), as the marginals: a fresh block page-faults every step.
   auto grad_emissions = recycled_tensor(marginals.sizes(), marginals.scalar_type());
-  auto grad_trans = at::empty({T, T}, marginals.options());
-  auto grad_start = at::zeros({T}, marginals.options());
-  auto grad_end = at::zeros({T}, marginals.options());
-  AT_DISPATCH_FLOATING_TYPES(marginals.scalar_type(), "crfkit_log_partition_backward_from_marginals", [&] {
-    const scalar_t* g = grad_log_z.data_ptr<scalar_t>();
-    const scalar_t* mu = marginals.data_ptr<scalar_t>();
-    const scalar_t* cnt = counts.data_ptr<scalar_t>();
-    const int64_t* len = lengths.data_ptr<int64_t>();
-    scalar_t* out = grad_emissions.data_ptr<scalar_t>();
+  auto grad_trans = empty({T, T}, options_of(marginals));
+  auto grad_start = zeros({T}, options_of(marginals));
+  auto grad_end = zeros({T}, options_of(marginals));
+  CRFKIT_DISPATCH_FLOATING_TYPES(marginals.scalar_type(), "crfkit_log_partition_backward_from_marginals", [&] {
+    const scalar_t* g = grad_log_z.mutable_data_ptr<scalar_t>();
+    const scalar_t* mu = marginals.mutable_data_ptr<scalar_t>();
+    const scalar_t* cnt = counts.mutable_data_ptr<scalar_t>();
+    const int64_t* len = lengths.mutable_data_ptr<int64_t>();
+    scalar_t* out = grad_emissions.mutable_data_ptr<scalar_t>();
     // Positions past a sentence's length stay exactly 0 (also for an infinite g).
-    at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+    parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
       for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t used = len[b] * T;
         for (int64_t k = 0; k < used; ++k) out[b * L * T + k] = g[b] * mu[b * L * T + k];
         std::fill(out + b * L * T + used, out + (b + 1) * L * T, scalar_t(0));
       }
     });
-    scalar_t* trans_out = grad_trans.data_ptr<scalar_t>();
-    at::parallel_for(0, T * T, 256, [&](int64_t k_begin, int64_t k_end) {
+    scalar_t* trans_out = grad_trans.mutable_data_ptr<scalar_t>();
+    parallel_for(0, T * T, 256, [&](int64_t k_begin, int64_t k_end) {
       for (int64_t k = k_begin; k < k_end; ++k) trans_out[k] = 0;
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t k = k_begin; k < k_end; ++k) trans_out[k] += g[b] * cnt[b * T * T + k];
       }
     });
-    scalar_t* start_out = grad_start.data_ptr<scalar_t>();
-    scalar_t* end_out = grad_end.data_ptr<scalar_t>();
+    scalar_t* start_out = grad_start.mutable_data_ptr<scalar_t>();
+    scalar_t* end_out = grad_end.mutable_data_ptr<scalar_t>();
     for (int64_t b = 0; b < B; ++b) {
       if (len[b] == 0) continue;
       const scalar_t* first = mu + b * L * T;
@@ -445,9 +438,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
 // E[number of s -> t transitions] per sentence: (B, T, T). The per-sentence partial sums of
 // the transitions' gradient of log Z (grad_log_z = 1), left unreduced: the same scan as
 // log_partition_with_marginals, whose log Z and marginals are dropped.
-at::Tensor expected_transition_counts_cpu(const at::Tensor& emissions, const at::Tensor& transitions,
-                                          const at::Tensor& lengths, const at::Tensor& start,
-                                          const at::Tensor& end) {
+Tensor expected_transition_counts_cpu(const Tensor& emissions, const Tensor& transitions,
+                                          const Tensor& lengths, const Tensor& start,
+                                          const Tensor& end) {
   return std::get<2>(log_partition_with_marginals_cpu(emissions, transitions, lengths, start, end));
 }
 

@@ -49,15 +49,8 @@
 // Parallel over sentences; the batch sums are per-sentence partial sums reduced in a fixed order,
 // so the result does not depend on the number of threads. The CUDA kernel
 // (csrc/cuda/marginals_backward.cu) computes the same formulas with exact lines. The op has no
-// derivative of its own: differentiating its outputs raises (csrc/autograd.cpp).
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
+// derivative of its own: differentiating its outputs raises (crfkit/backends/compiled.py).
 
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -65,6 +58,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../tensor.h"
 #include "../checks.h"
 #include "isa.h"
 #include "log_space.h"
@@ -295,33 +289,33 @@ namespace {
 // expected transition counts with grad_counts (B, T, T) (either may be undefined: a zero
 // direction there), for CRF arguments checked by checked_cpu_args: the Hessian-vector product of
 // log Z in the direction (grad_marginals, per-sentence grad_counts, 0, 0).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tangent_backward(
-    const at::Tensor& grad_marginals, const at::Tensor& grad_counts, const at::Tensor& emissions,
-    const at::Tensor& transitions, const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> tangent_backward(
+    const Tensor& grad_marginals, const Tensor& grad_counts, const Tensor& emissions,
+    const Tensor& transitions, const Tensor& lengths, const Tensor& start, const Tensor& end) {
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
-  const auto as_double = [](const at::Tensor& x) { return x.to(at::kDouble).contiguous(); };
-  const at::Tensor trans_d = as_double(transitions), start_d = as_double(start), end_d = as_double(end);
-  auto grad_emissions = at::empty_like(emissions);  // every row written by its sentence's thread
+  const auto as_double = [](const Tensor& x) { return as_contiguous(to_dtype(x, kDouble)); };
+  const Tensor trans_d = as_double(transitions), start_d = as_double(start), end_d = as_double(end);
+  auto grad_emissions = empty_as(emissions);  // every row written by its sentence's thread
   // Per-sentence partial sums in double, reduced in a fixed order afterwards: deterministic.
-  auto trans_acc = at::zeros({B, T, T}, emissions.options().dtype(at::kDouble));
-  auto start_acc = at::zeros({B, T}, emissions.options().dtype(at::kDouble));
-  auto end_acc = at::zeros({B, T}, emissions.options().dtype(at::kDouble));
-  const int64_t* len = lengths.data_ptr<int64_t>();
+  auto trans_acc = zeros({B, T, T}, options_of(emissions).dtype(kDouble));
+  auto start_acc = zeros({B, T}, options_of(emissions).dtype(kDouble));
+  auto end_acc = zeros({B, T}, options_of(emissions).dtype(kDouble));
+  const int64_t* len = lengths.mutable_data_ptr<int64_t>();
   std::vector<char> bad(B, 0);
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals_backward", [&] {
-    const scalar_t* emit = emissions.data_ptr<scalar_t>();
-    const scalar_t* grad = grad_marginals.defined() ? grad_marginals.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* grad_w = grad_counts.defined() ? grad_counts.data_ptr<scalar_t>() : nullptr;
-    scalar_t* out = grad_emissions.data_ptr<scalar_t>();
-    const double* trans = trans_d.data_ptr<double>();
-    const double* st = start_d.data_ptr<double>();
-    const double* en = end_d.data_ptr<double>();
-    double* trans_sums = trans_acc.data_ptr<double>();
-    double* start_sums = start_acc.data_ptr<double>();
-    double* end_sums = end_acc.data_ptr<double>();
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_marginals_backward", [&] {
+    const scalar_t* emit = emissions.mutable_data_ptr<scalar_t>();
+    const scalar_t* grad = grad_marginals.defined() ? grad_marginals.mutable_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* grad_w = grad_counts.defined() ? grad_counts.mutable_data_ptr<scalar_t>() : nullptr;
+    scalar_t* out = grad_emissions.mutable_data_ptr<scalar_t>();
+    const double* trans = trans_d.mutable_data_ptr<double>();
+    const double* st = start_d.mutable_data_ptr<double>();
+    const double* en = end_d.mutable_data_ptr<double>();
+    double* trans_sums = trans_acc.mutable_data_ptr<double>();
+    double* start_sums = start_acc.mutable_data_ptr<double>();
+    double* end_sums = end_acc.mutable_data_ptr<double>();
     const ScaledTransitions<double> by_col(trans, T, /*by_column=*/true);
     const ScaledTransitions<double> by_row(trans, T, /*by_column=*/false);
-    at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+    parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
       Work work(L, T);
       for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t n = len[b];
@@ -351,31 +345,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tangent_backward(
   });
   raise_if_bad_emissions(bad);
   const auto dtype = emissions.scalar_type();
-  return {grad_emissions, trans_acc.sum(0).to(dtype), start_acc.sum(0).to(dtype), end_acc.sum(0).to(dtype)};
+  return {grad_emissions, to_dtype(sum_first_dim(trans_acc), dtype), to_dtype(sum_first_dim(start_acc), dtype), to_dtype(sum_first_dim(end_acc), dtype)};
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cpu(
-    const at::Tensor& grad_marginals_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-    const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> marginals_backward_cpu(
+    const Tensor& grad_marginals_in, const Tensor& emissions_in, const Tensor& transitions_in,
+    const Tensor& lengths_in, const Tensor& start_in, const Tensor& end_in) {
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
-  const at::Tensor grad_marginals = grad_marginals_in.contiguous();
+  const Tensor grad_marginals = as_contiguous(grad_marginals_in);
   check_argument_like(grad_marginals, "grad_marginals", "(batch, seq_len, num_tags)", emissions.sizes(), emissions,
                       "emissions");
-  return tangent_backward(grad_marginals, at::Tensor(), emissions, transitions, lengths, start, end);
+  return tangent_backward(grad_marginals, Tensor(), emissions, transitions, lengths, start, end);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expected_transition_counts_backward_cpu(
-    const at::Tensor& grad_counts_in, const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-    const at::Tensor& lengths_in, const at::Tensor& start_in, const at::Tensor& end_in) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> expected_transition_counts_backward_cpu(
+    const Tensor& grad_counts_in, const Tensor& emissions_in, const Tensor& transitions_in,
+    const Tensor& lengths_in, const Tensor& start_in, const Tensor& end_in) {
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
-  const at::Tensor grad_counts = grad_counts_in.contiguous();
+  const Tensor grad_counts = as_contiguous(grad_counts_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
   check_argument_like(grad_counts, "grad_counts", "(batch, num_tags, num_tags)", {B, T, T}, emissions, "emissions");
-  return tangent_backward(at::Tensor(), grad_counts, emissions, transitions, lengths, start, end);
+  return tangent_backward(Tensor(), grad_counts, emissions, transitions, lengths, start, end);
 }
 
 }  // namespace CRFKIT_CPU_ISA

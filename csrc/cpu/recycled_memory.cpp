@@ -1,13 +1,9 @@
 // The recycled buffers of recycled_memory.h.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
 
+#include "../tensor.h"
 #include "recycled_memory.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
-
 #include <cstdlib>
-#include <c10/util/accumulate.h>
 
 #include <mutex>
 #include <vector>
@@ -19,7 +15,7 @@ namespace {
 // 64-byte aligned (whole cache lines, aligned vector loads); capacity is a multiple of kRounding.
 void* checked_aligned_alloc(int64_t capacity) {
   void* data = std::aligned_alloc(64, static_cast<size_t>(capacity));
-  TORCH_CHECK(data != nullptr, "crfkit: out of memory allocating ", capacity, " bytes");
+  CRFKIT_CHECK(data != nullptr, "crfkit: out of memory allocating ", capacity, " bytes");
   return data;
 }
 
@@ -102,14 +98,28 @@ class BufferCache {
 
 }  // namespace
 
-at::Tensor recycled_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
-  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
-  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
-  if (bytes < kRounding) return at::empty(sizes, options);
+Tensor recycled_tensor(Sizes sizes, ScalarType dtype) {
+  const TensorOptions options{dtype, Device(torch::headeronly::DeviceType::CPU)};
+#if TORCH_FEATURE_VERSION >= TORCH_VERSION_2_11_0
+  int64_t elements = 1;
+  for (const int64_t size : sizes) elements *= size;
+  const int64_t bytes = elements * element_bytes(dtype);
+  if (bytes < kRounding) return empty(sizes, options);
   const KeptBuffer buffer = BufferCache::instance().take(bytes);
   const int64_t capacity = buffer.bytes;
-  return at::from_blob(
-      buffer.data, sizes, [capacity](void* data) { BufferCache::instance().give_back({data, capacity}); }, options);
+  std::vector<int64_t> strides(sizes.size());
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1, stride = 1; d >= 0; --d) {
+    strides[d] = stride;
+    stride *= sizes[d];
+  }
+  return torch::stable::from_blob(
+      buffer.data, sizes, Sizes(strides), options.device_, dtype,
+      [capacity](void* data) { BufferCache::instance().give_back({data, capacity}); });
+#else
+  // torch 2.10's stable ABI has no from_blob with a deleter (2.11 has): a plain allocation, so
+  // a binary built for 2.10 keeps no buffers (recycled_memory.h says what that costs).
+  return empty(sizes, options);
+#endif
 }
 
 int64_t release_recycled_memory() { return BufferCache::instance().release(); }

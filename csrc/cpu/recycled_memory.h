@@ -16,7 +16,8 @@
 // kept (crfkit.release_cached_memory()).
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "../tensor.h"
+
 
 #include <cstdint>
 
@@ -28,7 +29,7 @@ inline constexpr int64_t kMaxCachedBuffers = 8;
 
 // An uninitialised contiguous CPU tensor of these sizes and dtype, in recycled memory when it
 // is 64 KiB or more.
-at::Tensor recycled_tensor(at::IntArrayRef sizes, at::ScalarType dtype);
+Tensor recycled_tensor(Sizes sizes, ScalarType dtype);
 
 // Frees every kept buffer; returns the bytes freed.
 int64_t release_recycled_memory();

@@ -3,16 +3,9 @@
 // tags (B, N, L) int64: N candidate sequences per sentence (N = 1 for gold tags, N = K for
 // k-best paths). The score is accumulated in the same order as the Viterbi kernels (see
 // viterbi.cpp), so the score of a decoded path equals the decoder's score bit for bit.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
 
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
+#include "../tensor.h"
 #include "../checks.h"
 #include "isa.h"
 
@@ -24,7 +17,7 @@ namespace {
 // Raises unless every tag of row (b, j) within its length is in [0, T).
 void check_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < T, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", row[i],
+    CRFKIT_CHECK_VALUE(row[i] >= 0 && row[i] < T, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", row[i],
                 " is not a tag index in [0, ", T, ")");
   }
 }
@@ -32,32 +25,32 @@ void check_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
 }  // namespace
 
 // (B, N): score of each sequence; 0 for a length-0 sentence.
-at::Tensor sequence_score_cpu(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                              const at::Tensor& tags_in, const at::Tensor& lengths_in,
-                              const at::Tensor& start_in, const at::Tensor& end_in) {
-  const at::Tensor tags = tags_in.contiguous();
+Tensor sequence_score_cpu(const Tensor& emissions_in, const Tensor& transitions_in,
+                              const Tensor& tags_in, const Tensor& lengths_in,
+                              const Tensor& start_in, const Tensor& end_in) {
+  const Tensor tags = as_contiguous(tags_in);
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   check_tags(tags, emissions);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const int64_t N = tags.size(1);
-  auto scores = at::empty({B, N}, emissions.options());
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  const int64_t* tag = tags.data_ptr<int64_t>();
+  auto scores = empty({B, N}, options_of(emissions));
+  const int64_t* len = lengths.mutable_data_ptr<int64_t>();
+  const int64_t* tag = tags.mutable_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t j = 0; j < N; ++j) check_row(tag + (b * N + j) * L, len[b], T, b, j);
   }
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score", [&] {
-    const scalar_t* emit = emissions.data_ptr<scalar_t>();
-    const scalar_t* trans = transitions.data_ptr<scalar_t>();
-    const scalar_t* st = start.data_ptr<scalar_t>();
-    const scalar_t* en = end.data_ptr<scalar_t>();
-    scalar_t* out = scores.data_ptr<scalar_t>();
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score", [&] {
+    const scalar_t* emit = emissions.mutable_data_ptr<scalar_t>();
+    const scalar_t* trans = transitions.mutable_data_ptr<scalar_t>();
+    const scalar_t* st = start.mutable_data_ptr<scalar_t>();
+    const scalar_t* en = end.mutable_data_ptr<scalar_t>();
+    scalar_t* out = scores.mutable_data_ptr<scalar_t>();
     // The same NaN / +inf rule as every other op, although a score reads one tag per position.
     std::vector<char> bad(B, 0);
     for (int64_t b = 0; b < B; ++b) bad[b] = has_nan_or_posinf(emit + b * L * T, len[b] * T);
     raise_if_bad_emissions(bad);
-    at::parallel_for(0, B * N, 64, [&](int64_t row_begin, int64_t row_end) {
+    parallel_for(0, B * N, 64, [&](int64_t row_begin, int64_t row_end) {
       for (int64_t row = row_begin; row < row_end; ++row) {
         const int64_t b = row / N, n = len[b];
         const int64_t* y = tag + row * L;
@@ -77,13 +70,13 @@ at::Tensor sequence_score_cpu(const at::Tensor& emissions_in, const at::Tensor& 
 
 // Gradients of sum_{b, j} grad_scores[b, j] * score(tags[b, j]). Rows whose first tag is -1
 // (k-best rows that hold no sequence) contribute nothing.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backward_cpu(
-    const at::Tensor& grad_scores_in, const at::Tensor& emissions, const at::Tensor& tags_in,
-    const at::Tensor& lengths_in) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> sequence_score_backward_cpu(
+    const Tensor& grad_scores_in, const Tensor& emissions, const Tensor& tags_in,
+    const Tensor& lengths_in) {
   // emissions only give the shape and dtype of the gradient; nothing of them is read.
-  const at::Tensor grad_scores = grad_scores_in.contiguous();
-  const at::Tensor lengths = lengths_in.contiguous();
-  const at::Tensor tags = tags_in.contiguous();
+  const Tensor grad_scores = as_contiguous(grad_scores_in);
+  const Tensor lengths = as_contiguous(lengths_in);
+  const Tensor tags = as_contiguous(tags_in);
   check_emissions_argument(emissions);
   check_tags(tags, emissions);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
@@ -91,25 +84,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backwa
   check_argument_like(grad_scores, "grad_scores", "(batch, num_sequences)", {B, N}, emissions, "emissions");
   check_lengths_argument(lengths, B, emissions);
   check_lengths_cpu(lengths, L);
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  const int64_t* tag = tags.data_ptr<int64_t>();
+  const int64_t* len = lengths.mutable_data_ptr<int64_t>();
+  const int64_t* tag = tags.mutable_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t j = 0; j < N; ++j) {
       const int64_t* y = tag + (b * N + j) * L;
       if (len[b] > 0 && y[0] != -1) check_row(y, len[b], T, b, j);
     }
   }
-  auto grad_emissions = at::zeros_like(emissions);
-  auto grad_trans = at::zeros({B, T, T}, emissions.options());
-  auto grad_start = at::zeros({B, T}, emissions.options());
-  auto grad_end = at::zeros({B, T}, emissions.options());
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score_backward", [&] {
-    const scalar_t* g = grad_scores.data_ptr<scalar_t>();
-    scalar_t* ge = grad_emissions.data_ptr<scalar_t>();
-    scalar_t* gt = grad_trans.data_ptr<scalar_t>();
-    scalar_t* gs = grad_start.data_ptr<scalar_t>();
-    scalar_t* gn = grad_end.data_ptr<scalar_t>();
-    at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+  auto grad_emissions = zeros_like(emissions);
+  auto grad_trans = zeros({B, T, T}, options_of(emissions));
+  auto grad_start = zeros({B, T}, options_of(emissions));
+  auto grad_end = zeros({B, T}, options_of(emissions));
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score_backward", [&] {
+    const scalar_t* g = grad_scores.mutable_data_ptr<scalar_t>();
+    scalar_t* ge = grad_emissions.mutable_data_ptr<scalar_t>();
+    scalar_t* gt = grad_trans.mutable_data_ptr<scalar_t>();
+    scalar_t* gs = grad_start.mutable_data_ptr<scalar_t>();
+    scalar_t* gn = grad_end.mutable_data_ptr<scalar_t>();
+    parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
       for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t n = len[b];
         if (n == 0) continue;
@@ -125,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backwa
       }
     });
   });
-  return {grad_emissions, grad_trans.sum(0), grad_start.sum(0), grad_end.sum(0)};
+  return {grad_emissions, sum_first_dim(grad_trans), sum_first_dim(grad_start), sum_first_dim(grad_end)};
 }
 
 }  // namespace CRFKIT_CPU_ISA

@@ -11,19 +11,13 @@
 // follows from two local choices: when merging candidates for (position i, tag t), a smaller
 // predecessor tag wins a tie, and within one predecessor's list the earlier rank wins; the final
 // choice over last tags prefers the smaller tag.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
 
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "../tensor.h"
 #include "../backpointers.h"
 #include "../checks.h"
 #include "isa.h"
@@ -73,24 +67,24 @@ scalar_t viterbi_sentence(const scalar_t* emit, const PaddedTransitions<scalar_t
 }  // namespace
 
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
-std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
-                                               const at::Tensor& transitions_in,
-                                               const at::Tensor& lengths_in, const at::Tensor& start_in,
-                                               const at::Tensor& end_in) {
+std::tuple<Tensor, Tensor> viterbi_cpu(const Tensor& emissions_in,
+                                               const Tensor& transitions_in,
+                                               const Tensor& lengths_in, const Tensor& start_in,
+                                               const Tensor& end_in) {
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
-  auto paths = at::full({B, L}, -1, lengths.options());
-  auto scores = at::empty({B}, emissions.options());
+  auto paths = full({B, L}, -1, options_of(lengths));
+  auto scores = empty({B}, options_of(emissions));
   std::vector<char> bad(B, 0);
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_viterbi", [&] {
-    const scalar_t* emit = emissions.data_ptr<scalar_t>();
-    const scalar_t* trans = transitions.data_ptr<scalar_t>();
-    const scalar_t* st = start.data_ptr<scalar_t>();
-    const scalar_t* en = end.data_ptr<scalar_t>();
-    const int64_t* len = lengths.data_ptr<int64_t>();
-    int64_t* path = paths.data_ptr<int64_t>();
-    scalar_t* score = scores.data_ptr<scalar_t>();
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_viterbi", [&] {
+    const scalar_t* emit = emissions.mutable_data_ptr<scalar_t>();
+    const scalar_t* trans = transitions.mutable_data_ptr<scalar_t>();
+    const scalar_t* st = start.mutable_data_ptr<scalar_t>();
+    const scalar_t* en = end.mutable_data_ptr<scalar_t>();
+    const int64_t* len = lengths.mutable_data_ptr<int64_t>();
+    int64_t* path = paths.mutable_data_ptr<int64_t>();
+    scalar_t* score = scores.mutable_data_ptr<scalar_t>();
     dispatch_backpointer_type(T, [&](auto bp_tag) {
       using bp_t = decltype(bp_tag);
       // Several sentences per vector (viterbi_lanes.h) where that is faster: same results, bit
@@ -101,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
         return;
       }
       const PaddedTransitions<scalar_t> padded_trans(trans, T);
-      at::parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
+      parallel_for(0, B, 1, [&](int64_t b_begin, int64_t b_end) {
         std::vector<scalar_t> delta(T), step_max(padded_trans.stride);
         std::vector<typename Lanes<scalar_t>::Index> arg(padded_trans.stride);
         std::vector<bp_t> backpointers(std::max<int64_t>(L, 1) * T);

@@ -3,7 +3,8 @@
 // (column_argmax) both run per position, and viterbi_cpu, which k-best calls for k = 1.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "../tensor.h"
+
 
 #include <algorithm>
 #include <cstdint>
@@ -109,10 +110,10 @@ void column_argmax(const scalar_t* offsets, const scalar_t* rows, int64_t stride
 }
 
 // scores (B,), paths (B, L) int64: the Viterbi op's CPU kernel (viterbi.cpp).
-std::tuple<at::Tensor, at::Tensor> viterbi_cpu(const at::Tensor& emissions_in,
-                                               const at::Tensor& transitions_in,
-                                               const at::Tensor& lengths_in, const at::Tensor& start_in,
-                                               const at::Tensor& end_in);
+std::tuple<Tensor, Tensor> viterbi_cpu(const Tensor& emissions_in,
+                                               const Tensor& transitions_in,
+                                               const Tensor& lengths_in, const Tensor& start_in,
+                                               const Tensor& end_in);
 
 }  // namespace CRFKIT_CPU_ISA
 }  // namespace cpu

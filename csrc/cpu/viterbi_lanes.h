@@ -15,7 +15,8 @@
 // in scalar_t, with strict `>` while scanning s (and t) upward.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "../tensor.h"
+
 
 #include <algorithm>
 #include <cstdint>
@@ -362,7 +363,7 @@ LanePlan plan_lanes(const int64_t* lengths, int64_t B, int64_t L, int64_t buffer
     return plan;
   }
   if constexpr (!kLaneCostModelHolds) return plan;
-  const double threads = at::in_parallel_region() ? 1.0 : static_cast<double>(at::get_num_threads());
+  const double threads = in_parallel_region() ? 1.0 : static_cast<double>(num_threads());
   double sentence_positions = 0, group_positions = 0;
   for (int64_t k = 0; k < num_sentences; ++k) {
     sentence_positions += static_cast<double>(plan.lengths[k]);

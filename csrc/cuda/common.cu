@@ -1,7 +1,5 @@
 // Device-side validation of the data every op reads, and the host side that turns the status
 // words into the CPU kernels' error messages (see common.cuh).
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
-
 #include "common.cuh"
 
 #include <atomic>
@@ -48,27 +46,27 @@ int64_t grid_for(int64_t count) { return grid_stride_blocks(count, kValidateThre
 
 }  // namespace
 
-void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at::Tensor& transitions,
-                            const at::Tensor& start, const at::Tensor& end, Status& status) {
+void launch_validate_inputs(const Tensor& lengths, int64_t max_len, const Tensor& transitions,
+                            const Tensor& start, const Tensor& end, Status& status) {
   const int64_t num_tags = transitions.defined() ? transitions.size(0) : 0;
   const int64_t count = std::max(lengths.size(0), num_tags * num_tags);
   if (count == 0) return;
-  const auto type = transitions.defined() ? transitions.scalar_type() : at::kFloat;
-  AT_DISPATCH_FLOATING_TYPES(type, "crfkit_validate_inputs", [&] {
+  const auto type = transitions.defined() ? transitions.scalar_type() : kFloat;
+  CRFKIT_DISPATCH_FLOATING_TYPES(type, "crfkit_validate_inputs", [&] {
     validate_inputs_kernel<scalar_t><<<grid_for(count), kValidateThreads, 0, current_stream()>>>(
         input_checks_of<scalar_t>(lengths, max_len, transitions, start, end, status));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
-void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengths, Status& status) {
+void launch_check_emissions(const Tensor& emissions, const Tensor& lengths, Status& status) {
   const int64_t count = emissions.numel();
   if (count == 0) return;
-  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_check_emissions", [&] {
+  CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_check_emissions", [&] {
     check_emissions_kernel<scalar_t><<<grid_for(count), kValidateThreads, 0, current_stream()>>>(
-        emissions.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), emissions.size(0), emissions.size(1),
+        emissions.mutable_data_ptr<scalar_t>(), lengths.mutable_data_ptr<int64_t>(), emissions.size(0), emissions.size(1),
         emissions.size(2), status.data());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -90,7 +88,7 @@ int64_t env_int(const char* name, int64_t fallback) {
   if (value == nullptr || *value == '\0') return fallback;
   char* rest = nullptr;
   const long long parsed = std::strtoll(value, &rest, 10);
-  TORCH_CHECK_VALUE(*rest == '\0' && parsed > 0, "crfkit: the environment variable ", name,
+  CRFKIT_CHECK_VALUE(*rest == '\0' && parsed > 0, "crfkit: the environment variable ", name,
                     " must be a positive integer, got '", value, "'");
   return parsed;
 }
@@ -101,7 +99,7 @@ int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes) {
   const char* mode = std::getenv("CRFKIT_CUDA_TIME_PARALLEL");
   const bool always = mode != nullptr && std::strcmp(mode, "always") == 0;
   const bool never = mode != nullptr && std::strcmp(mode, "never") == 0;
-  TORCH_CHECK_VALUE(mode == nullptr || *mode == '\0' || always || never || std::strcmp(mode, "auto") == 0,
+  CRFKIT_CHECK_VALUE(mode == nullptr || *mode == '\0' || always || never || std::strcmp(mode, "auto") == 0,
                     "crfkit: the environment variable CRFKIT_CUDA_TIME_PARALLEL must be auto, always or never, "
                     "got '", mode, "'");
   const int64_t S = std::min<int64_t>(std::max<int64_t>(L, 1),
@@ -120,52 +118,87 @@ namespace {
 
 std::atomic<bool> deferred_mode{false};
 
+// The cleared words (kStatusClear each) on a device, made once per device from a host copy and
+// then copied (device to device, on the stream) into each fresh or re-cleared set of words. The
+// stable ABI fills tensors with a double only, and a double cannot hold INT64_MAX. Made on the
+// first call on a device, which must not be under a CUDA graph capture (a warm-up call, which
+// CUDA graphs need anyway, makes them outside).
+std::mutex clear_mutex;
+std::map<int, Tensor> clear_words;
+
+Tensor clear_words_for(const Tensor& like) {
+  const std::lock_guard<std::mutex> lock(clear_mutex);
+  Tensor& words = clear_words[like.get_device_index()];
+  if (!words.defined()) {
+    Tensor host = empty({kNumStatusWords}, TensorOptions{kLong, Device(torch::headeronly::DeviceType::CPU)});
+    int64_t* word = host.mutable_data_ptr<int64_t>();
+    for (int i = 0; i < kNumStatusWords; ++i) word[i] = kStatusClear;
+    words = torch::stable::to(host, like.device());
+  }
+  return words;
+}
+
+// A fresh set of cleared words on the device of `like`.
+Tensor fresh_words(const Tensor& like) { return torch::stable::clone(clear_words_for(like)); }
+
 // The persistent words of deferred mode, one set per device, made on first use. (Made during a
 // capture, their fill is part of the graph and clears them at each replay; a warm-up call
 // before capturing, which CUDA graphs need anyway, makes them outside.)
 std::mutex deferred_mutex;
-std::map<int, at::Tensor> deferred_words;
+std::map<int, Tensor> deferred_words;
 
-at::Tensor deferred_words_for(const at::Tensor& like) {
+Tensor deferred_words_for(const Tensor& like) {
   const std::lock_guard<std::mutex> lock(deferred_mutex);
-  at::Tensor& words = deferred_words[like.device().index()];
-  if (!words.defined()) words = at::full({kNumStatusWords}, kStatusClear, like.options().dtype(at::kLong));
+  Tensor& words = deferred_words[like.get_device_index()];
+  if (!words.defined()) words = fresh_words(like);
   return words;
+}
+
+// Whether the current stream is being captured into a CUDA graph (nothing can be read back then).
+bool capturing() {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CRFKIT_CUDA_CHECK(cudaStreamIsCapturing(current_stream(), &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+// Element `index` of an int64 tensor, read on the host (error messages only).
+int64_t host_value(const Tensor& t, int64_t index) {
+  const Tensor host = torch::stable::to(as_contiguous(t), Device(torch::headeronly::DeviceType::CPU));
+  return host.mutable_data_ptr<int64_t>()[index];
 }
 
 }  // namespace
 
-Status::Status(const at::Tensor& like)
-    : deferred_(deferred_mode.load(std::memory_order_relaxed) ||
-                c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None),
-      words_(deferred_ ? deferred_words_for(like)
-                       : at::full({kNumStatusWords}, kStatusClear, like.options().dtype(at::kLong))) {}
+Status::Status(const Tensor& like)
+    : deferred_(deferred_mode.load(std::memory_order_relaxed) || capturing()),
+      words_(deferred_ ? deferred_words_for(like) : fresh_words(like)) {}
 
-void Status::raise_if_bad(const at::Tensor& lengths, int64_t max_len, const at::Tensor& tags,
+void Status::raise_if_bad(const Tensor& lengths, int64_t max_len, const Tensor& tags,
                           int64_t num_tags) const {
   if (deferred_) return;
-  const at::Tensor host = words_.to(at::kCPU);  // waits for the kernels of this op
-  const int64_t* word = host.data_ptr<int64_t>();
+  // Waits for the kernels of this op.
+  const Tensor host = torch::stable::to(words_, Device(torch::headeronly::DeviceType::CPU));
+  const int64_t* word = host.mutable_data_ptr<int64_t>();
   if (word[kBadLength] != kStatusClear) {
     const int64_t b = word[kBadLength];
-    TORCH_CHECK_VALUE(false, "crfkit: lengths[", b, "] = ", lengths[b].item<int64_t>(),
-                      " is outside [0, seq_len = ", max_len, "]");
+    CRFKIT_CHECK_VALUE(false, "crfkit: lengths[", b, "] = ", host_value(lengths, b),
+                       " is outside [0, seq_len = ", max_len, "]");
   }
-  TORCH_CHECK_VALUE(word[kBadTransitions] == kStatusClear,
-                    "crfkit: transitions contains NaN or +inf (use -inf to forbid a transition)");
-  TORCH_CHECK_VALUE(word[kBadStart] == kStatusClear,
-                    "crfkit: start contains NaN or +inf (use -inf to forbid a first tag)");
-  TORCH_CHECK_VALUE(word[kBadEnd] == kStatusClear,
-                    "crfkit: end contains NaN or +inf (use -inf to forbid a last tag)");
+  CRFKIT_CHECK_VALUE(word[kBadTransitions] == kStatusClear,
+                     "crfkit: transitions contains NaN or +inf (use -inf to forbid a transition)");
+  CRFKIT_CHECK_VALUE(word[kBadStart] == kStatusClear,
+                     "crfkit: start contains NaN or +inf (use -inf to forbid a first tag)");
+  CRFKIT_CHECK_VALUE(word[kBadEnd] == kStatusClear,
+                     "crfkit: end contains NaN or +inf (use -inf to forbid a last tag)");
   if (word[kBadTag] != kStatusClear && tags.defined()) {
-    const int64_t flat = word[kBadTag];
+    const int64_t flat = word[kBadTag];  // (b * N + j) * L + i: the flat index of (b, j, i)
     const int64_t per_sentence = tags.size(1) * tags.size(2);
     const int64_t b = flat / per_sentence, j = (flat % per_sentence) / tags.size(2), i = flat % tags.size(2);
-    TORCH_CHECK_VALUE(false, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", tags[b][j][i].item<int64_t>(),
-                      " is not a tag index in [0, ", num_tags, ")");
+    CRFKIT_CHECK_VALUE(false, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", host_value(tags, flat),
+                       " is not a tag index in [0, ", num_tags, ")");
   }
-  TORCH_CHECK_VALUE(word[kBadEmissions] == kStatusClear, "crfkit: emissions[", word[kBadEmissions],
-                    "] contains NaN or +inf within its length (use -inf to forbid a tag)");
+  CRFKIT_CHECK_VALUE(word[kBadEmissions] == kStatusClear, "crfkit: emissions[", word[kBadEmissions],
+                     "] contains NaN or +inf within its length (use -inf to forbid a tag)");
 }
 
 }  // namespace cuda
@@ -190,9 +223,10 @@ __attribute__((visibility("default"))) int crfkit_cuda_take_deferred_errors(long
     const std::lock_guard<std::mutex> lock(deferred_mutex);
     int found = 0;
     for (auto& [index, words] : deferred_words) {
-      const at::Tensor host = words.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-      words.fill_(kStatusClear);
-      const int64_t* word = host.data_ptr<int64_t>();
+      const crfkit::Tensor host = torch::stable::to(words, crfkit::Device(torch::headeronly::DeviceType::CPU),
+                                                    /*non_blocking=*/false, /*copy=*/true);
+      torch::stable::copy_(words, clear_words_for(words));
+      const int64_t* word = host.mutable_data_ptr<int64_t>();
       bool bad = false;
       for (int i = 0; i < kNumStatusWords; ++i) bad = bad || word[i] != kStatusClear;
       if (bad && !found) {

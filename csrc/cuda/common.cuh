@@ -20,27 +20,41 @@
 // backtraces stop at an out-of-range code), so a bad call raises instead of crashing.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
+#include <string>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>  // DeviceGuard
 
 #include "../backpointers.h"
 #include "../checks.h"
 #include "../numerics.h"  // trusted_sum_min, pairwise_fast_bound (shared with the CPU kernels)
+#include "../tensor.h"
+
+// The current CUDA stream of a device, from torch's C shim (libtorch_cuda exports it). shim.h
+// declares it only under USE_CUDA, which an extension's build does not define: the same
+// declaration, here. (Stream::nativeHandle in torch/csrc/stable/accelerator.h is 2.13-only.)
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index,
+                                                                              void** ret_stream);
+
+// A failed CUDA runtime call (or, after a launch, cudaGetLastError) throws std::runtime_error
+// naming the call and CUDA's message (RuntimeError in Python), as c10's C10_CUDA_CHECK did.
+#define CRFKIT_CUDA_CHECK(expr)                                                             \
+  do {                                                                                      \
+    const cudaError_t crfkit_cuda_error_ = (expr);                                          \
+    if (crfkit_cuda_error_ != cudaSuccess) [[unlikely]] {                                   \
+      throw std::runtime_error(std::string("crfkit: CUDA error: ") +                         \
+                               cudaGetErrorString(crfkit_cuda_error_) + " (" #expr ")");    \
+    }                                                                                       \
+  } while (false)
+// After a kernel launch: a bad launch configuration (or an earlier asynchronous error).
+#define CRFKIT_CUDA_KERNEL_LAUNCH_CHECK() CRFKIT_CUDA_CHECK(cudaGetLastError())
 
 namespace crfkit {
 namespace cuda {
@@ -80,9 +94,9 @@ __device__ __forceinline__ void report(long long* status, StatusWord word, int64
 // meaningless values (the kernels stay memory-safe) until that check.
 class Status {
  public:
-  explicit Status(const at::Tensor& like);
+  explicit Status(const Tensor& like);
 
-  long long* data() { return reinterpret_cast<long long*>(words_.data_ptr<int64_t>()); }
+  long long* data() { return reinterpret_cast<long long*>(words_.mutable_data_ptr<int64_t>()); }
 
   // Whether one of the op's kernels runs the input checks (input_checks below); checked_launch
   // launches the standalone check otherwise.
@@ -93,24 +107,24 @@ class Status {
   // in the order the CPU kernels check: lengths, transitions, start, end, tags, emissions.
   // Deferred mode: returns at once.
   // `lengths` / `tags` (may be undefined) give the values quoted in the messages.
-  void raise_if_bad(const at::Tensor& lengths, int64_t max_len, const at::Tensor& tags = {},
+  void raise_if_bad(const Tensor& lengths, int64_t max_len, const Tensor& tags = {},
                     int64_t num_tags = 0) const;
 
  private:
   bool deferred_;
   bool inputs_checked_ = false;
-  at::Tensor words_;
+  Tensor words_;
 };
 
 // lengths[b] in [0, L] and transitions / start / end free of NaN / +inf (any of the three may
 // be null, e.g. for sequence_score_backward, which has none). One small grid-stride kernel, for
 // ops whose kernels do not run input_checks themselves.
-void launch_validate_inputs(const at::Tensor& lengths, int64_t max_len, const at::Tensor& transitions,
-                            const at::Tensor& start, const at::Tensor& end, Status& status);
+void launch_validate_inputs(const Tensor& lengths, int64_t max_len, const Tensor& transitions,
+                            const Tensor& start, const Tensor& end, Status& status);
 
 // Emissions (B, L, T) free of NaN / +inf within each sentence's length; for ops that do not
 // read every emission themselves (sequence_score).
-void launch_check_emissions(const at::Tensor& emissions, const at::Tensor& lengths, Status& status);
+void launch_check_emissions(const Tensor& emissions, const Tensor& lengths, Status& status);
 
 // Parallel in time (forward_backward_chunked.cuh, viterbi_chunked.cuh): the chunk length S for a call on (B, L, T)
 // with `lanes` lanes per group, or 0 for the sequential kernels. Set by the environment
@@ -120,7 +134,7 @@ int64_t time_chunk_length(int64_t B, int64_t L, int64_t T, int lanes);
 // log Z (B,) for CRF arguments checked by checked_cuda_args, their values checked into `status`
 // (input_checks) unless another kernel of the op has; launched on the current stream, the caller raises
 // (log_partition.cu; used by kbest_viterbi_with_log_probs in kbest.cu).
-at::Tensor launch_log_partition(const CrfArgs& a, Status& status);
+Tensor launch_log_partition(const CrfArgs& a, Status& status);
 
 // ---- arguments -----------------------------------------------------------------------------
 // What launch_validate_inputs checks, run instead by the first kernel of an op before its own
@@ -141,11 +155,11 @@ struct InputChecks {
 // The checks of lengths (B,) against max_len and of transitions / start / end, any of which may
 // be undefined (not checked), reporting into `status`.
 template <typename scalar_t>
-InputChecks<scalar_t> input_checks_of(const at::Tensor& lengths, int64_t max_len, const at::Tensor& transitions,
-                                      const at::Tensor& start, const at::Tensor& end, Status& status) {
-  auto pointer = [](const at::Tensor& x) { return x.defined() ? x.data_ptr<scalar_t>() : nullptr; };
+InputChecks<scalar_t> input_checks_of(const Tensor& lengths, int64_t max_len, const Tensor& transitions,
+                                      const Tensor& start, const Tensor& end, Status& status) {
+  auto pointer = [](const Tensor& x) { return x.defined() ? x.mutable_data_ptr<scalar_t>() : nullptr; };
   InputChecks<scalar_t> c;
-  c.lengths = lengths.data_ptr<int64_t>();
+  c.lengths = lengths.mutable_data_ptr<int64_t>();
   c.transitions = pointer(transitions);
   c.start = pointer(start);
   c.end = pointer(end);
@@ -169,11 +183,11 @@ InputChecks<scalar_t> input_checks(const CrfArgs& a, Status& status) {
 // DecodeParams) has: the CRF arguments' pointers, the status words and the sizes.
 template <typename scalar_t, typename Params>
 void set_crf_arguments(Params& p, const CrfArgs& a, Status& status) {
-  p.emissions = a.emissions.data_ptr<scalar_t>();
-  p.transitions = a.transitions.data_ptr<scalar_t>();
-  p.start = a.start.data_ptr<scalar_t>();
-  p.end = a.end.data_ptr<scalar_t>();
-  p.lengths = a.lengths.data_ptr<int64_t>();
+  p.emissions = a.emissions.mutable_data_ptr<scalar_t>();
+  p.transitions = a.transitions.mutable_data_ptr<scalar_t>();
+  p.start = a.start.mutable_data_ptr<scalar_t>();
+  p.end = a.end.mutable_data_ptr<scalar_t>();
+  p.lengths = a.lengths.mutable_data_ptr<int64_t>();
   p.status = status.data();
   p.batch = a.emissions.size(0);
   p.max_len = a.emissions.size(1);
@@ -181,13 +195,13 @@ void set_crf_arguments(Params& p, const CrfArgs& a, Status& status) {
 }
 
 // The CRF arguments of a CUDA op, dense and shape-checked (values are checked on the device).
-inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& transitions,
-                                 const at::Tensor& lengths, const at::Tensor& start,
-                                 const at::Tensor& end) {
-  CrfArgs a{emissions.contiguous(), transitions.contiguous(), lengths.contiguous(), start.contiguous(),
-            end.contiguous()};
+inline CrfArgs checked_cuda_args(const Tensor& emissions, const Tensor& transitions,
+                                 const Tensor& lengths, const Tensor& start,
+                                 const Tensor& end) {
+  CrfArgs a{as_contiguous(emissions), as_contiguous(transitions), as_contiguous(lengths), as_contiguous(start),
+            as_contiguous(end)};
   check_crf_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
-  TORCH_CHECK(a.emissions.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got emissions on ",
+  CRFKIT_CHECK(a.emissions.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got emissions on ",
               a.emissions.device());
   return a;
 }
@@ -197,10 +211,10 @@ inline CrfArgs checked_cuda_args(const at::Tensor& emissions, const at::Tensor& 
 // standalone value check where none did, then raises from the status words (one read back to
 // the host, which waits for the kernels) and returns launch's outputs.
 template <typename Launch>
-auto checked_launch(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
-                    const at::Tensor& start, const at::Tensor& end, Launch&& launch) {
+auto checked_launch(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
+                    const Tensor& start, const Tensor& end, Launch&& launch) {
   const CrfArgs a = checked_cuda_args(emissions, transitions, lengths, start, end);
-  const c10::cuda::CUDAGuard guard(a.emissions.device());
+  const torch::stable::accelerator::DeviceGuard guard(a.emissions.get_device_index());
   Status status(a.emissions);
   auto outputs = launch(a, status);
   if (!status.inputs_checked()) {
@@ -382,8 +396,8 @@ __device__ __forceinline__ const scalar_t* stage_table(unsigned char*& cursor, b
 // An attribute of the current device (cudaDevAttrMultiProcessorCount, ...).
 inline int current_device_attribute(cudaDeviceAttr attribute) {
   int device = 0, value = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  CRFKIT_CUDA_CHECK(cudaGetDevice(&device));
+  CRFKIT_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
   return value;
 }
 
@@ -394,7 +408,7 @@ int64_t persistent_blocks(Kernel kernel, const SharedPlan& plan, int64_t num_sen
                           int64_t max_blocks = std::numeric_limits<int64_t>::max()) {
   const int multiprocessors = current_device_attribute(cudaDevAttrMultiProcessorCount);
   int per_multiprocessor = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, plan.threads,
+  CRFKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, plan.threads,
                                                                plan.shared_bytes));
   const int64_t resident = std::max<int64_t>(1, (int64_t)per_multiprocessor * multiprocessors);
   const int64_t needed = (num_sentences + plan.groups_per_block - 1) / plan.groups_per_block;
@@ -407,7 +421,16 @@ inline int64_t grid_stride_blocks(int64_t count, int threads, int64_t max_blocks
   return std::max<int64_t>(1, std::min(max_blocks, (count + threads - 1) / threads));
 }
 
-inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+// The current stream of the current device (which the op's DeviceGuard has set): torch's, so
+// that the kernels are ordered with the caller's work and captured into its CUDA graphs.
+inline cudaStream_t current_stream() {
+  int device = 0;
+  CRFKIT_CUDA_CHECK(cudaGetDevice(&device));
+  void* stream = nullptr;
+  CRFKIT_CHECK(aoti_torch_get_current_cuda_stream(device, &stream) == AOTI_TORCH_SUCCESS,
+               "crfkit: could not get the current CUDA stream of device ", device);
+  return static_cast<cudaStream_t>(stream);
+}
 
 }  // namespace cuda
 }  // namespace crfkit

@@ -62,10 +62,10 @@ struct ChunkParams {
 // (ViterbiChunkParams, viterbi_chunked.cuh): the CRF arguments, phase 1's matrices (B, C, T, T),
 // the status words and the sizes, for chunks of S positions, C = ceil(L / S) per sentence.
 template <typename scalar_t, typename Params>
-void set_chunk_arguments(Params& p, const CrfArgs& a, int64_t S, int64_t C, const at::Tensor& matrices,
+void set_chunk_arguments(Params& p, const CrfArgs& a, int64_t S, int64_t C, const Tensor& matrices,
                          Status& status) {
   set_crf_arguments<scalar_t>(p, a, status);
-  p.matrices = matrices.data_ptr<scalar_t>();
+  p.matrices = matrices.mutable_data_ptr<scalar_t>();
   p.chunk = S;
   p.chunks = C;
 }

@@ -4,11 +4,6 @@
 // lanes per tag), and k-best with log-probabilities (kbest_viterbi_with_log_probs). The layout,
 // the arithmetic and the tie rule are described in viterbi_common.cuh, which holds what k-best
 // shares with Viterbi (viterbi.cu).
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
-
-#include <ATen/TensorOperators.h>  // Tensor - Tensor
-#include <torch/library.h>
-
 #include <cstdlib>
 #include <cstring>
 
@@ -387,7 +382,7 @@ KbestKernel kbest_kernel_choice() {
   if (value == nullptr || *value == '\0' || std::strcmp(value, "per_sentence") == 0) return KbestKernel::kPerSentence;
   if (std::strcmp(value, "per_tag") == 0) return KbestKernel::kPerTag;
   if (std::strcmp(value, "auto") == 0) return KbestKernel::kAuto;
-  TORCH_CHECK_VALUE(false, "crfkit: the environment variable CRFKIT_CUDA_KBEST_KERNEL must be per_sentence, per_tag "
+  CRFKIT_CHECK_VALUE(false, "crfkit: the environment variable CRFKIT_CUDA_KBEST_KERNEL must be per_sentence, per_tag "
                     "or auto, got '", value, "'");
 }
 
@@ -395,8 +390,8 @@ KbestKernel kbest_kernel_choice() {
 // does not apply (T > 32: a group per tag would not fit in a block; lists too large for shared
 // memory) or, unless `forced`, outside auto's cases (K <= 5, at most two sentences per multiprocessor).
 template <typename scalar_t, typename bp_t>
-bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced, at::Tensor& scores,
-                          at::Tensor& paths, Status& status, const LogProbOutputs& log_probs) {
+bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced, Tensor& scores,
+                          Tensor& paths, Status& status, const LogProbOutputs& log_probs) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const PerTagPlan plan = per_tag_plan<scalar_t, bp_t>(T, K, L);
   if (T > kWarpSize || plan.backpointers > kSharedBudget) return false;
@@ -416,21 +411,28 @@ bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced
   const int64_t blocks = plan.backpointers_in_shared
                              ? resident
                              : std::min(resident, std::max<int64_t>(1, kBackpointerBudget / per_block));
-  const auto bytes = a.emissions.options().dtype(at::kByte);
-  at::Tensor backpointers = plan.backpointers_in_shared ? at::Tensor() : at::empty({std::max<int64_t>(1, blocks * per_block)}, bytes);
+  const auto bytes = options_of(a.emissions).dtype(kByte);
+  Tensor backpointers = plan.backpointers_in_shared ? Tensor() : empty({std::max<int64_t>(1, blocks * per_block)}, bytes);
 
   const auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status, log_probs);
   kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, current_stream()>>>(params, plan);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
 
 // log_probs (B, k) = scores - log Z, log Z clamped to the lowest finite value as
 // reference.log_probs_from_scores does (so missing rows stay -inf), by two aten ops.
-at::Tensor log_probs_from_scores(const at::Tensor& scores, const at::Tensor& log_z) {
-  const double lowest = scores.scalar_type() == at::kFloat ? std::numeric_limits<float>::lowest()
+Tensor log_probs_from_scores(const Tensor& scores, const Tensor& log_z) {
+  const double lowest = scores.scalar_type() == kFloat ? std::numeric_limits<float>::lowest()
                                                            : std::numeric_limits<double>::lowest();
-  return scores - log_z.clamp_min(lowest).unsqueeze(1);
+  // clamp_min(log_z, lowest) as a boxed call of aten::clamp_min.Tensor (the stable ABI has no
+  // clamp): the bound is a 0-dim tensor on log_z's device, broadcast.
+  std::array<StableIValue, 2> stack{
+      torch::stable::detail::from(log_z),
+      torch::stable::detail::from(full({}, lowest, options_of(log_z)))};
+  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::clamp_min", "Tensor", stack.data(), TORCH_ABI_VERSION));
+  const Tensor clamped = torch::stable::detail::to<Tensor>(stack[0]);
+  return torch::stable::subtract(scores, torch::stable::unsqueeze(clamped, 1));
 }
 
 // scores (B, k), paths (B, k, L) int64: the k best distinct sequences per sentence, descending;
@@ -438,26 +440,26 @@ at::Tensor log_probs_from_scores(const at::Tensor& scores, const at::Tensor& log
 // the stream before), also log_probs (B, k) = log_probs_from_scores(scores, log_z), written by
 // the k-best kernel with the scores (bit for bit the same subtraction, two launches fewer).
 struct KbestOutputs {
-  at::Tensor scores, paths, log_probs;
+  Tensor scores, paths, log_probs;
 };
 
-KbestOutputs launch_kbest_viterbi(const CrfArgs& a, int64_t k, Status& status, const at::Tensor& log_z = {}) {
-  TORCH_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
+KbestOutputs launch_kbest_viterbi(const CrfArgs& a, int64_t k, Status& status, const Tensor& log_z = {}) {
+  CRFKIT_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   if (k == 1) {  // the 1-best is Viterbi, with the same tie rule: use the cheaper kernel
     auto [best_scores, best_paths] = launch_viterbi(a, status);
-    const at::Tensor scores = best_scores.unsqueeze(1);
-    return {scores, best_paths.unsqueeze(1), log_z.defined() ? log_probs_from_scores(scores, log_z) : at::Tensor()};
+    const Tensor scores = torch::stable::unsqueeze(best_scores, 1);
+    return {scores, torch::stable::unsqueeze(best_paths, 1), log_z.defined() ? log_probs_from_scores(scores, log_z) : Tensor()};
   }
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   // No sentence has more than T^L sequences, so lists longer than that only hold -inf.
   const int64_t K = num_sequences_capped(T, L, k);
   check_sizes(T, K);
   // Written whole by the kernels: no fill launches (host time, issue 30).
-  at::Tensor paths = at::empty({B, k, L}, a.lengths.options());
-  at::Tensor scores = at::empty({B, k}, a.emissions.options());
-  const LogProbOutputs log_probs{log_z, log_z.defined() ? at::empty({B, k}, a.emissions.options()) : at::Tensor()};
+  Tensor paths = empty({B, k, L}, options_of(a.lengths));
+  Tensor scores = empty({B, k}, options_of(a.emissions));
+  const LogProbOutputs log_probs{log_z, log_z.defined() ? empty({B, k}, options_of(a.emissions)) : Tensor()};
   const KbestKernel choice = kbest_kernel_choice();
-  AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_kbest_viterbi_cuda", [&] {
+  CRFKIT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_kbest_viterbi_cuda", [&] {
     const int G = lanes_per_sentence(T);
     const size_t arena_bytes = kbest_arena<scalar_t>(T, K, G).bytes;
     dispatch_backpointer_type(T * K, [&](auto bp_tag) {
@@ -474,9 +476,9 @@ KbestOutputs launch_kbest_viterbi(const CrfArgs& a, int64_t k, Status& status, c
   return {scores, paths, log_probs.log_probs};
 }
 
-std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
-                                                      int64_t k, const at::Tensor& lengths,
-                                                      const at::Tensor& start, const at::Tensor& end) {
+std::tuple<Tensor, Tensor> kbest_viterbi_cuda(const Tensor& emissions, const Tensor& transitions,
+                                                      int64_t k, const Tensor& lengths,
+                                                      const Tensor& start, const Tensor& end) {
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
     KbestOutputs out = launch_kbest_viterbi(a, k, status);
     return std::make_tuple(out.scores, out.paths);
@@ -487,11 +489,11 @@ std::tuple<at::Tensor, at::Tensor> kbest_viterbi_cuda(const at::Tensor& emission
 // finite value, as reference.log_probs_from_scores does, so missing rows stay -inf): log Z's
 // kernels, then the k-best kernel, which writes the log-probabilities with the scores, then one
 // status read, where the two ops called in turn read theirs twice.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cuda(
-    const at::Tensor& emissions, const at::Tensor& transitions, int64_t k, const at::Tensor& lengths,
-    const at::Tensor& start, const at::Tensor& end) {
+std::tuple<Tensor, Tensor, Tensor> kbest_viterbi_with_log_probs_cuda(
+    const Tensor& emissions, const Tensor& transitions, int64_t k, const Tensor& lengths,
+    const Tensor& start, const Tensor& end) {
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
-    const at::Tensor log_z = launch_log_partition(a, status);
+    const Tensor log_z = launch_log_partition(a, status);
     KbestOutputs out = launch_kbest_viterbi(a, k, status, log_z);
     return std::make_tuple(out.scores, out.paths, out.log_probs);
   });
@@ -499,9 +501,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kbest_viterbi_with_log_probs_cuda
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
-  m.impl("kbest_viterbi", &kbest_viterbi_cuda);
-  m.impl("kbest_viterbi_with_log_probs", &kbest_viterbi_with_log_probs_cuda);
+STABLE_TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("kbest_viterbi", TORCH_BOX(&kbest_viterbi_cuda));
+  m.impl("kbest_viterbi_with_log_probs", TORCH_BOX(&kbest_viterbi_with_log_probs_cuda));
 }
 
 }  // namespace cuda

@@ -36,10 +36,6 @@
 // over the batch: log Z, the marginals and the expected transition counts (B, T, T). The
 // backward is then log_partition_backward_from_marginals (below): those scaled by the upstream
 // gradient, with no second forward-backward pass and no second status read.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
-
-#include <torch/library.h>
-
 #include "common.cuh"
 #include "forward_backward.cuh"
 #include "forward_backward_chunked.cuh"
@@ -51,10 +47,10 @@ namespace cuda {
 namespace {
 
 struct FbOutputs {
-  at::Tensor log_z;   // (B,)
-  at::Tensor rows;    // (B, L, T) marginals (weighted by grad_log_z for the backward)
-  at::Tensor counts;  // (B, T, T) expected transition counts (kWithMarginals)
-  at::Tensor grad_transitions, grad_start, grad_end;
+  Tensor log_z;   // (B,)
+  Tensor rows;    // (B, L, T) marginals (weighted by grad_log_z for the backward)
+  Tensor counts;  // (B, T, T) expected transition counts (kWithMarginals)
+  Tensor grad_transitions, grad_start, grad_end;
 };
 
 // ---- elementwise kernels: the backward from saved marginals (and the chunked path's) -------------
@@ -117,17 +113,17 @@ __global__ void sum_parameter_grads_kernel(const scalar_t* grad_log_z, const sca
 }
 
 template <typename scalar_t>
-void launch_sum_parameter_grads(const at::Tensor& grad_log_z, const at::Tensor& marginals, const at::Tensor& counts,
-                                const at::Tensor& lengths, at::Tensor& grad_transitions, at::Tensor& grad_start,
-                                at::Tensor& grad_end, const InputChecks<scalar_t>& checks = {}) {
+void launch_sum_parameter_grads(const Tensor& grad_log_z, const Tensor& marginals, const Tensor& counts,
+                                const Tensor& lengths, Tensor& grad_transitions, Tensor& grad_start,
+                                Tensor& grad_end, const InputChecks<scalar_t>& checks = {}) {
   const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
   const int64_t blocks = elementwise_blocks((T * T + 2 * T) * kWarpSize);  // one warp per entry
   const cudaStream_t stream = current_stream();
   sum_parameter_grads_kernel<scalar_t><<<blocks, kElementwiseThreads, 0, stream>>>(
-      grad_log_z.data_ptr<scalar_t>(), marginals.data_ptr<scalar_t>(), counts.data_ptr<scalar_t>(),
-      lengths.data_ptr<int64_t>(), grad_transitions.data_ptr<scalar_t>(), grad_start.data_ptr<scalar_t>(),
-      grad_end.data_ptr<scalar_t>(), B, L, T, checks);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      grad_log_z.mutable_data_ptr<scalar_t>(), marginals.mutable_data_ptr<scalar_t>(), counts.mutable_data_ptr<scalar_t>(),
+      lengths.mutable_data_ptr<int64_t>(), grad_transitions.mutable_data_ptr<scalar_t>(), grad_start.mutable_data_ptr<scalar_t>(),
+      grad_end.mutable_data_ptr<scalar_t>(), B, L, T, checks);
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // ---- parallel in time (forward_backward_chunked.cuh; the choice: time_chunk_length, common.cu) --
@@ -135,78 +131,78 @@ void launch_sum_parameter_grads(const at::Tensor& grad_log_z, const at::Tensor& 
 // register kernel's range: out.log_z and out.rows are allocated by the caller, `tables` filled.
 // `skip` (B,) int: zeroed by the tables kernel.
 template <typename scalar_t, Output kOut, int kLanes>
-void launch_chunked(const CrfArgs& a, const at::Tensor& grad_log_z, const at::Tensor& tables, const at::Tensor& skip,
+void launch_chunked(const CrfArgs& a, const Tensor& grad_log_z, const Tensor& tables, const Tensor& skip,
                     int64_t S, FbOutputs& out, Status& status) {
   constexpr bool kPairwise = kOut == Output::kBackward || kOut == Output::kWithMarginals;
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const int64_t C = (L + S - 1) / S;
-  const auto options = a.emissions.options();
+  const auto options = options_of(a.emissions);
   const cudaStream_t stream = current_stream();
-  at::Tensor matrices = at::empty({B * C * T * T}, options);
-  at::Tensor row_offsets = at::empty({B * C * T}, options.dtype(at::kDouble));
+  Tensor matrices = empty({B * C * T * T}, options);
+  Tensor row_offsets = empty({B * C * T}, options.dtype(kDouble));
   const bool keep_rows = kOut != Output::kLogPartition;
-  at::Tensor alpha_in = keep_rows ? at::empty({B * C * T}, options) : at::Tensor();
-  at::Tensor beta_out = keep_rows ? at::empty({B * C * T}, options) : at::Tensor();
-  at::Tensor offsets = keep_rows ? at::empty({B * C * S}, options.dtype(at::kDouble)) : at::Tensor();
+  Tensor alpha_in = keep_rows ? empty({B * C * T}, options) : Tensor();
+  Tensor beta_out = keep_rows ? empty({B * C * T}, options) : Tensor();
+  Tensor offsets = keep_rows ? empty({B * C * S}, options.dtype(kDouble)) : Tensor();
 
   ChunkParams<scalar_t> params;
   set_chunk_arguments<scalar_t>(params, a, S, C, matrices, status);
-  params.tables = tables.data_ptr<scalar_t>();
-  params.row_offsets = row_offsets.data_ptr<double>();
-  params.alpha_in = keep_rows ? alpha_in.data_ptr<scalar_t>() : nullptr;
-  params.beta_out = keep_rows ? beta_out.data_ptr<scalar_t>() : nullptr;
-  params.skip = skip.data_ptr<int>();
-  params.log_z = out.log_z.defined() ? out.log_z.data_ptr<scalar_t>() : nullptr;
-  params.rows = keep_rows ? out.rows.data_ptr<scalar_t>() : nullptr;
-  params.offsets = keep_rows ? offsets.data_ptr<double>() : nullptr;
+  params.tables = tables.mutable_data_ptr<scalar_t>();
+  params.row_offsets = row_offsets.mutable_data_ptr<double>();
+  params.alpha_in = keep_rows ? alpha_in.mutable_data_ptr<scalar_t>() : nullptr;
+  params.beta_out = keep_rows ? beta_out.mutable_data_ptr<scalar_t>() : nullptr;
+  params.skip = skip.mutable_data_ptr<int>();
+  params.log_z = out.log_z.defined() ? out.log_z.mutable_data_ptr<scalar_t>() : nullptr;
+  params.rows = keep_rows ? out.rows.mutable_data_ptr<scalar_t>() : nullptr;
+  params.offsets = keep_rows ? offsets.mutable_data_ptr<double>() : nullptr;
   const auto blocks_for = chunk_group_blocks<kLanes>;
 
   chunk_transfer_kernel<scalar_t, kLanes><<<blocks_for(B * C * T), kMaxThreadsPerBlock, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   if (!keep_rows) {
     chunk_scan_kernel<scalar_t, kLanes, false><<<blocks_for(B), kMaxThreadsPerBlock, 0, stream>>>(params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   chunk_scan_kernel<scalar_t, kLanes, true><<<blocks_for(B), kMaxThreadsPerBlock, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   chunk_marginals_kernel<scalar_t, kLanes, kPairwise><<<blocks_for(B * C), kMaxThreadsPerBlock, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   if (!kPairwise) return;
 
-  at::Tensor counts = kOut == Output::kWithMarginals ? out.counts : at::empty({B, T, T}, options);
+  Tensor counts = kOut == Output::kWithMarginals ? out.counts : empty({B, T, T}, options);
   sum_chunk_counts_kernel<scalar_t><<<elementwise_blocks(B * T * T), kElementwiseThreads, 0, stream>>>(
-      matrices.data_ptr<scalar_t>(), a.lengths.data_ptr<int64_t>(), counts.data_ptr<scalar_t>(), B, L, S, C, T);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      matrices.mutable_data_ptr<scalar_t>(), a.lengths.mutable_data_ptr<int64_t>(), counts.mutable_data_ptr<scalar_t>(), B, L, S, C, T);
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   if (kOut == Output::kBackward) {  // as log_partition_backward_from_marginals, with the rows scaled in place
-    out.grad_transitions = at::empty({T, T}, options);
-    out.grad_start = at::empty({T}, options);
-    out.grad_end = at::empty({T}, options);
+    out.grad_transitions = empty({T, T}, options);
+    out.grad_start = empty({T}, options);
+    out.grad_end = empty({T}, options);
     launch_sum_parameter_grads<scalar_t>(grad_log_z, out.rows, counts, a.lengths, out.grad_transitions,
                                          out.grad_start, out.grad_end);
     scale_marginals_kernel<scalar_t><<<elementwise_blocks(B * L * T), kElementwiseThreads, 0, stream>>>(
-        grad_log_z.data_ptr<scalar_t>(), out.rows.data_ptr<scalar_t>(), a.lengths.data_ptr<int64_t>(),
-        out.rows.data_ptr<scalar_t>(), B, L, T);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        grad_log_z.mutable_data_ptr<scalar_t>(), out.rows.mutable_data_ptr<scalar_t>(), a.lengths.mutable_data_ptr<int64_t>(),
+        out.rows.mutable_data_ptr<scalar_t>(), B, L, T);
+    CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
 template <typename scalar_t, Output kOut>
-void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbOutputs& out, Status& status) {
+void launch_forward_backward(const CrfArgs& a, const Tensor& grad_log_z, FbOutputs& out, Status& status) {
   constexpr bool kPairwise = kOut == Output::kBackward || kOut == Output::kWithMarginals;
   constexpr bool kWithMarginals = kOut == Output::kWithMarginals;
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
-  const auto options = a.emissions.options();
+  const auto options = options_of(a.emissions);
   const cudaStream_t stream = current_stream();
-  if (kOut == Output::kLogPartition || kWithMarginals) out.log_z = at::empty({B}, options);
+  if (kOut == Output::kLogPartition || kWithMarginals) out.log_z = empty({B}, options);
   // Written whole by the kernels (zeros beyond each sentence): no fill launch.
-  if (kOut != Output::kLogPartition) out.rows = at::empty_like(a.emissions);
-  if (kWithMarginals && B == 0) out.counts = at::zeros({0, T, T}, options);
+  if (kOut != Output::kLogPartition) out.rows = torch::stable::empty_like(a.emissions);
+  if (kWithMarginals && B == 0) out.counts = zeros({0, T, T}, options);
   if (B == 0) {
     if (kOut == Output::kBackward) {
-      out.grad_transitions = at::zeros({T, T}, options);
-      out.grad_start = at::zeros({T}, options);
-      out.grad_end = at::zeros({T}, options);
+      out.grad_transitions = zeros({T, T}, options);
+      out.grad_start = zeros({T}, options);
+      out.grad_end = zeros({T}, options);
     }
     return;
   }
@@ -215,20 +211,20 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   // long sentences at small batch and the register kernel's T, the chunked path (parallel in time).
   const bool in_registers = T <= register_max_tags<scalar_t>();
   const int64_t S = in_registers ? time_chunk_length(B, L, T, register_lanes(T)) : 0;
-  const at::Tensor skip = S > 0 ? at::empty({B}, options.dtype(at::kInt)) : at::Tensor();
+  const Tensor skip = S > 0 ? empty({B}, options.dtype(kInt)) : Tensor();
   // The tables, and the call's input checks and zeroed `skip`, in one launch.
-  at::Tensor tables = at::empty({table_elements(T)}, options);
+  Tensor tables = empty({table_elements(T)}, options);
   {
     constexpr int kThreads = 128;
     const int64_t work = std::max({2 * T, B, T * T});
     const auto blocks = (unsigned)std::min<int64_t>((work + kThreads - 1) / kThreads, 1024);
     transition_tables_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-        a.transitions.data_ptr<scalar_t>(), (int)T, tables.data_ptr<scalar_t>(), input_checks<scalar_t>(a, status),
-        S > 0 ? skip.data_ptr<int>() : nullptr, S > 0 ? B : 0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        a.transitions.mutable_data_ptr<scalar_t>(), (int)T, tables.mutable_data_ptr<scalar_t>(), input_checks<scalar_t>(a, status),
+        S > 0 ? skip.mutable_data_ptr<int>() : nullptr, S > 0 ? B : 0);
+    CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (S > 0) {
-    if (kWithMarginals) out.counts = at::empty({B, T, T}, options);
+    if (kWithMarginals) out.counts = empty({B, T, T}, options);
     dispatch_register_lanes<scalar_t>(T, [&](auto lanes) {
       launch_chunked<scalar_t, kOut, decltype(lanes)::value>(a, grad_log_z, tables, skip, S, out, status);
     });
@@ -255,66 +251,66 @@ void launch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z, FbO
   const int64_t blocks = persistent_blocks(kernel, plan, B);
   const int64_t slots = blocks * plan.groups_per_block;
 
-  const auto bytes = options.dtype(at::kByte);
-  at::Tensor arena_workspace = plan.arena_in_shared ? at::Tensor() : at::empty({slots * (int64_t)arena_bytes}, bytes);
+  const auto bytes = options.dtype(kByte);
+  Tensor arena_workspace = plan.arena_in_shared ? Tensor() : empty({slots * (int64_t)arena_bytes}, bytes);
   // The forward offsets per position: the generic kernel needs them for the pairwise terms, the
   // register kernel also for the marginals (exp(alpha + beta - log Z) with its known shift).
   const bool keep_offsets = kPairwise || (in_registers && kOut == Output::kMarginals);
-  at::Tensor offsets = keep_offsets ? at::empty({slots, L}, options.dtype(at::kDouble)) : at::Tensor();
+  Tensor offsets = keep_offsets ? empty({slots, L}, options.dtype(kDouble)) : Tensor();
   // Accumulators in registers or shared memory are written whole (a group's slice of `partials`
   // at its end, each sentence's `counts` at the sentence's end); those in global memory are
   // accumulated into directly, so they start at zero.
   const bool written_whole = in_registers || plan.accumulator_in_shared;
-  at::Tensor partials;
+  Tensor partials;
   if (kOut == Output::kBackward) {
-    partials = written_whole ? at::empty({slots, accumulator_elements}, options)
-                             : at::zeros({slots, accumulator_elements}, options);
+    partials = written_whole ? empty({slots, accumulator_elements}, options)
+                             : zeros({slots, accumulator_elements}, options);
   }
-  if (kWithMarginals) out.counts = written_whole ? at::empty({B, T, T}, options) : at::zeros({B, T, T}, options);
+  if (kWithMarginals) out.counts = written_whole ? empty({B, T, T}, options) : zeros({B, T, T}, options);
 
   FbParams<scalar_t> params;
   set_crf_arguments<scalar_t>(params, a, status);
-  params.grad_log_z = kOut == Output::kBackward ? grad_log_z.data_ptr<scalar_t>() : nullptr;
-  params.tables = tables.data_ptr<scalar_t>();
-  params.log_z = out.log_z.defined() ? out.log_z.data_ptr<scalar_t>() : nullptr;
-  params.rows = kOut != Output::kLogPartition ? out.rows.data_ptr<scalar_t>() : nullptr;
-  params.offsets = keep_offsets ? offsets.data_ptr<double>() : nullptr;
-  params.partials = partials.defined() ? partials.data_ptr<scalar_t>() : nullptr;
-  params.counts = kWithMarginals ? out.counts.data_ptr<scalar_t>() : nullptr;
-  params.arena_workspace = arena_workspace.defined() ? arena_workspace.data_ptr<uint8_t>() : nullptr;
+  params.grad_log_z = kOut == Output::kBackward ? grad_log_z.mutable_data_ptr<scalar_t>() : nullptr;
+  params.tables = tables.mutable_data_ptr<scalar_t>();
+  params.log_z = out.log_z.defined() ? out.log_z.mutable_data_ptr<scalar_t>() : nullptr;
+  params.rows = kOut != Output::kLogPartition ? out.rows.mutable_data_ptr<scalar_t>() : nullptr;
+  params.offsets = keep_offsets ? offsets.mutable_data_ptr<double>() : nullptr;
+  params.partials = partials.defined() ? partials.mutable_data_ptr<scalar_t>() : nullptr;
+  params.counts = kWithMarginals ? out.counts.mutable_data_ptr<scalar_t>() : nullptr;
+  params.arena_workspace = arena_workspace.defined() ? arena_workspace.mutable_data_ptr<uint8_t>() : nullptr;
   params.plan = plan;
   params.arena_bytes = arena_bytes;
   params.accumulator_bytes = accumulator_bytes;
   kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
 
   if (kOut == Output::kBackward) {  // fixed-order sum over the groups' partial sums: deterministic
-    const at::Tensor sums = partials.sum(0);
-    out.grad_transitions = sums.narrow(0, 0, T * T).reshape({T, T}).clone();
-    out.grad_start = sums.narrow(0, T * T, T).clone();
-    out.grad_end = sums.narrow(0, T * T + T, T).clone();
+    Tensor sums = sum_first_dim(partials);  // not const: torch::stable::narrow takes a Tensor&
+    out.grad_transitions = torch::stable::clone(torch::stable::reshape(torch::stable::narrow(sums, 0, 0, T * T), {T, T}));
+    out.grad_start = torch::stable::clone(torch::stable::narrow(sums, 0, T * T, T));
+    out.grad_end = torch::stable::clone(torch::stable::narrow(sums, 0, T * T + T, T));
   }
 }
 
 // Table indices are int: T * T must fit.
 void check_num_tags(int64_t T) {
-  TORCH_CHECK_VALUE(T * T < (int64_t{1} << 31), "crfkit: the CUDA kernels support num_tags up to 46340, got ", T);
+  CRFKIT_CHECK_VALUE(T * T < (int64_t{1} << 31), "crfkit: the CUDA kernels support num_tags up to 46340, got ", T);
 }
 
 // One forward-backward launch for arguments checked and validated into `status` (the caller
 // raises from it): log Z, marginals or gradients, as kOut says, for the emissions' dtype
 // (launch_forward_backward<scalar_t, kOut>).
 template <Output kOut>
-FbOutputs dispatch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log_z_in, Status& status) {
+FbOutputs dispatch_forward_backward(const CrfArgs& a, const Tensor& grad_log_z_in, Status& status) {
   const int64_t B = a.emissions.size(0);
   check_num_tags(a.emissions.size(2));
-  at::Tensor grad_log_z;
+  Tensor grad_log_z;
   if (kOut == Output::kBackward) {
-    grad_log_z = grad_log_z_in.contiguous();
+    grad_log_z = as_contiguous(grad_log_z_in);
     check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, a.emissions, "emissions");
   }
   FbOutputs out;
-  AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_forward_backward_cuda", [&] {
+  CRFKIT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_forward_backward_cuda", [&] {
     launch_forward_backward<scalar_t, kOut>(a, grad_log_z, out, status);
   });
   return out;
@@ -323,8 +319,8 @@ FbOutputs dispatch_forward_backward(const CrfArgs& a, const at::Tensor& grad_log
 // The body of the forward-backward ops below: checks and validates the arguments, launches
 // (dispatch_forward_backward) and raises from the status words (checked_launch, common.cuh).
 template <Output kOut>
-FbOutputs forward_backward_op(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
-                              const at::Tensor& start, const at::Tensor& end, const at::Tensor& grad_log_z = {}) {
+FbOutputs forward_backward_op(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
+                              const Tensor& start, const Tensor& end, const Tensor& grad_log_z = {}) {
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
     return dispatch_forward_backward<kOut>(a, grad_log_z, status);
   });
@@ -334,29 +330,29 @@ FbOutputs forward_backward_op(const at::Tensor& emissions, const at::Tensor& tra
 
 // log Z (B,) launched on the current stream for arguments already checked and validated
 // (common.cuh); the caller raises from `status` (kbest_viterbi_with_log_probs in kbest.cu).
-at::Tensor launch_log_partition(const CrfArgs& a, Status& status) {
-  return dispatch_forward_backward<Output::kLogPartition>(a, at::Tensor(), status).log_z;
+Tensor launch_log_partition(const CrfArgs& a, Status& status) {
+  return dispatch_forward_backward<Output::kLogPartition>(a, Tensor(), status).log_z;
 }
 
 namespace {
 
 // log Z per sentence: (B,).
-at::Tensor log_partition_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
-                              const at::Tensor& start, const at::Tensor& end) {
+Tensor log_partition_cuda(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
+                              const Tensor& start, const Tensor& end) {
   return forward_backward_op<Output::kLogPartition>(emissions, transitions, lengths, start, end).log_z;
 }
 
 // P(y_i = t | x): (B, L, T), zero at padded positions.
-at::Tensor marginals_cuda(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths,
-                          const at::Tensor& start, const at::Tensor& end) {
+Tensor marginals_cuda(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
+                          const Tensor& start, const Tensor& end) {
   return forward_backward_op<Output::kMarginals>(emissions, transitions, lengths, start, end).rows;
 }
 
 // Gradients of sum_b grad_log_z[b] * log Z[b] with respect to emissions (B, L, T),
 // transitions (T, T), start (T,) and end (T,).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_cuda(
-    const at::Tensor& grad_log_z, const at::Tensor& emissions, const at::Tensor& transitions,
-    const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_cuda(
+    const Tensor& grad_log_z, const Tensor& emissions, const Tensor& transitions,
+    const Tensor& lengths, const Tensor& start, const Tensor& end) {
   FbOutputs out = forward_backward_op<Output::kBackward>(emissions, transitions, lengths, start, end, grad_log_z);
   return {out.rows, out.grad_transitions, out.grad_start, out.grad_end};
 }
@@ -364,17 +360,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
 // log Z (B,) and its gradients for grad_log_z = 1, per sentence: the marginals (B, L, T) and the
 // expected transition counts (B, T, T). One forward-backward pass, as on the CPU
 // (csrc/cpu/log_partition.cpp, log_partition_with_marginals_cpu).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> log_partition_with_marginals_cuda(
-    const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& lengths, const at::Tensor& start,
-    const at::Tensor& end) {
+std::tuple<Tensor, Tensor, Tensor> log_partition_with_marginals_cuda(
+    const Tensor& emissions, const Tensor& transitions, const Tensor& lengths, const Tensor& start,
+    const Tensor& end) {
   FbOutputs out = forward_backward_op<Output::kWithMarginals>(emissions, transitions, lengths, start, end);
   return {out.log_z, out.rows, out.counts};
 }
 
 // E[number of s -> t transitions] per sentence: (B, T, T).
-at::Tensor expected_transition_counts_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
-                                           const at::Tensor& lengths, const at::Tensor& start,
-                                           const at::Tensor& end) {
+Tensor expected_transition_counts_cuda(const Tensor& emissions, const Tensor& transitions,
+                                           const Tensor& lengths, const Tensor& start,
+                                           const Tensor& end) {
   return forward_backward_op<Output::kWithMarginals>(emissions, transitions, lengths, start, end).counts;
 }
 
@@ -382,30 +378,30 @@ at::Tensor expected_transition_counts_cuda(const at::Tensor& emissions, const at
 // with respect to emissions (B, L, T), transitions (T, T), start (T,) and end (T,), from that
 // op's marginals (B, L, T) and transition counts (B, T, T). Two small kernels, the second of
 // which checks the lengths' range (one status read).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backward_from_marginals_cuda(
-    const at::Tensor& grad_log_z_in, const at::Tensor& marginals_in, const at::Tensor& counts_in,
-    const at::Tensor& lengths_in) {
-  const at::Tensor grad_log_z = grad_log_z_in.contiguous(), marginals = marginals_in.contiguous(),
-                   counts = counts_in.contiguous(), lengths = lengths_in.contiguous();
+std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_from_marginals_cuda(
+    const Tensor& grad_log_z_in, const Tensor& marginals_in, const Tensor& counts_in,
+    const Tensor& lengths_in) {
+  const Tensor grad_log_z = as_contiguous(grad_log_z_in), marginals = as_contiguous(marginals_in),
+                   counts = as_contiguous(counts_in), lengths = as_contiguous(lengths_in);
   check_backward_from_marginals_arguments(grad_log_z, marginals, counts, lengths);
-  TORCH_CHECK(marginals.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got marginals on ",
+  CRFKIT_CHECK(marginals.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got marginals on ",
               marginals.device());
-  const c10::cuda::CUDAGuard guard(marginals.device());
+  const torch::stable::accelerator::DeviceGuard guard(marginals.get_device_index());
   const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
   check_num_tags(T);
   Status status(marginals);
-  auto grad_emissions = at::empty_like(marginals);
-  auto grad_transitions = at::empty({T, T}, marginals.options());
-  auto grad_start = at::empty({T}, marginals.options());
-  auto grad_end = at::empty({T}, marginals.options());
+  auto grad_emissions = torch::stable::empty_like(marginals);
+  auto grad_transitions = empty({T, T}, options_of(marginals));
+  auto grad_start = empty({T}, options_of(marginals));
+  auto grad_end = empty({T}, options_of(marginals));
   const cudaStream_t stream = current_stream();
-  AT_DISPATCH_FLOATING_TYPES(marginals.scalar_type(), "crfkit_log_partition_backward_from_marginals_cuda", [&] {
+  CRFKIT_DISPATCH_FLOATING_TYPES(marginals.scalar_type(), "crfkit_log_partition_backward_from_marginals_cuda", [&] {
     const int64_t elements = B * L * T;
     if (elements > 0) {
       scale_marginals_kernel<scalar_t><<<elementwise_blocks(elements), kElementwiseThreads, 0, stream>>>(
-          grad_log_z.data_ptr<scalar_t>(), marginals.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
-          grad_emissions.data_ptr<scalar_t>(), B, L, T);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          grad_log_z.mutable_data_ptr<scalar_t>(), marginals.mutable_data_ptr<scalar_t>(), lengths.mutable_data_ptr<int64_t>(),
+          grad_emissions.mutable_data_ptr<scalar_t>(), B, L, T);
+      CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
     }
     // The lengths' range (there are no parameters here), checked by the second kernel.
     launch_sum_parameter_grads<scalar_t>(grad_log_z, marginals, counts, lengths, grad_transitions, grad_start,
@@ -417,13 +413,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_partition_backwar
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
-  m.impl("log_partition", &log_partition_cuda);
-  m.impl("marginals", &marginals_cuda);
-  m.impl("log_partition_backward", &log_partition_backward_cuda);
-  m.impl("log_partition_with_marginals", &log_partition_with_marginals_cuda);
-  m.impl("log_partition_backward_from_marginals", &log_partition_backward_from_marginals_cuda);
-  m.impl("expected_transition_counts", &expected_transition_counts_cuda);
+STABLE_TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("log_partition", TORCH_BOX(&log_partition_cuda));
+  m.impl("marginals", TORCH_BOX(&marginals_cuda));
+  m.impl("log_partition_backward", TORCH_BOX(&log_partition_backward_cuda));
+  m.impl("log_partition_with_marginals", TORCH_BOX(&log_partition_with_marginals_cuda));
+  m.impl("log_partition_backward_from_marginals", TORCH_BOX(&log_partition_backward_from_marginals_cuda));
+  m.impl("expected_transition_counts", TORCH_BOX(&expected_transition_counts_cuda));
 }
 
 }  // namespace cuda

@@ -32,10 +32,6 @@
 // -inf scores give weights exactly 0 (lines whose terms are all -inf are skipped), and the
 // tangents stay finite, so no NaN arises; a sentence whose sequences are all forbidden, and a
 // length-0 sentence, get zero gradients. Padded positions of emissions and V are never read.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
-
-#include <torch/library.h>
-
 #include "common.cuh"
 
 namespace crfkit {
@@ -202,33 +198,33 @@ __global__ void marginals_backward_kernel(MarginalsBackwardParams<scalar_t> p) {
 // The vector-Jacobian product of the marginals with grad_marginals (B, L, T) or of the expected
 // transition counts with grad_counts (B, T, T): the one given is the direction, the other is
 // undefined (a zero direction).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tangent_backward_cuda(
-    const at::Tensor& grad_marginals_in, const at::Tensor& grad_counts_in, const at::Tensor& emissions,
-    const at::Tensor& transitions, const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> tangent_backward_cuda(
+    const Tensor& grad_marginals_in, const Tensor& grad_counts_in, const Tensor& emissions,
+    const Tensor& transitions, const Tensor& lengths, const Tensor& start, const Tensor& end) {
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& c, Status& status) {
     const int64_t B = c.emissions.size(0), L = c.emissions.size(1), T = c.emissions.size(2);
-    at::Tensor grad, grad_counts;
+    Tensor grad, grad_counts;
     if (grad_marginals_in.defined()) {
-      grad = grad_marginals_in.contiguous();
+      grad = as_contiguous(grad_marginals_in);
       check_argument_like(grad, "grad_marginals", "(batch, seq_len, num_tags)", c.emissions.sizes(), c.emissions,
                           "emissions");
     }
     if (grad_counts_in.defined()) {
-      grad_counts = grad_counts_in.contiguous();
+      grad_counts = as_contiguous(grad_counts_in);
       check_argument_like(grad_counts, "grad_counts", "(batch, num_tags, num_tags)", {B, T, T}, c.emissions,
                           "emissions");
     }
     launch_check_emissions(c.emissions, c.lengths, status);
-    auto grad_emissions = at::zeros_like(c.emissions);
-    const auto doubles = c.emissions.options().dtype(at::kDouble);
-    at::Tensor pair_sums, start_sums, end_sums;  // (warps, T, T), (warps, T), (warps, T)
-    AT_DISPATCH_FLOATING_TYPES(c.emissions.scalar_type(), "crfkit_marginals_backward_cuda", [&] {
+    auto grad_emissions = zeros_like(c.emissions);
+    const auto doubles = options_of(c.emissions).dtype(kDouble);
+    Tensor pair_sums, start_sums, end_sums;  // (warps, T, T), (warps, T), (warps, T)
+    CRFKIT_DISPATCH_FLOATING_TYPES(c.emissions.scalar_type(), "crfkit_marginals_backward_cuda", [&] {
       const auto kernel = marginals_backward_kernel<scalar_t>;
       constexpr int threads = kWarpsPerBlock * kWarpSize;
       // Warps: one per sentence, at most what the device holds at once and what
       // kWorkspaceBudget allows.
       int blocks_per_multiprocessor = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_multiprocessor, kernel, threads, 0));
+      CRFKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_multiprocessor, kernel, threads, 0));
       const int64_t resident = std::max<int64_t>(1, (int64_t)blocks_per_multiprocessor * kWarpsPerBlock *
                                                         current_device_attribute(cudaDevAttrMultiProcessorCount));
       const int64_t per_warp_bytes = std::max<int64_t>(
@@ -236,48 +232,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tangent_backward_cuda
       const int64_t wanted = std::min({B, resident, std::max<int64_t>(1, kWorkspaceBudget / per_warp_bytes)});
       const int64_t blocks = std::max<int64_t>(1, (wanted + kWarpsPerBlock - 1) / kWarpsPerBlock);
       const int64_t warps = blocks * kWarpsPerBlock;
-      pair_sums = at::zeros({warps, T, T}, doubles);
-      start_sums = at::zeros({warps, T}, doubles);
-      end_sums = at::zeros({warps, T}, doubles);
+      pair_sums = zeros({warps, T, T}, doubles);
+      start_sums = zeros({warps, T}, doubles);
+      end_sums = zeros({warps, T}, doubles);
       if (B == 0 || L == 0) return;
-      auto forward_rows = at::empty({warps, kNumForwardRows, L, T}, doubles);
-      auto backward_rows = at::empty({warps, kNumBackwardRows, T}, doubles);
+      auto forward_rows = empty({warps, kNumForwardRows, L, T}, doubles);
+      auto backward_rows = empty({warps, kNumBackwardRows, T}, doubles);
       MarginalsBackwardParams<scalar_t> p;
       set_crf_arguments<scalar_t>(p, c, status);
-      p.grad = grad.defined() ? grad.data_ptr<scalar_t>() : nullptr;
-      p.grad_counts = grad_counts.defined() ? grad_counts.data_ptr<scalar_t>() : nullptr;
-      p.grad_emissions = grad_emissions.data_ptr<scalar_t>();
-      p.forward_rows = forward_rows.data_ptr<double>();
-      p.backward_rows = backward_rows.data_ptr<double>();
-      p.pair_sums = pair_sums.data_ptr<double>();
-      p.start_sums = start_sums.data_ptr<double>();
-      p.end_sums = end_sums.data_ptr<double>();
+      p.grad = grad.defined() ? grad.mutable_data_ptr<scalar_t>() : nullptr;
+      p.grad_counts = grad_counts.defined() ? grad_counts.mutable_data_ptr<scalar_t>() : nullptr;
+      p.grad_emissions = grad_emissions.mutable_data_ptr<scalar_t>();
+      p.forward_rows = forward_rows.mutable_data_ptr<double>();
+      p.backward_rows = backward_rows.mutable_data_ptr<double>();
+      p.pair_sums = pair_sums.mutable_data_ptr<double>();
+      p.start_sums = start_sums.mutable_data_ptr<double>();
+      p.end_sums = end_sums.mutable_data_ptr<double>();
       kernel<<<blocks, threads, 0, current_stream()>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
     });
     const auto dtype = c.emissions.scalar_type();
-    return std::make_tuple(grad_emissions, pair_sums.sum(0).to(dtype), start_sums.sum(0).to(dtype),
-                           end_sums.sum(0).to(dtype));
+    return std::make_tuple(grad_emissions, to_dtype(sum_first_dim(pair_sums), dtype),
+                           to_dtype(sum_first_dim(start_sums), dtype), to_dtype(sum_first_dim(end_sums), dtype));
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> marginals_backward_cuda(
-    const at::Tensor& grad_marginals, const at::Tensor& emissions, const at::Tensor& transitions,
-    const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
-  return tangent_backward_cuda(grad_marginals, at::Tensor(), emissions, transitions, lengths, start, end);
+std::tuple<Tensor, Tensor, Tensor, Tensor> marginals_backward_cuda(
+    const Tensor& grad_marginals, const Tensor& emissions, const Tensor& transitions,
+    const Tensor& lengths, const Tensor& start, const Tensor& end) {
+  return tangent_backward_cuda(grad_marginals, Tensor(), emissions, transitions, lengths, start, end);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expected_transition_counts_backward_cuda(
-    const at::Tensor& grad_counts, const at::Tensor& emissions, const at::Tensor& transitions,
-    const at::Tensor& lengths, const at::Tensor& start, const at::Tensor& end) {
-  return tangent_backward_cuda(at::Tensor(), grad_counts, emissions, transitions, lengths, start, end);
+std::tuple<Tensor, Tensor, Tensor, Tensor> expected_transition_counts_backward_cuda(
+    const Tensor& grad_counts, const Tensor& emissions, const Tensor& transitions,
+    const Tensor& lengths, const Tensor& start, const Tensor& end) {
+  return tangent_backward_cuda(Tensor(), grad_counts, emissions, transitions, lengths, start, end);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
-  m.impl("marginals_backward", &marginals_backward_cuda);
-  m.impl("expected_transition_counts_backward", &expected_transition_counts_backward_cuda);
+STABLE_TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("marginals_backward", TORCH_BOX(&marginals_backward_cuda));
+  m.impl("expected_transition_counts_backward", TORCH_BOX(&expected_transition_counts_backward_cuda));
 }
 
 }  // namespace cuda

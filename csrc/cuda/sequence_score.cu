@@ -8,10 +8,6 @@
 // the transition / start / end gradients, shared by all sentences, use atomicAdd (the sums of
 // the weights can then differ in the last bits between runs when the weights are not
 // integers; the CPU kernel sums per sentence in a fixed order).
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
-
-#include <torch/library.h>
-
 #include "common.cuh"
 
 namespace crfkit {
@@ -90,27 +86,27 @@ __global__ void sequence_score_backward_kernel(const scalar_t* grad_scores, cons
 }
 
 // (B, N): score of each sequence; 0 for a length-0 sentence.
-at::Tensor sequence_score_cuda(const at::Tensor& emissions_in, const at::Tensor& transitions_in,
-                               const at::Tensor& tags_in, const at::Tensor& lengths_in, const at::Tensor& start_in,
-                               const at::Tensor& end_in) {
+Tensor sequence_score_cuda(const Tensor& emissions_in, const Tensor& transitions_in,
+                               const Tensor& tags_in, const Tensor& lengths_in, const Tensor& start_in,
+                               const Tensor& end_in) {
   const CrfArgs a = checked_cuda_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
-  const at::Tensor tags = tags_in.contiguous();
+  const Tensor tags = as_contiguous(tags_in);
   check_tags(tags, a.emissions);
-  const c10::cuda::CUDAGuard guard(a.emissions.device());
+  const torch::stable::accelerator::DeviceGuard guard(a.emissions.get_device_index());
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const int64_t N = tags.size(1);
   Status status(a.emissions);
   launch_validate_inputs(a.lengths, L, a.transitions, a.start, a.end, status);
   // The same NaN / +inf rule as every other op, although a score reads one tag per position.
   launch_check_emissions(a.emissions, a.lengths, status);
-  at::Tensor scores = at::empty({B, N}, a.emissions.options());
+  Tensor scores = empty({B, N}, options_of(a.emissions));
   if (B * N > 0) {
-    AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_sequence_score_cuda", [&] {
+    CRFKIT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_sequence_score_cuda", [&] {
       sequence_score_kernel<scalar_t><<<blocks_for(B * N), kThreads, 0, current_stream()>>>(
-          a.emissions.data_ptr<scalar_t>(), a.transitions.data_ptr<scalar_t>(), a.start.data_ptr<scalar_t>(),
-          a.end.data_ptr<scalar_t>(), a.lengths.data_ptr<int64_t>(), tags.data_ptr<int64_t>(),
-          scores.data_ptr<scalar_t>(), B, N, L, T, status.data());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          a.emissions.mutable_data_ptr<scalar_t>(), a.transitions.mutable_data_ptr<scalar_t>(), a.start.mutable_data_ptr<scalar_t>(),
+          a.end.mutable_data_ptr<scalar_t>(), a.lengths.mutable_data_ptr<int64_t>(), tags.mutable_data_ptr<int64_t>(),
+          scores.mutable_data_ptr<scalar_t>(), B, N, L, T, status.data());
+      CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
   status.raise_if_bad(a.lengths, L, tags, T);
@@ -119,34 +115,34 @@ at::Tensor sequence_score_cuda(const at::Tensor& emissions_in, const at::Tensor&
 
 // Gradients of sum_{b, j} grad_scores[b, j] * score(tags[b, j]) with respect to emissions
 // (B, L, T), transitions (T, T), start (T,) and end (T,).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backward_cuda(
-    const at::Tensor& grad_scores_in, const at::Tensor& emissions, const at::Tensor& tags_in,
-    const at::Tensor& lengths_in) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> sequence_score_backward_cuda(
+    const Tensor& grad_scores_in, const Tensor& emissions, const Tensor& tags_in,
+    const Tensor& lengths_in) {
   // emissions only give the shape, dtype and device of the gradient; nothing of them is read.
-  const at::Tensor grad_scores = grad_scores_in.contiguous();
-  const at::Tensor lengths = lengths_in.contiguous();
-  const at::Tensor tags = tags_in.contiguous();
+  const Tensor grad_scores = as_contiguous(grad_scores_in);
+  const Tensor lengths = as_contiguous(lengths_in);
+  const Tensor tags = as_contiguous(tags_in);
   check_emissions_argument(emissions);
-  TORCH_CHECK(emissions.is_cuda(), "crfkit: emissions must be a CUDA tensor here, got one on ", emissions.device());
+  CRFKIT_CHECK(emissions.is_cuda(), "crfkit: emissions must be a CUDA tensor here, got one on ", emissions.device());
   check_tags(tags, emissions);
-  const c10::cuda::CUDAGuard guard(emissions.device());
+  const torch::stable::accelerator::DeviceGuard guard(emissions.get_device_index());
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
   const int64_t N = tags.size(1);
   check_argument_like(grad_scores, "grad_scores", "(batch, num_sequences)", {B, N}, emissions, "emissions");
   check_lengths_argument(lengths, B, emissions);
   Status status(emissions);
-  launch_validate_inputs(lengths, L, at::Tensor(), at::Tensor(), at::Tensor(), status);
-  auto grad_emissions = at::zeros(emissions.sizes(), emissions.options().memory_format(at::MemoryFormat::Contiguous));
-  auto grad_transitions = at::zeros({T, T}, emissions.options());
-  auto grad_start = at::zeros({T}, emissions.options());
-  auto grad_end = at::zeros({T}, emissions.options());
+  launch_validate_inputs(lengths, L, Tensor(), Tensor(), Tensor(), status);
+  auto grad_emissions = zeros(emissions.sizes(), options_of(emissions));  // dense, whatever emissions' strides
+  auto grad_transitions = zeros({T, T}, options_of(emissions));
+  auto grad_start = zeros({T}, options_of(emissions));
+  auto grad_end = zeros({T}, options_of(emissions));
   if (B > 0 && N > 0) {
-    AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score_backward_cuda", [&] {
+    CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score_backward_cuda", [&] {
       sequence_score_backward_kernel<scalar_t><<<blocks_for(B), kThreads, 0, current_stream()>>>(
-          grad_scores.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.data_ptr<int64_t>(),
-          grad_emissions.data_ptr<scalar_t>(), grad_transitions.data_ptr<scalar_t>(),
-          grad_start.data_ptr<scalar_t>(), grad_end.data_ptr<scalar_t>(), B, N, L, T, status.data());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          grad_scores.mutable_data_ptr<scalar_t>(), lengths.mutable_data_ptr<int64_t>(), tags.mutable_data_ptr<int64_t>(),
+          grad_emissions.mutable_data_ptr<scalar_t>(), grad_transitions.mutable_data_ptr<scalar_t>(),
+          grad_start.mutable_data_ptr<scalar_t>(), grad_end.mutable_data_ptr<scalar_t>(), B, N, L, T, status.data());
+      CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
   status.raise_if_bad(lengths, L, tags, T);
@@ -155,9 +151,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sequence_score_backwa
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
-  m.impl("sequence_score", &sequence_score_cuda);
-  m.impl("sequence_score_backward", &sequence_score_backward_cuda);
+STABLE_TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("sequence_score", TORCH_BOX(&sequence_score_cuda));
+  m.impl("sequence_score_backward", TORCH_BOX(&sequence_score_backward_cuda));
 }
 
 }  // namespace cuda

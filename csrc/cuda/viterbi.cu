@@ -2,10 +2,6 @@
 // identical to the CPU kernel (csrc/cpu/viterbi.cpp) bit for bit. The layout, the arithmetic and
 // the tie rule are described in viterbi_common.cuh, which holds what Viterbi shares with k-best
 // (kbest.cu).
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator ATen headers only (README, Layout)
-
-#include <torch/library.h>
-
 #include "common.cuh"
 #include "viterbi_common.cuh"
 #include "viterbi_chunked.cuh"
@@ -133,43 +129,43 @@ namespace {
 // ---- parallel in time (viterbi_chunked.cuh; the choice: time_chunk_length, common.cu) -----------
 // The chunked Viterbi of one call, T <= kLanes within the register kernels' range, chunks of S.
 template <typename scalar_t, int kLanes>
-void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at::Tensor& paths, Status& status) {
+void launch_viterbi_chunked(const CrfArgs& a, int64_t S, Tensor& scores, Tensor& paths, Status& status) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   const int64_t C = (L + S - 1) / S;
-  const auto options = a.emissions.options();
+  const auto options = options_of(a.emissions);
   const cudaStream_t stream = current_stream();
-  at::Tensor matrices = at::empty({B * C * T * T}, options);
-  at::Tensor boundary = at::empty({B * C * T}, options);
-  at::Tensor last_delta = at::empty({B * T}, options);
-  at::Tensor backpointers = at::empty({B * L * T}, options.dtype(at::kByte));
-  at::Tensor maps = at::empty({B * C * T}, options.dtype(at::kByte));
-  at::Tensor end_tags = at::empty({B * C}, options.dtype(at::kInt));  // written whole by the finish kernel
-  at::Tensor bad = at::empty({B}, options.dtype(at::kInt));
+  Tensor matrices = empty({B * C * T * T}, options);
+  Tensor boundary = empty({B * C * T}, options);
+  Tensor last_delta = empty({B * T}, options);
+  Tensor backpointers = empty({B * L * T}, options.dtype(kByte));
+  Tensor maps = empty({B * C * T}, options.dtype(kByte));
+  Tensor end_tags = empty({B * C}, options.dtype(kInt));  // written whole by the finish kernel
+  Tensor bad = empty({B}, options.dtype(kInt));
   // Zeroed by a memset: on the host a fraction of an aten fill's time.
-  C10_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr<int>(), 0, B * sizeof(int), stream));
+  CRFKIT_CUDA_CHECK(cudaMemsetAsync(bad.mutable_data_ptr<int>(), 0, B * sizeof(int), stream));
 
   ViterbiChunkParams<scalar_t> params;
   set_chunk_arguments<scalar_t>(params, a, S, C, matrices, status);
   params.checks = input_checks<scalar_t>(a, status);
-  params.boundary = boundary.data_ptr<scalar_t>();
-  params.last_delta = last_delta.data_ptr<scalar_t>();
-  params.backpointers = backpointers.data_ptr<uint8_t>();
-  params.maps = maps.data_ptr<uint8_t>();
-  params.end_tags = end_tags.data_ptr<int>();
-  params.bad = bad.data_ptr<int>();
-  params.scores = scores.data_ptr<scalar_t>();
-  params.paths = paths.data_ptr<int64_t>();
+  params.boundary = boundary.mutable_data_ptr<scalar_t>();
+  params.last_delta = last_delta.mutable_data_ptr<scalar_t>();
+  params.backpointers = backpointers.mutable_data_ptr<uint8_t>();
+  params.maps = maps.mutable_data_ptr<uint8_t>();
+  params.end_tags = end_tags.mutable_data_ptr<int>();
+  params.bad = bad.mutable_data_ptr<int>();
+  params.scores = scores.mutable_data_ptr<scalar_t>();
+  params.paths = paths.mutable_data_ptr<int64_t>();
   const auto groups = chunk_group_blocks<kLanes>;
 
   viterbi_chunk_transfer_kernel<scalar_t, kLanes><<<groups(B * C * T), kMaxThreadsPerBlock, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   viterbi_chunk_scan_kernel<scalar_t, kLanes><<<groups(B), kMaxThreadsPerBlock, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   viterbi_chunk_decode_kernel<scalar_t, kLanes><<<groups(B * C), kMaxThreadsPerBlock, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
   const int finish_threads = (int)std::min<int64_t>((C + kWarpSize - 1) / kWarpSize * kWarpSize, kMaxThreadsPerBlock);
   viterbi_chunk_finish_kernel<scalar_t><<<(unsigned)B, finish_threads, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -177,12 +173,12 @@ void launch_viterbi_chunked(const CrfArgs& a, int64_t S, at::Tensor& scores, at:
 // The decoders' launches, for arguments checked by checked_cuda_args, their values checked into
 // `status` by the first kernel (input_checks); the ops below raise from `status` once everything is launched.
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
-std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& status) {
+std::tuple<Tensor, Tensor> launch_viterbi(const CrfArgs& a, Status& status) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   check_sizes(T, 1);
-  at::Tensor paths = at::empty({B, L}, a.lengths.options());  // written whole by the kernels
-  at::Tensor scores = at::empty({B}, a.emissions.options());
-  AT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_viterbi_cuda", [&] {
+  Tensor paths = empty({B, L}, options_of(a.lengths));  // written whole by the kernels
+  Tensor scores = empty({B}, options_of(a.emissions));
+  CRFKIT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_viterbi_cuda", [&] {
     // Long sentences at small batch: parallel in time, for the register kernels' tag counts.
     if (T <= register_max_tags<scalar_t>()) {
       if (const int64_t S = time_chunk_length(B, L, T, register_lanes(T))) {
@@ -203,17 +199,17 @@ std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& stat
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> viterbi_cuda(const at::Tensor& emissions, const at::Tensor& transitions,
-                                                const at::Tensor& lengths, const at::Tensor& start,
-                                                const at::Tensor& end) {
+std::tuple<Tensor, Tensor> viterbi_cuda(const Tensor& emissions, const Tensor& transitions,
+                                                const Tensor& lengths, const Tensor& start,
+                                                const Tensor& end) {
   return checked_launch(emissions, transitions, lengths, start, end,
                         [](const CrfArgs& a, Status& status) { return launch_viterbi(a, status); });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
-  m.impl("viterbi", &viterbi_cuda);
+STABLE_TORCH_LIBRARY_IMPL(crfkit, CUDA, m) {
+  m.impl("viterbi", TORCH_BOX(&viterbi_cuda));
 }
 
 }  // namespace cuda

@@ -28,8 +28,6 @@
 // tag (kbest_per_tag_kernel in kbest.cu; opt-in until timed on a GPU, see KbestKernel).
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
@@ -89,23 +87,23 @@ constexpr int64_t kBackpointerBudget = int64_t{256} << 20;
 // k-best's log-probabilities, written by its kernel with the scores: log_z (B,) in, log_probs
 // (B, k) out (both undefined: none).
 struct LogProbOutputs {
-  at::Tensor log_z, log_probs;
+  Tensor log_z, log_probs;
 };
 
 // The parameters every decoder launch shares (the arena fields stay at their defaults: no
 // arena); `backpointers` is the global workspace, undefined when the kernel keeps them in
 // shared memory.
 template <typename scalar_t, typename bp_t>
-DecodeParams<scalar_t, bp_t> decode_params(const CrfArgs& a, int64_t rows, int64_t K, at::Tensor& scores,
-                                           at::Tensor& paths, const at::Tensor& backpointers, Status& status,
+DecodeParams<scalar_t, bp_t> decode_params(const CrfArgs& a, int64_t rows, int64_t K, Tensor& scores,
+                                           Tensor& paths, const Tensor& backpointers, Status& status,
                                            const LogProbOutputs& log_probs = {}) {
   DecodeParams<scalar_t, bp_t> params{};
   set_crf_arguments<scalar_t>(params, a, status);
-  params.scores = scores.data_ptr<scalar_t>();
-  params.log_z = log_probs.log_z.defined() ? log_probs.log_z.data_ptr<scalar_t>() : nullptr;
-  params.log_probs = log_probs.log_probs.defined() ? log_probs.log_probs.data_ptr<scalar_t>() : nullptr;
-  params.paths = paths.data_ptr<int64_t>();
-  params.backpointers = backpointers.defined() ? reinterpret_cast<bp_t*>(backpointers.data_ptr<uint8_t>()) : nullptr;
+  params.scores = scores.mutable_data_ptr<scalar_t>();
+  params.log_z = log_probs.log_z.defined() ? log_probs.log_z.mutable_data_ptr<scalar_t>() : nullptr;
+  params.log_probs = log_probs.log_probs.defined() ? log_probs.log_probs.mutable_data_ptr<scalar_t>() : nullptr;
+  params.paths = paths.mutable_data_ptr<int64_t>();
+  params.backpointers = backpointers.defined() ? reinterpret_cast<bp_t*>(backpointers.mutable_data_ptr<uint8_t>()) : nullptr;
   params.rows = rows;
   params.list_len = K;
   params.checks = input_checks<scalar_t>(a, status);
@@ -115,7 +113,7 @@ DecodeParams<scalar_t, bp_t> decode_params(const CrfArgs& a, int64_t rows, int64
 // shared_kernel / generic_kernel: the decoder's kAllShared = true / false variants.
 template <typename scalar_t, typename bp_t, typename Kernel>
 void launch_decoder(Kernel shared_kernel, Kernel generic_kernel, const CrfArgs& a, int64_t rows, int64_t K,
-                    size_t arena_bytes, at::Tensor& scores, at::Tensor& paths, Status& status,
+                    size_t arena_bytes, Tensor& scores, Tensor& paths, Status& status,
                     const LogProbOutputs& log_probs = {}) {
   const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
   if (B == 0) return;
@@ -124,21 +122,21 @@ void launch_decoder(Kernel shared_kernel, Kernel generic_kernel, const CrfArgs& 
   const int64_t per_block = std::max<int64_t>(1, plan.groups_per_block * L * T * K * (int64_t)sizeof(bp_t));
   const int64_t blocks = persistent_blocks(kernel, plan, B, std::max<int64_t>(1, kBackpointerBudget / per_block));
   const int64_t slots = blocks * plan.groups_per_block;
-  const auto bytes = a.emissions.options().dtype(at::kByte);
-  at::Tensor backpointers = at::empty({std::max<int64_t>(1, slots * L * T * K * (int64_t)sizeof(bp_t))}, bytes);
-  at::Tensor arena_workspace = plan.arena_in_shared ? at::Tensor() : at::empty({slots * (int64_t)arena_bytes}, bytes);
+  const auto bytes = options_of(a.emissions).dtype(kByte);
+  Tensor backpointers = empty({std::max<int64_t>(1, slots * L * T * K * (int64_t)sizeof(bp_t))}, bytes);
+  Tensor arena_workspace = plan.arena_in_shared ? Tensor() : empty({slots * (int64_t)arena_bytes}, bytes);
 
   auto params = decode_params<scalar_t, bp_t>(a, rows, K, scores, paths, backpointers, status, log_probs);
-  params.arena_workspace = arena_workspace.defined() ? arena_workspace.data_ptr<uint8_t>() : nullptr;
+  params.arena_workspace = arena_workspace.defined() ? arena_workspace.mutable_data_ptr<uint8_t>() : nullptr;
   params.plan = plan;
   params.arena_bytes = arena_bytes;
   kernel<<<(unsigned)blocks, plan.threads, plan.shared_bytes, current_stream()>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 inline void check_sizes(int64_t T, int64_t K) {
   // Table indices s * T + t and codes s * K + rank are 32-bit.
-  TORCH_CHECK_VALUE(T * T < (int64_t{1} << 31) && T * K < (int64_t{1} << 31),
+  CRFKIT_CHECK_VALUE(T * T < (int64_t{1} << 31) && T * K < (int64_t{1} << 31),
                     "crfkit: the CUDA kernels need num_tags^2 and num_tags * k below 2^31, got num_tags = ", T,
                     ", k = ", K);
 }
@@ -146,7 +144,7 @@ inline void check_sizes(int64_t T, int64_t K) {
 // Viterbi's launch (viterbi.cu), for arguments checked by checked_cuda_args, their values
 // checked into `status` by its first kernel (input_checks); k-best's launch (kbest.cu) runs it for k = 1.
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).
-std::tuple<at::Tensor, at::Tensor> launch_viterbi(const CrfArgs& a, Status& status);
+std::tuple<Tensor, Tensor> launch_viterbi(const CrfArgs& a, Status& status);
 
 }  // namespace cuda
 }  // namespace crfkit

@@ -5,12 +5,14 @@
 For machines without a GPU (CI): the CUDA kernels cannot run there, but they must keep
 compiling, for real architectures, so that device code is instantiated and checked too. The
 flags are those torch.utils.cpp_extension uses for a CUDAExtension (its common nvcc flags,
-TORCH_EXTENSION_NAME, TORCH_API_INCLUDE_EXTENSION_H, the C++ ABI, -fPIC) plus setup.py's
--O3 -std=c++20. Two facts of a CPU-only torch are worked around here and only here:
-- the generated header c10/cuda/impl/cuda_cmake_macros.h is missing from CPU wheels: this
-  folder holds a two-line stand-in, put on the include path;
-- ATen/cuda/CUDAContext.h pulls in cuBLAS / cuSPARSE headers a bare toolkit may lack, so the
-  kernels take their stream from c10/cuda/CUDAStream.h (nothing to do here, a rule for them).
+TORCH_EXTENSION_NAME, TORCH_API_INCLUDE_EXTENSION_H, the C++ ABI, -fPIC) plus setup.py's:
+crfkit/_build_config.py's NVCC_FLAGS, the stable-ABI target (TORCH_TARGET_VERSION, from
+torch_target_flags(torch_target()): CRFKIT_TORCH_TARGET or 2.10, so an API newer than the
+target fails here as in a real build) and Py_LIMITED_API (the abi3 module's). The kernels use
+torch's stable C ABI only (csrc/tensor.h), whose headers are device-neutral; their one CUDA call
+into torch (aoti_torch_get_current_cuda_stream) is declared in csrc/cuda/common.cuh. The
+stand-in c10/cuda/impl/cuda_cmake_macros.h in this folder (a generated header CPU wheels lack)
+stays on the include path for any c10 CUDA header a torch header may still pull in.
 Objects go to a temporary folder that is removed afterwards. Each file is one nvcc process
 (all architectures in it); files are compiled in parallel (--jobs, default: the CPU count).
 Exit status 0 when every file compiles; prints one line per file with its time.
@@ -31,6 +33,16 @@ from typing import List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+
+
+def build_config():
+    """crfkit/_build_config.py, loaded by path (importing the crfkit package would load crfkit._C)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("crfkit_build_config", ROOT / "crfkit" / "_build_config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 DEFAULT_ARCHS = ("80", "90")  # A100 and H100 / H200: real SASS, so device code is compiled
 
 
@@ -50,7 +62,8 @@ def nvcc_flags(archs: Sequence[str] = DEFAULT_ARCHS) -> List[str]:
     import torch
     from torch.utils import cpp_extension
 
-    flags = ["-std=c++20", "-O3", "-c", "-I", str(HERE)]
+    config = build_config()
+    flags = [*config.NVCC_FLAGS, "-c", "-I", str(HERE)]
     for path in cpp_extension.include_paths():
         flags += ["-isystem", path]
     flags += ["-isystem", sysconfig.get_paths()["include"]]
@@ -58,6 +71,8 @@ def nvcc_flags(archs: Sequence[str] = DEFAULT_ARCHS) -> List[str]:
     flags += ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
               "--compiler-options", "-fPIC"]
+    flags += config.torch_target_flags(config.torch_target())  # as setup.py's nvcc flags
+    flags += [f"-DPy_LIMITED_API={config.PYTHON_LIMITED_API}"]  # setup.py: py_limited_api=True
     for arch in archs:
         flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     return flags

@@ -42,17 +42,17 @@ def rewrite(source: str, name: str) -> str:
 
 
 def schemas() -> str:
-    """csrc/crfkit.cpp's TORCH_LIBRARY block for the namespace crfkit_emu."""
+    """csrc/crfkit.cpp's STABLE_TORCH_LIBRARY block for the namespace crfkit_emu."""
     text = (ROOT / "csrc" / "crfkit.cpp").read_text()
-    start = text.index("TORCH_LIBRARY(crfkit, m)")
+    start = text.index("STABLE_TORCH_LIBRARY(crfkit, m)")
     depth, end = 0, None
     for i in range(text.index("{", start), len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
             end = i + 1
             break
-    block = text[start:end].replace("TORCH_LIBRARY(crfkit, m)", "TORCH_LIBRARY(crfkit_emu, m)", 1)
-    return "#include <torch/library.h>\n\n" + block + "\n"
+    block = text[start:end].replace("STABLE_TORCH_LIBRARY(crfkit, m)", "STABLE_TORCH_LIBRARY(crfkit_emu, m)", 1)
+    return "#include <torch/csrc/stable/library.h>\n\n" + block + "\n"
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -65,7 +65,8 @@ def prepare(build_dir: Path) -> list:
     """Write the rewritten sources; returns the .cpp files to compile."""
     src = build_dir / "src"
     (src / "csrc" / "cuda").mkdir(parents=True, exist_ok=True)
-    for shared in ("checks.h", "backpointers.h", "numerics.h"):  # the csrc/ headers the CUDA sources include
+    # The csrc/ headers the CUDA sources include.
+    for shared in ("checks.h", "backpointers.h", "numerics.h", "tensor.h"):
         _write_if_changed(src / "csrc" / shared, (ROOT / "csrc" / shared).read_text())
     sources, written = [], set()
     for path in sorted((ROOT / "csrc" / "cuda").iterdir()):

@@ -15,9 +15,15 @@
 // CRFKIT_EMU_SMS multiprocessors of CRFKIT_EMU_BLOCKS_PER_SM blocks (include/cuda_runtime.h).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/ATen.h>  // TORCH_CHECK, and for race_check.cpp, which calls the ops through ATen
 #include <math.h>
-#include <torch/library.h>
+// The stable-ABI headers the kernels' host code uses (csrc/tensor.h, csrc/cuda/common.cuh), read
+// here first so that the renames at the end of this file do not reach them.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <array>
 #include <barrier>
@@ -220,8 +226,26 @@ V atomicAdd(V* address, V value) {
   return old;
 }
 
+// The pretend device's torch side: its current stream is a null handle (the kernels run at their
+// launch), and there is no device to switch to (torch's DeviceGuard would fail on a CPU-only
+// torch, which has no accelerator). A CPU-only torch's shim.h does not declare the stream call
+// (csrc/cuda/common.cuh does, as for a real build, and finds this definition).
+extern "C" AOTI_TORCH_EXPORT inline AOTITorchError aoti_torch_get_current_cuda_stream(int32_t, void** ret_stream) {
+  *ret_stream = nullptr;
+  return AOTI_TORCH_SUCCESS;
+}
+namespace emu {
+struct DeviceGuard {
+  explicit DeviceGuard(int32_t) {}
+};
+}  // namespace emu
+HIDDEN_NAMESPACE_BEGIN(torch, stable, accelerator)
+using EmulatedDeviceGuard = ::emu::DeviceGuard;
+HIDDEN_NAMESPACE_END(torch, stable, accelerator)
+#define DeviceGuard EmulatedDeviceGuard
+
 // The emulated ops are registered as crfkit_emu::* for CPU tensors (the schemas are generated
 // from csrc/crfkit.cpp by build.py), and "CUDA tensors" are the CPU tensors they get.
-#undef TORCH_LIBRARY_IMPL
-#define TORCH_LIBRARY_IMPL(ns, k, m) _TORCH_LIBRARY_IMPL(crfkit_emu, CPU, m, C10_UID)
+#undef STABLE_TORCH_LIBRARY_IMPL
+#define STABLE_TORCH_LIBRARY_IMPL(ns, k, m) _STABLE_TORCH_LIBRARY_IMPL(crfkit_emu, CPU, m, C10_UID)
 #define is_cuda is_cpu

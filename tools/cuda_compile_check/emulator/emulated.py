@@ -6,8 +6,8 @@
         crfkit.log_partition(...)
 
 The fake (meta) implementations are crfkit.backends.op_table's, registered for crfkit_emu. The autograd formulas of the
-crfkit ops live in C++ (csrc/autograd.cpp, registered for crfkit:: only), so the crfkit_emu ops
-get the same formulas here in Python: each backward calls the emulated backward kernel
+crfkit ops are registered for crfkit:: only (crfkit/backends/compiled.py), so the crfkit_emu ops
+get theirs here: each backward calls the emulated backward kernel
 (log_partition_backward_from_marginals, sequence_score_backward); the marginals take
 compiled.py's formula.
 """
@@ -34,7 +34,7 @@ def _register_python_side() -> None:
     op_table.register_fakes("crfkit_emu")  # the same shapes as the crfkit ops'
     emu = torch.ops.crfkit_emu
 
-    # log Z: as csrc/autograd.cpp does where the device has a log_partition_with_marginals kernel
+    # log Z: as the compiled backend does where the device has a log_partition_with_marginals kernel
     # (CUDA): the marginals and transition counts come from that op, the backward scales them
     # (log_partition_backward_from_marginals). A custom op's autograd here cannot replace its
     # forward, so the emulated forward runs log Z and then log_partition_with_marginals; the
@@ -83,8 +83,14 @@ def _register_python_side() -> None:
 
     reg = torch.library.register_autograd
     reg("crfkit_emu::log_partition", log_partition_backward, setup_context=save_marginals)
-    reg("crfkit_emu::marginals", c._marginals_backward, setup_context=c._save_crf_inputs)
-    reg("crfkit_emu::expected_transition_counts", c._expected_transition_counts_backward,
+    # The marginals and counts: compiled.py's formulas (its analytic backward kernels where the
+    # device has them: compiled.ops is crfkit_emu inside emulated_kernels()).
+    reg("crfkit_emu::marginals",
+        c._second_derivative("marginals_backward", c.reference.marginals, c._MARGINALS_ONCE),
+        setup_context=c._save_crf_inputs)
+    reg("crfkit_emu::expected_transition_counts",
+        c._second_derivative("expected_transition_counts_backward", c.reference.expected_transition_counts,
+                             c._COUNTS_ONCE),
         setup_context=c._save_crf_inputs)
     reg("crfkit_emu::viterbi", viterbi_backward, setup_context=save_viterbi_paths)
     reg("crfkit_emu::kbest_viterbi", kbest_backward, setup_context=save_kbest_paths)

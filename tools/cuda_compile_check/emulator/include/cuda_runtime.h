@@ -19,6 +19,12 @@ inline int env_int(const char* name, int fallback) {
 
 inline cudaError_t cudaGetDevice(int* device) { *device = 0; return cudaSuccess; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+// Nothing is ever captured.
+enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1 };
+inline cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* status) {
+  *status = cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
 inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
 // Kernels run to completion at their launch here, so an asynchronous memset is a plain one.
 inline cudaError_t cudaMemsetAsync(void* to, int value, size_t bytes, cudaStream_t = nullptr) {
