@@ -27,9 +27,11 @@
 // instead of 2n: worth it while B * C * T groups still fit the GPU (chunked_launch_plan in
 // log_partition.cu decides). Only for the register kernel's tag counts (T <= 32 in float, 16 in
 // double). Results agree with the sequential kernels to rounding (another summation order).
+// Phases 1 and 2 run the loops of semiring.cuh, shared with the max-plus scan (viterbi_chunked.cuh).
 #pragma once
 
 #include "forward_backward_registers.cuh"
+#include "semiring.cuh"  // chunk_transfer_rows, scan_chunk_boundaries
 
 namespace crfkit {
 namespace cuda {
@@ -79,34 +81,6 @@ unsigned chunk_group_blocks(int64_t groups) {
 }
 
 // ---- device -------------------------------------------------------------------------------------
-// Positions of chunk c of a sentence of n positions: [c S, c S + chunk_length).
-__device__ __forceinline__ int64_t chunk_length(int64_t n, int64_t c, int64_t S) {
-  const int64_t rest = n - c * S;
-  return rest <= 0 ? 0 : (rest < S ? rest : S);
-}
-
-// What one group of the chunk-parallel phases works on: sentence b (has: b < batch), chunk c,
-// for phase 1 also row r (r fastest, then c); n = the sentence's length, len = the chunk's
-// positions (0 for the rows r > 0 of chunk 0, which has one row). `id`: the group's index.
-struct ChunkWork {
-  int64_t b, c, r, n, len;
-  bool has;
-};
-
-// The phase-1 group `id` (one per sentence, chunk and row) or, with rows = 1, the phase-3 group
-// (one per sentence and chunk).
-__device__ __forceinline__ ChunkWork chunk_work(int64_t id, int64_t rows, int64_t chunks, int64_t S, int64_t batch,
-                                                const int64_t* lengths, int64_t max_len) {
-  ChunkWork w;
-  w.r = id % rows;
-  w.c = id / rows % chunks;
-  w.b = id / rows / chunks;
-  w.has = w.b < batch;
-  w.n = w.has ? safe_length(lengths, w.b, max_len) : 0;
-  w.len = w.c == 0 && w.r > 0 ? 0 : chunk_length(w.n, w.c, S);
-  return w;
-}
-
 // logsumexp_s(terms[s]) over the first T of kLanes values, exactly; -inf when all are -inf.
 template <typename scalar_t, int kLanes>
 __device__ __forceinline__ scalar_t lse_of(const scalar_t (&terms)[kLanes], int T) {
@@ -119,63 +93,62 @@ __device__ __forceinline__ scalar_t lse_of(const scalar_t (&terms)[kLanes], int 
   return top == neg_inf<scalar_t>() ? top : top + log_(total);
 }
 
-// Phase 1: one group per (sentence b, chunk c, row r), r fastest. A warp's groups run the steps
-// of its longest chunk (the register passes' contract).
-template <typename scalar_t, int kLanes>
-__global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_transfer_kernel(const ChunkParams<scalar_t> p) {
-  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
-  const int T = p.num_tags;
-  const int lane = threadIdx.x % kLanes;
-  const bool own = lane < T;
-  const ChunkWork w = chunk_work((int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes, T, p.chunks, p.chunk,
-                                 p.batch, p.lengths, p.max_len);
-  const int64_t r = w.r, c = w.c, b = w.b, len = w.len;
-  const bool has = w.has;
-  const int64_t steps = warp_max(len);
-  if (steps == 0) return;  // warp-uniform
+// The log semiring's phase 1 for chunk_transfer_rows (semiring.cuh): a row is the register
+// kernel's forward pass from the one-hot row r (chunk 0: from start), normalised to max 0, its
+// offset in double.
+template <typename scalar_t>
+struct LogChunks {
+  __device__ __forceinline__ static void prologue(const ChunkParams<scalar_t>&) {}
 
-  scalar_t e_col[kLanes];
+  template <int kLanes>
+  __device__ __forceinline__ static ChunkRow<scalar_t> row(const ChunkParams<scalar_t>& p, const ChunkWork& w,
+                                                           int64_t steps, int T, int lane, bool own) {
+    scalar_t e_col[kLanes];
 #pragma unroll
-  for (int s = 0; s < kLanes; ++s) e_col[s] = own && s < T ? p.tables[s * T + lane] : scalar_t(0);
-  const scalar_t col_max = own ? p.tables[T * T + lane] : neg_inf<scalar_t>();
-  const scalar_t* own_transitions = p.transitions + (own ? lane : 0);
-  const scalar_t first = !own ? neg_inf<scalar_t>() : (c == 0 ? p.start[lane] : p.transitions[r * T + lane]);
-  const scalar_t* emit = p.emissions + ((has ? b : 0) * p.max_len + c * p.chunk) * T + lane;
+    for (int s = 0; s < kLanes; ++s) e_col[s] = own && s < T ? p.tables[s * T + lane] : scalar_t(0);
+    const scalar_t col_max = own ? p.tables[T * T + lane] : neg_inf<scalar_t>();
+    const scalar_t* own_transitions = p.transitions + (own ? lane : 0);
+    const scalar_t first = !own ? neg_inf<scalar_t>() : (w.c == 0 ? p.start[lane] : p.transitions[w.r * T + lane]);
+    const scalar_t* emit = p.emissions + ((w.has ? w.b : 0) * p.max_len + w.c * p.chunk) * T + lane;
 
-  double offset = 0;
-  bool bad = false;
-  const scalar_t a = register_forward_pass<scalar_t, false, kLanes>(emit, nullptr, nullptr, len, steps, T, lane, own,
-                                                                   first, col_max, e_col, own_transitions, offset,
-                                                                   bad);
-  bad = group_max(static_cast<int>(bad), kLanes) != 0;
-  if (len > 0) {
-    const int64_t row = (b * p.chunks + c) * T + r;
-    if (own) p.matrices[row * T + lane] = a;
+    double offset = 0;
+    bool bad = false;
+    const scalar_t a = register_forward_pass<scalar_t, false, kLanes>(emit, nullptr, nullptr, w.len, steps, T, lane,
+                                                                     own, first, col_max, e_col, own_transitions,
+                                                                     offset, bad);
+    return {a, offset, bad};
+  }
+
+  template <typename Report>
+  __device__ __forceinline__ static void store(const ChunkParams<scalar_t>& p, const ChunkWork& w, int T, int lane,
+                                               bool own, const ChunkRow<scalar_t>& a, bool bad, Report&& report) {
+    const int64_t row = (w.b * p.chunks + w.c) * T + w.r;
+    if (own) p.matrices[row * T + lane] = a.value;
     if (lane == 0) {
-      p.row_offsets[row] = offset;
-      if (bad && r == 0) {  // every row reads the whole chunk: row 0 reports
-        report(p.status, kBadEmissions, b);
-        atomicAdd(p.skip + b, 1);
-      }
+      p.row_offsets[row] = a.offset;
+      if (bad && w.r == 0) report();
     }
   }
+
+  __device__ __forceinline__ static int* bad_count(const ChunkParams<scalar_t>& p) { return p.skip; }
+};
+
+// Phase 1: one group per (sentence b, chunk c, row r), r fastest (chunk_transfer_rows).
+template <typename scalar_t, int kLanes>
+__global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_transfer_kernel(const ChunkParams<scalar_t> p) {
+  chunk_transfer_rows<LogChunks<scalar_t>, kLanes>(p);
 }
 
 // Phase 2: one group per sentence, lane t owning tag t. Writes log Z (where p.log_z is set) and
 // with kBoundaries alpha_in, beta_out and skip[b].
 template <typename scalar_t, int kLanes, bool kBoundaries>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_scan_kernel(const ChunkParams<scalar_t> p) {
-  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
   const scalar_t kNegInf = neg_inf<scalar_t>();
-  const int T = p.num_tags;
-  const int lane = threadIdx.x % kLanes;
-  const bool own = lane < T;
-  const int64_t b = (int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes;
-  const bool has = b < p.batch;
-  const int64_t n = has ? safe_length(p.lengths, b, p.max_len) : 0;
-  const int64_t C = p.chunks, num_chunks = (n + p.chunk - 1) / p.chunk;
-  const int64_t chunk_steps = warp_max(num_chunks);
-  const int64_t bs = has ? b : 0;
+  const ScanGroup g = scan_group<kLanes>(p);
+  const int T = g.T, lane = g.lane;
+  const bool own = g.own;
+  const int64_t b = g.b, bs = g.bs, n = g.n, C = g.C, num_chunks = g.num_chunks, chunk_steps = g.chunk_steps;
+  const bool has = g.has;
   const scalar_t* matrices = p.matrices + bs * C * T * T;
   const double* row_offsets = p.row_offsets + bs * C * T;
 
@@ -194,9 +167,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_scan_kernel(const C
     row_offset = active && own ? row_offsets[c * T + lane] : -CUDART_INF;
   };
   load_column(1);
-  for (int64_t c = 1; c < chunk_steps; ++c) {
-    const bool active = c < num_chunks;
-    if (kBoundaries && active && own) p.alpha_in[(bs * C + c) * T + lane] = alpha;
+  // alpha <- logsumexp_r(alpha[r] + M_c[r][.]), exact, the offsets in double
+  auto step = [&](int64_t c, bool active) {
     scalar_t terms[kLanes];
 #pragma unroll
     for (int r = 0; r < kLanes; ++r) terms[r] = column[r];
@@ -215,7 +187,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) chunk_scan_kernel(const C
       alpha = m == kNegInf ? x : x - m;
       offset = w_max == -CUDART_INF || m == kNegInf ? -CUDART_INF : offset + w_max + static_cast<double>(m);
     }
-  }
+  };
+  scan_chunk_boundaries<kBoundaries>(g, [&] { return p.alpha_in; }, [&] { return alpha; }, step);
   // log Z = offset + logsumexp_t(alpha[t] + end[t]), as finish_forward
   const scalar_t last = own && num_chunks > 0 ? alpha + p.end[lane] : kNegInf;
   const scalar_t m = group_max(last, kLanes);

@@ -96,93 +96,87 @@ __device__ __forceinline__ void write_kbest_rows(const DecodeParams<scalar_t, bp
   }
 }
 
-template <typename scalar_t, typename bp_t, bool kAllShared>
-__global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const DecodeParams<scalar_t, bp_t> p) {
-  extern __shared__ __align__(16) unsigned char shared_raw[];
-  const int T = p.num_tags;
-  const int G = p.plan.lanes;
-  const int group = threadIdx.x / G;
-  const int lane = threadIdx.x % G;
-  const int64_t slot = (int64_t)blockIdx.x * p.plan.groups_per_block + group;
-  const int64_t L = p.max_len;
-  const int64_t K = p.list_len;
-  const scalar_t kNegInf = neg_inf<scalar_t>();
-  check_inputs(p.checks);
+// k-best Viterbi under the k-max-plus semiring for decode_sentences (semiring.cuh): the rows
+// are the K-lists of every tag, per position and tag one lane merges the T sorted lists.
+template <typename scalar_t_, typename bp_t>
+struct KbestDecoder {
+  using scalar_t = scalar_t_;
+  const int T, G;
+  const int64_t K;
+  scalar_t* const rows_a;         // (T, K) [t * K + r], sorted descending; two rows in turn
+  scalar_t* const rows_b;
+  scalar_t* const head_values;    // this lane's column of the merge state: entry s at [s * G]
+  int32_t* const heads;
+  scalar_t* const final_values;   // (K,)
+  int32_t* const final_codes;     // (K,)
+  bp_t* const backpointers;       // [(i * T + t) * K + r]
 
-  unsigned char* cursor = shared_raw;
-  unsigned char* const arena = group_arena<kAllShared>(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot);
-  const scalar_t* trans = stage_table<kAllShared>(cursor, p.plan.tables_in_shared, p.transitions, (int64_t)T * T);
-  __syncthreads();  // the only block-wide barrier: the transitions are staged
-  const KbestArena layout = kbest_arena<scalar_t>(T, K, G);
-  scalar_t* const lists_a = reinterpret_cast<scalar_t*>(arena + layout.lists_a);  // [t * K + r]
-  scalar_t* const lists_b = reinterpret_cast<scalar_t*>(arena + layout.lists_b);
-  // This lane's column of the merge state: entry s at [s * G].
-  scalar_t* const head_values = reinterpret_cast<scalar_t*>(arena + layout.head_values) + lane;
-  int32_t* const heads = reinterpret_cast<int32_t*>(arena + layout.heads) + lane;
-  scalar_t* const final_values = reinterpret_cast<scalar_t*>(arena + layout.final_values);
-  int32_t* const final_codes = reinterpret_cast<int32_t*>(arena + layout.final_codes);
-  bp_t* const backpointers = p.backpointers + slot * L * T * K;  // [(i * T + t) * K + r]
+  __device__ static int64_t list_length(const DecodeParams<scalar_t, bp_t>& p) { return p.list_len; }
 
-  const int64_t grid_groups = (int64_t)gridDim.x * p.plan.groups_per_block;
-  for (int64_t first = (int64_t)blockIdx.x * p.plan.groups_per_block; first < p.batch; first += grid_groups) {
-    __syncwarp();  // the previous sentence (backtrace included) is finished by every lane
-    const Sentence sentence = next_sentence(first, group, p.lengths, p.batch, L);
-    const int64_t n = sentence.n;
-    const scalar_t* emit = p.emissions + (sentence.exists ? sentence.b : 0) * L * T;
-    bool bad = false;
-    scalar_t* cur = lists_a;
-    scalar_t* next = lists_b;
-    if (n > 0) {  // position 0: one sequence per tag, in rank 0 of its list
-      for (int t = lane; t < T; t += G) {
-        const scalar_t e = emit[t];
-        bad |= is_nan_or_pos_inf(e);
-        cur[t * K] = p.start[t] + e;
-        for (int64_t r = 1; r < K; ++r) cur[t * K + r] = kNegInf;
-      }
+  __device__ __forceinline__ KbestDecoder(const DecodeParams<scalar_t, bp_t>& p, unsigned char* arena,
+                                          const DecodeGroup g)
+      : KbestDecoder(p, arena, g, kbest_arena<scalar_t>(g.T, g.K, g.G)) {}
+
+  __device__ __forceinline__ KbestDecoder(const DecodeParams<scalar_t, bp_t>& p, unsigned char* arena,
+                                          const DecodeGroup g, const KbestArena layout)
+      : T(g.T),
+        G(g.G),
+        K(g.K),
+        rows_a(reinterpret_cast<scalar_t*>(arena + layout.lists_a)),
+        rows_b(reinterpret_cast<scalar_t*>(arena + layout.lists_b)),
+        head_values(reinterpret_cast<scalar_t*>(arena + layout.head_values) + g.lane),
+        heads(reinterpret_cast<int32_t*>(arena + layout.heads) + g.lane),
+        final_values(reinterpret_cast<scalar_t*>(arena + layout.final_values)),
+        final_codes(reinterpret_cast<int32_t*>(arena + layout.final_codes)),
+        backpointers(p.backpointers + g.slot * g.L * g.T * g.K) {}
+
+  // Position 0: one sequence per tag, in rank 0 of its list.
+  __device__ __forceinline__ void first(scalar_t* rows, int t, scalar_t value) const {
+    rows[t * K] = value;
+    for (int64_t r = 1; r < K; ++r) rows[t * K + r] = neg_inf<scalar_t>();
+  }
+
+  // Position i itself: the backpointers are indexed per tag, [(i * T + t) * K + r]. (Static: a
+  // member call here changes nvcc's code for this kernel.)
+  __device__ __forceinline__ static int64_t position(int64_t i) { return i; }
+
+  template <typename Emission>
+  __device__ __forceinline__ void step(const scalar_t* cur, scalar_t* next, const scalar_t* trans, int64_t i, int t,
+                                       Emission&& emission) const {
+    const scalar_t kNegInf = neg_inf<scalar_t>();
+    const scalar_t e = emission();
+    // The K best of cur[s][r] + trans[s, t] over all s, r (the CPU kbest_step for one t).
+    for (int s = 0; s < T; ++s) {
+      head_values[s * G] = cur[s * K] + trans[s * T + t];
+      heads[s * G] = 0;
     }
-    scalar_t emit_ahead = lane < T && n > 1 ? emit[T + lane] : scalar_t(0);  // as in viterbi_kernel
-    for (int64_t i = 1; i < sentence.steps; ++i) {
-      __syncwarp();  // cur complete, and everyone is done reading next (the lists before cur)
-      if (i < n) {
-        const scalar_t* emit_i = emit + i * T;
-        const scalar_t emit_first = emit_ahead;
-        if (lane < T && i + 1 < n) emit_ahead = emit_i[T + lane];
-        for (int t = lane; t < T; t += G) {
-          const scalar_t e = t == lane ? emit_first : emit_i[t];
-          bad |= is_nan_or_pos_inf(e);
-          // The K best of cur[s][r] + trans[s, t] over all s, r (the CPU kbest_step for one t).
-          for (int s = 0; s < T; ++s) {
-            head_values[s * G] = cur[s * K] + trans[s * T + t];
-            heads[s * G] = 0;
-          }
-          scalar_t* out = next + t * K;
-          bp_t* bp = backpointers + (i * T + t) * K;
-          int64_t r = 0;
-          for (; r < K; ++r) {
-            scalar_t best = head_values[0];
-            int best_s = 0;
-            for (int s = 1; s < T; ++s) {
-              const scalar_t v = head_values[s * G];
-              if (v > best) {  // strict: the smaller predecessor wins a tie
-                best = v;
-                best_s = s;
-              }
-            }
-            if (best == kNegInf) break;  // no sequence left for this slot or any later one
-            out[r] = best + e;
-            const int32_t rank = heads[best_s * G];
-            heads[best_s * G] = rank + 1;
-            bp[r] = static_cast<bp_t>(best_s * K + rank);
-            head_values[best_s * G] = rank + 1 < K ? cur[best_s * K + rank + 1] + trans[best_s * T + t] : kNegInf;
-          }
-          for (; r < K; ++r) out[r] = kNegInf;
+    scalar_t* out = next + t * K;
+    bp_t* bp = backpointers + (i * T + t) * K;
+    int64_t r = 0;
+    for (; r < K; ++r) {
+      scalar_t best = head_values[0];
+      int best_s = 0;
+      for (int s = 1; s < T; ++s) {
+        const scalar_t v = head_values[s * G];
+        if (v > best) {  // strict: the smaller predecessor wins a tie
+          best = v;
+          best_s = s;
         }
-        scalar_t* swap = cur;
-        cur = next;
-        next = swap;
       }
+      if (best == kNegInf) break;  // no sequence left for this slot or any later one
+      out[r] = best + e;
+      const int32_t rank = heads[best_s * G];
+      heads[best_s * G] = rank + 1;
+      bp[r] = static_cast<bp_t>(best_s * K + rank);
+      head_values[best_s * G] = rank + 1 < K ? cur[best_s * K + rank + 1] + trans[best_s * T + t] : kNegInf;
     }
-    __syncwarp();  // the last lists and every backpointer are visible to the whole group
+    for (; r < K; ++r) out[r] = kNegInf;
+  }
+
+  __device__ __forceinline__ void finish(const DecodeParams<scalar_t, bp_t>& p, const scalar_t* cur,
+                                         const Sentence& sentence, bool bad, int lane) const {
+    const scalar_t kNegInf = neg_inf<scalar_t>();
+    const int64_t n = sentence.n;
     bad = group_max(static_cast<int>(bad), G) != 0;
     // The K best over last tags (the CPU merge_top_k with the end scores), on the first lane.
     if (lane == 0 && n > 0 && !bad) {
@@ -212,11 +206,17 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const Decode
       }
     }
     __syncwarp();  // final_values / final_codes visible to the group
-    if (!sentence.exists) continue;
+    if (!sentence.exists) return;
     const int64_t b = sentence.b;
     if (bad && lane == 0) report(p.status, kBadEmissions, b);
     write_kbest_rows(p, b, n, bad, final_values, final_codes, backpointers, lane, G);
   }
+};
+
+template <typename scalar_t, typename bp_t, bool kAllShared>
+__global__ void __launch_bounds__(kMaxThreadsPerBlock) kbest_kernel(const DecodeParams<scalar_t, bp_t> p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  decode_sentences<KbestDecoder<scalar_t, bp_t>, kAllShared>(p, shared_raw);
 }
 
 // ---- k-best for small batches: a block per sentence, a group of lanes per tag ----------------

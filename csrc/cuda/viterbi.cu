@@ -10,77 +10,56 @@ namespace crfkit {
 namespace cuda {
 namespace {
 
-template <typename scalar_t, typename bp_t, bool kAllShared>
-__global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const DecodeParams<scalar_t, bp_t> p) {
-  extern __shared__ __align__(16) unsigned char shared_raw[];
-  const int T = p.num_tags;
-  const int G = p.plan.lanes;
-  const int group = threadIdx.x / G;
-  const int lane = threadIdx.x % G;
-  const int64_t slot = (int64_t)blockIdx.x * p.plan.groups_per_block + group;
-  const int64_t L = p.max_len;
-  const scalar_t kNegInf = neg_inf<scalar_t>();
-  check_inputs(p.checks);
+// Viterbi under the max-plus semiring for decode_sentences (semiring.cuh): the rows are delta
+// (one score per tag), per position and tag one lane scans the T predecessors.
+template <typename scalar_t_, typename bp_t>
+struct ViterbiDecoder {
+  using scalar_t = scalar_t_;
+  const int T, G;
+  const int64_t L;
+  scalar_t* const rows_a;        // (T,) delta, two rows in turn
+  scalar_t* const rows_b;        // (T,)
+  bp_t* const backpointers;      // [i * T + t]: best predecessor of t at i
 
-  unsigned char* cursor = shared_raw;
-  scalar_t* const arena =
-      reinterpret_cast<scalar_t*>(group_arena<kAllShared>(cursor, p.plan, p.arena_bytes, p.arena_workspace, group, slot));
-  const scalar_t* trans = stage_table<kAllShared>(cursor, p.plan.tables_in_shared, p.transitions, (int64_t)T * T);
-  __syncthreads();  // the only block-wide barrier: the transitions are staged
-  scalar_t* const delta_a = arena;
-  scalar_t* const delta_b = arena + T;
-  bp_t* const backpointers = p.backpointers + slot * L * T;  // [i * T + t]: best predecessor of t at i
+  __device__ static int64_t list_length(const DecodeParams<scalar_t, bp_t>&) { return 1; }
 
-  const int64_t grid_groups = (int64_t)gridDim.x * p.plan.groups_per_block;
-  for (int64_t first = (int64_t)blockIdx.x * p.plan.groups_per_block; first < p.batch; first += grid_groups) {
-    __syncwarp();  // the previous sentence (backtrace included) is finished by every lane
-    const Sentence sentence = next_sentence(first, group, p.lengths, p.batch, L);
+  __device__ __forceinline__ ViterbiDecoder(const DecodeParams<scalar_t, bp_t>& p, unsigned char* arena,
+                                            const DecodeGroup g)
+      : T(g.T),
+        G(g.G),
+        L(g.L),
+        rows_a(reinterpret_cast<scalar_t*>(arena)),
+        rows_b(reinterpret_cast<scalar_t*>(arena) + g.T),
+        backpointers(p.backpointers + g.slot * g.L * g.T) {}
+
+  __device__ __forceinline__ void first(scalar_t* rows, int t, scalar_t value) const { rows[t] = value; }
+
+  // The backpointers of position i, [t].
+  __device__ __forceinline__ bp_t* position(int64_t i) const { return backpointers + i * T; }
+
+  template <typename Emission>
+  __device__ __forceinline__ void step(const scalar_t* cur, scalar_t* next, const scalar_t* trans, bp_t* bp_i, int t,
+                                       Emission&& emission) const {
+    scalar_t best = cur[0] + trans[t];
+    int arg = 0;
+    for (int s = 1; s < T; ++s) {
+      const scalar_t candidate = cur[s] + trans[s * T + t];
+      if (candidate > best) {  // strict: the smaller predecessor wins a tie
+        best = candidate;
+        arg = s;
+      }
+    }
+    const scalar_t e = emission();
+    next[t] = best + e;
+    bp_i[t] = static_cast<bp_t>(arg);
+  }
+
+  __device__ __forceinline__ void finish(const DecodeParams<scalar_t, bp_t>& p, const scalar_t* cur,
+                                         const Sentence& sentence, bool bad, int lane) const {
     const int64_t n = sentence.n;
-    const scalar_t* emit = p.emissions + (sentence.exists ? sentence.b : 0) * L * T;
-    bool bad = false;
-    scalar_t* cur = delta_a;
-    scalar_t* next = delta_b;
-    if (n > 0) {
-      for (int t = lane; t < T; t += G) {
-        const scalar_t e = emit[t];
-        bad |= is_nan_or_pos_inf(e);
-        cur[t] = p.start[t] + e;
-      }
-    }
-    // The emission of the lane's first tag is loaded one position ahead (its latency then
-    // overlaps a whole step); further tags are read when used; nothing beyond the sentence.
-    scalar_t emit_ahead = lane < T && n > 1 ? emit[T + lane] : scalar_t(0);
-    for (int64_t i = 1; i < sentence.steps; ++i) {
-      __syncwarp();  // cur complete, and everyone is done reading next (the row before cur)
-      if (i < n) {
-        const scalar_t* emit_i = emit + i * T;
-        const scalar_t emit_first = emit_ahead;
-        if (lane < T && i + 1 < n) emit_ahead = emit_i[T + lane];
-        bp_t* bp_i = backpointers + i * T;
-        for (int t = lane; t < T; t += G) {
-          scalar_t best = cur[0] + trans[t];
-          int arg = 0;
-          for (int s = 1; s < T; ++s) {
-            const scalar_t candidate = cur[s] + trans[s * T + t];
-            if (candidate > best) {  // strict: the smaller predecessor wins a tie
-              best = candidate;
-              arg = s;
-            }
-          }
-          const scalar_t e = t == lane ? emit_first : emit_i[t];
-          bad |= is_nan_or_pos_inf(e);
-          next[t] = best + e;
-          bp_i[t] = static_cast<bp_t>(arg);
-        }
-        scalar_t* swap = cur;
-        cur = next;
-        next = swap;
-      }
-    }
-    __syncwarp();  // the last row and every backpointer are visible to the whole group
     // Best last tag: ascending scan per lane (first maximum), then the group's smallest index.
-    scalar_t best = kNegInf;
     int best_tag = T;  // "none" for lanes without tags: loses every tie against a real tag
+    scalar_t best = neg_inf<scalar_t>();
     if (n > 0) {
       for (int t = lane; t < T; t += G) {
         const scalar_t v = cur[t] + p.end[t];
@@ -92,13 +71,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const Deco
     }
     group_argmax(best, best_tag, G);
     bad = group_max(static_cast<int>(bad), G) != 0;
-    if (!sentence.exists) continue;
+    if (!sentence.exists) return;
     // The path row is written whole (the host does not fill it): lane 0 backtraces [0, n) where
     // a best sequence exists (-inf: every sequence forbidden), the group writes -1 elsewhere.
-    const bool has_path = !bad && n > 0 && best != kNegInf && best_tag < T;
+    const bool has_path = !bad && n > 0 && best != neg_inf<scalar_t>() && best_tag < T;
     int64_t* path = p.paths + sentence.b * L;
     for (int64_t i = (has_path ? n : 0) + lane; i < L; i += G) path[i] = -1;
-    if (lane != 0) continue;
+    if (lane != 0) return;
     if (bad) {
       report(p.status, kBadEmissions, sentence.b);
     } else if (n == 0) {
@@ -120,6 +99,12 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const Deco
       }
     }
   }
+};
+
+template <typename scalar_t, typename bp_t, bool kAllShared>
+__global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_kernel(const DecodeParams<scalar_t, bp_t> p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  decode_sentences<ViterbiDecoder<scalar_t, bp_t>, kAllShared>(p, shared_raw);
 }
 
 }  // namespace

@@ -29,11 +29,13 @@
 // as in the sequential kernel: a sentence whose every sequence is forbidden gets score -inf and
 // path -1, an empty one score 0 and path -1, NaN / +inf emissions are reported and the sentence
 // left unwritten. Only for the register kernels' tag counts (T <= 32 in float, 16 in double):
-// lane t owns tag t and its column of the transitions in registers.
+// lane t owns tag t and its column of the transitions in registers. Phases 1 and 2 run the
+// loops of semiring.cuh, shared with the log semiring's scan (forward_backward_chunked.cuh).
 #pragma once
 
 #include "forward_backward_registers.cuh"
-#include "forward_backward_chunked.cuh"  // chunk_length
+#include "forward_backward_chunked.cuh"  // set_chunk_arguments, chunk_group_blocks
+#include "semiring.cuh"  // chunk_transfer_rows, scan_chunk_boundaries
 
 namespace crfkit {
 namespace cuda {
@@ -79,78 +81,75 @@ __device__ __forceinline__ scalar_t max_plus_step(scalar_t v, const scalar_t (&c
   return best;
 }
 
-// Phase 1: one group per (sentence b, chunk c, row r), r fastest; lane t owns tag t. A warp's
-// groups run the steps of its longest chunk, predicated off beyond their own.
+// The max-plus semiring's phase 1 for chunk_transfer_rows (semiring.cuh): a row is the Viterbi
+// recursion from the one-hot row r (chunk 0: from start + e_0, exactly as the sequential kernel),
+// unnormalised (no offsets); phase 1 also runs the input checks.
+template <typename scalar_t>
+struct MaxPlusChunks {
+  __device__ __forceinline__ static void prologue(const ViterbiChunkParams<scalar_t>& p) { check_inputs(p.checks); }
+
+  template <int kLanes>
+  __device__ __forceinline__ static ChunkRow<scalar_t> row(const ViterbiChunkParams<scalar_t>& p, const ChunkWork& w,
+                                                           int64_t steps, int T, int lane, bool own) {
+    const scalar_t kNegInf = neg_inf<scalar_t>();
+    scalar_t column[kLanes];
+#pragma unroll
+    for (int s = 0; s < kLanes; ++s) column[s] = own && s < T ? p.transitions[s * T + lane] : scalar_t(0);
+    const scalar_t* emit = p.emissions + ((w.has ? w.b : 0) * p.max_len + w.c * p.chunk) * T + (own ? lane : 0);
+    // The first position: start + e (chunk 0) or trans[r][t] + e (from the one-hot row r).
+    const scalar_t first = !own ? kNegInf : (w.c == 0 ? p.start[lane] : p.transitions[w.r * T + lane]);
+    scalar_t v = kNegInf;
+    bool bad = false;
+    for (int64_t j = 0; j < steps; ++j) {
+      int arg;
+      const scalar_t best = max_plus_step(v, column, T, arg);
+      if (own && j < w.len) {
+        const scalar_t e = emit[j * T];
+        bad |= is_nan_or_pos_inf(e);
+        v = (j == 0 ? first : best) + e;
+      }
+    }
+    return {v, 0, bad};
+  }
+
+  template <typename Report>
+  __device__ __forceinline__ static void store(const ViterbiChunkParams<scalar_t>& p, const ChunkWork& w, int T,
+                                               int lane, bool own, const ChunkRow<scalar_t>& a, bool bad,
+                                               Report&& report) {
+    if (own) p.matrices[((w.b * p.chunks + w.c) * T + w.r) * T + lane] = a.value;
+    if (lane == 0 && bad && w.r == 0) report();
+  }
+
+  __device__ __forceinline__ static int* bad_count(const ViterbiChunkParams<scalar_t>& p) { return p.bad; }
+};
+
+// Phase 1: one group per (sentence b, chunk c, row r), r fastest (chunk_transfer_rows).
 template <typename scalar_t, int kLanes>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock)
     viterbi_chunk_transfer_kernel(const ViterbiChunkParams<scalar_t> p) {
-  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
-  const scalar_t kNegInf = neg_inf<scalar_t>();
-  const int T = p.num_tags;
-  const int lane = threadIdx.x % kLanes;
-  const bool own = lane < T;
-  check_inputs(p.checks);
-  const ChunkWork w = chunk_work((int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes, T, p.chunks, p.chunk,
-                                 p.batch, p.lengths, p.max_len);
-  const int64_t r = w.r, c = w.c, b = w.b, len = w.len;
-  const bool has = w.has;
-  const int64_t steps = warp_max(len);
-  if (steps == 0) return;  // warp-uniform
-
-  scalar_t column[kLanes];
-#pragma unroll
-  for (int s = 0; s < kLanes; ++s) column[s] = own && s < T ? p.transitions[s * T + lane] : scalar_t(0);
-  const scalar_t* emit = p.emissions + ((has ? b : 0) * p.max_len + c * p.chunk) * T + (own ? lane : 0);
-  // The first position: start + e (chunk 0) or trans[r][t] + e (from the one-hot row r).
-  const scalar_t first = !own ? kNegInf : (c == 0 ? p.start[lane] : p.transitions[r * T + lane]);
-  scalar_t v = kNegInf;
-  bool bad = false;
-  for (int64_t j = 0; j < steps; ++j) {
-    int arg;
-    const scalar_t best = max_plus_step(v, column, T, arg);
-    if (own && j < len) {
-      const scalar_t e = emit[j * T];
-      bad |= is_nan_or_pos_inf(e);
-      v = (j == 0 ? first : best) + e;
-    }
-  }
-  bad = group_max(static_cast<int>(bad), kLanes) != 0;
-  if (len > 0) {
-    if (own) p.matrices[((b * p.chunks + c) * T + r) * T + lane] = v;
-    if (lane == 0 && bad && r == 0) {  // every row reads the whole chunk: row 0 reports
-      report(p.status, kBadEmissions, b);
-      atomicAdd(p.bad + b, 1);
-    }
-  }
+  chunk_transfer_rows<MaxPlusChunks<scalar_t>, kLanes>(p);
 }
 
 // Phase 2: one group per sentence, lane t owning tag t: delta at each chunk boundary.
 template <typename scalar_t, int kLanes>
 __global__ void __launch_bounds__(kMaxThreadsPerBlock) viterbi_chunk_scan_kernel(const ViterbiChunkParams<scalar_t> p) {
-  constexpr int kGroupsPerBlock = kMaxThreadsPerBlock / kLanes;
   const scalar_t kNegInf = neg_inf<scalar_t>();
-  const int T = p.num_tags;
-  const int lane = threadIdx.x % kLanes;
-  const bool own = lane < T;
-  const int64_t b = (int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kLanes;
-  const bool has = b < p.batch;
-  const int64_t n = has ? safe_length(p.lengths, b, p.max_len) : 0;
-  const int64_t C = p.chunks, num_chunks = (n + p.chunk - 1) / p.chunk;
-  const int64_t chunk_steps = warp_max(num_chunks);
-  const int64_t bs = has ? b : 0;
-  const scalar_t* matrices = p.matrices + bs * C * T * T;
+  const ScanGroup g = scan_group<kLanes>(p);
+  const int T = g.T, lane = g.lane;
+  const bool own = g.own;
+  const scalar_t* matrices = p.matrices + g.bs * g.C * T * T;
 
-  scalar_t v = own && num_chunks > 0 ? matrices[lane] : kNegInf;  // chunk 0's one row: delta(S - 1)
-  for (int64_t c = 1; c < chunk_steps; ++c) {
-    const bool active = c < num_chunks;
-    if (active && own) p.boundary[(bs * C + c) * T + lane] = v;
+  scalar_t v = own && g.num_chunks > 0 ? matrices[lane] : kNegInf;  // chunk 0's one row: delta(S - 1)
+  // delta <- max_r delta[r] + M_c[r][.]
+  auto step = [&](int64_t c, bool active) {
     scalar_t column[kLanes];  // M_c[.][t]
 #pragma unroll
     for (int r = 0; r < kLanes; ++r) column[r] = active && own && r < T ? matrices[(c * T + r) * T + lane] : kNegInf;
     int arg;
     const scalar_t best = max_plus_step(v, column, T, arg);
     if (active) v = best;
-  }
+  };
+  scan_chunk_boundaries<true>(g, [&] { return p.boundary; }, [&] { return v; }, step);
 }
 
 // Phase 3: one group per (sentence b, chunk c), c fastest: the recursion inside the chunk with

@@ -1,5 +1,6 @@
 // What the CUDA decoders, Viterbi (viterbi.cu) and k-best Viterbi (kbest.cu), share: their
-// launch parameters, a group's next sentence, the launch itself and the size checks.
+// launch parameters, the launch itself and the size checks; their kernels' driver, templated on
+// the semiring, is decode_sentences (semiring.cuh).
 //
 // The decoders: Viterbi and exact k-best Viterbi, the whole time loop and the backtrace in
 // one launch, with results identical to the CPU kernels (csrc/cpu/viterbi.cpp, kbest.cpp) bit
@@ -33,6 +34,7 @@
 #include <tuple>
 
 #include "common.cuh"
+#include "semiring.cuh"  // decode_sentences, the driver both decoders run
 
 namespace crfkit {
 namespace cuda {
@@ -59,26 +61,6 @@ struct DecodeParams {
   size_t arena_bytes;
   InputChecks<scalar_t> checks;  // run by the kernel first (check_inputs)
 };
-
-// Sentence index, length (0 when out of range: reported by check_inputs) and the
-// warp's trip count, for the group's next sentence.
-struct Sentence {
-  int64_t b;
-  bool exists;
-  int64_t n;
-  int64_t steps;
-};
-
-__device__ __forceinline__ Sentence next_sentence(int64_t first, int group, const int64_t* lengths, int64_t batch,
-                                                  int64_t max_len) {
-  Sentence s;
-  s.b = first + group;
-  s.exists = s.b < batch;
-  s.n = s.exists ? lengths[s.b] : 0;
-  if (s.n < 0 || s.n > max_len) s.n = 0;
-  s.steps = warp_max(s.n);
-  return s;
-}
 
 // Backpointer workspaces are per group of a persistent launch; cap their total so that a huge
 // L * T * K does not allocate gigabytes (fewer groups then run at once; results are the same).
