@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=positive, default=15, help="K of the cache")
     parser.add_argument("--epochs", type=positive, default=8)
     parser.add_argument("--batch-size", type=positive, default=32)
-    parser.add_argument("--workdir", default="/tmp/crfkit_conll_teacher")
+    parser.add_argument("--workdir", default="runs/conll_teacher_labels")  # relative: runs/ is gitignored
     parser.add_argument("--out", default=str(HERE / "results" / "conll_teacher_labels"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 CoNLL-2003 train text the students learn from (read from the pipeline's teacher-label cache),
 the DA pool in the same cache, and the validation text (the teacher run again, optional).
 
-    python examples/teacher_targets.py --workdir /root/crfkit_runs/full --workdir /root/crfkit_runs/mpnet
+    python examples/teacher_targets.py --workdir runs/full --workdir runs/mpnet
 
 For each workdir (one teacher, its `labels-k*` cache and `teacher/model`), and each text:
 the teacher's probability of its best sequence and of the gold one, how often its best sequence

@@ -15,7 +15,7 @@ made back to back:
     #   carry [".gpu_payload/up2"]: python3 tools/gpu_teacher.py receive     (likewise up3, up4)
     #   python3 tools/gpu_teacher.py train         -> $OUT: the record, the log, weights part 1
     #   python3 tools/gpu_teacher.py send 2        (likewise 3, 4)
-    python tools/gpu_teacher.py unpack /work/.device/N ... --workdir /root/crfkit_runs/mpnet
+    python tools/gpu_teacher.py unpack /work/.device/N ... --workdir runs/mpnet
 
 `receive --build` also starts building crfkit's CUDA kernels in the background (setsid: the
 build outlives the call); `train` waits for it (else runs on the reference backend, and says
