@@ -146,15 +146,21 @@ def _decode_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
+def _paths_input_grads(grad_scores: Tensor, saved, undefined: int):
+    """The input gradients (_crf_input_grads) of path scores, from the saved (emissions, lengths,
+    paths): paths (B, L) with grad_scores (B,) (Viterbi), or (B, N, L) with (B, N)."""
+    emissions, lengths, paths = saved
+    if paths.dim() == 2:
+        grad_scores, paths = grad_scores.unsqueeze(1), paths.unsqueeze(1)
+    return _crf_input_grads(_path_score_grads(grad_scores, emissions, paths, lengths), undefined)
+
+
 def _viterbi_backward(ctx, grad_scores, _grad_paths):
-    emissions, lengths, paths = ctx.saved_tensors  # paths (B, L)
-    grads = _path_score_grads(grad_scores.unsqueeze(1), emissions, paths.unsqueeze(1), lengths)
-    return _crf_input_grads(grads, 1)
+    return _paths_input_grads(grad_scores, ctx.saved_tensors, 1)
 
 
 def _kbest_viterbi_backward(ctx, grad_scores, _grad_paths):
-    emissions, lengths, paths = ctx.saved_tensors  # paths (B, K, L)
-    return _crf_input_grads(_path_score_grads(grad_scores, emissions, paths, lengths), 2)
+    return _paths_input_grads(grad_scores, ctx.saved_tensors, 2)
 
 
 def _sequence_score_setup(ctx, inputs, output):
@@ -163,8 +169,7 @@ def _sequence_score_setup(ctx, inputs, output):
 
 
 def _sequence_score_backward(ctx, grad_scores):
-    emissions, lengths, tags = ctx.saved_tensors  # tags (B, N, L)
-    return _crf_input_grads(_path_score_grads(grad_scores, emissions, tags, lengths), 2)
+    return _paths_input_grads(grad_scores, ctx.saved_tensors, 2)  # tags (B, N, L)
 
 
 class _Decode(torch.autograd.Function):
@@ -187,10 +192,7 @@ class _Decode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_scores, _grad_paths):
-        emissions, lengths, paths = ctx.saved_tensors
-        if ctx.k is None:
-            grad_scores, paths = grad_scores.unsqueeze(1), paths.unsqueeze(1)
-        return (None, *_crf_input_grads(_path_score_grads(grad_scores, emissions, paths, lengths), 1))
+        return (None, *_paths_input_grads(grad_scores, ctx.saved_tensors, 1))  # None: k
 
 
 class _SequenceScore(torch.autograd.Function):
@@ -205,8 +207,7 @@ class _SequenceScore(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_scores):
-        emissions, lengths, tags = ctx.saved_tensors
-        return _crf_input_grads(_path_score_grads(grad_scores, emissions, tags, lengths), 2)
+        return _paths_input_grads(grad_scores, ctx.saved_tensors, 2)  # tags (B, N, L)
 
 
 def _not_differentiable(message: str):
