@@ -22,6 +22,8 @@ This module is internal to the package: its names are public to crfkit's modules
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -74,12 +76,15 @@ def prepare_checked(emissions, transitions, lengths, start, end):
     accepted = (torch.float32, *HALF_DTYPES) if emissions.dtype in HALF_DTYPES else (dtype,)
     device = emissions.device
 
-    def parameter(name, x, shape):
+    def parameter(name, x, shape, per_example_shapes=()):
         if x is None:
             return _zeros(shape, dtype, device)
-        check_tensor(name, x, len(shape), "(" + ", ".join(map(str, shape)) + ")")
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} for num_tags = {T}, got {tuple(x.shape)}")
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(x).__name__}")
+        if tuple(x.shape) != shape and tuple(x.shape) not in per_example_shapes:
+            expected = " or ".join(str(s) for s in (shape, *per_example_shapes))
+            raise ValueError(f"{name} must have shape {expected} for (batch, seq_len, num_tags) = {(B, L, T)}, "
+                             f"got {tuple(x.shape)}")
         if x.dtype not in accepted:
             raise TypeError(
                 f"{name} has dtype {x.dtype} but emissions has {emissions.dtype}; "
@@ -91,11 +96,29 @@ def prepare_checked(emissions, transitions, lengths, start, end):
 
     if transitions is None:
         raise TypeError("transitions is required: a (num_tags, num_tags) tensor")
-    transitions = parameter("transitions", transitions, (T, T))
-    start = parameter("start", start, (T,))
-    end = parameter("end", end, (T,))
+    transitions = parameter("transitions", transitions, (T, T), ((B, T, T), (B, 1, T, T), (B, L, T, T)))
+    start = parameter("start", start, (T,), ((B, T),))
+    end = parameter("end", end, (T,), ((B, T),))
     lengths = prepare_lengths(lengths, B, L, device)
+    if transitions.dim() > 2 or start.dim() > 1 or end.dim() > 1:
+        transitions, start, end = per_example_form(transitions, start, end, B, T)
     return _as_compute(emissions, dtype), transitions, lengths, start, end
+
+
+def per_example_form(transitions: Tensor, start: Tensor, end: Tensor, B: int, T: int):
+    """Per-example parameters as every backend takes them: transitions (B, Lt, T, T) with Lt = 1 (one
+    matrix per sentence) or L (one per position), start and end (B, T), contiguous; shared ones
+    are expanded (autograd sums their gradients back)."""
+    if transitions.dim() == 2:
+        transitions = transitions.expand(B, 1, T, T)
+    elif transitions.dim() == 3:
+        transitions = transitions.unsqueeze(1)
+    return (transitions.contiguous(), start.expand(B, T).contiguous(), end.expand(B, T).contiguous())
+
+
+def is_per_example(transitions: Tensor) -> bool:
+    """Whether prepared transitions are per example ((B, Lt, T, T); see per_example_form)."""
+    return transitions.dim() == 4
 
 
 # The checks above run on every call; at small sizes (B = 1, short sentences) they cost more
@@ -228,3 +251,101 @@ def prepare_tags(tags, lengths: Tensor, B: int, L: int, T: int, device):
 def check_k(k) -> None:
     """k of the k-best ops: an int >= 1 (not a bool)."""
     check_int("k", k, minimum=1)
+
+
+class Layout(NamedTuple):
+    """Where the real positions of a mask with holes went: the ops run on the sentences with their
+    real positions moved to the front, in order (the chain joins across masked positions), and
+    the position-wise results are moved back. order[b, j]: the original position of compact
+    position j; inverse[b, p]: the compact position of original position p (both (B, L) int64)."""
+
+    order: Tensor
+    inverse: Tensor
+
+    def to_compact(self, x: Tensor, dim: int = 1) -> Tensor:
+        """Gather x's positions (its dimension `dim`, of size L) into the compact order."""
+        return _gather_positions(x, self.order, dim)
+
+    def to_original(self, x: Tensor, dim: int = 1) -> Tensor:
+        """Move compact results (padding after each sentence's real positions: -1 / 0) back to the
+        original positions, so that masked positions hold that padding."""
+        return _gather_positions(x, self.inverse, dim)
+
+
+def _gather_positions(x: Tensor, index: Tensor, dim: int) -> Tensor:
+    B, L = index.shape
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = B, L
+    return x.gather(dim, index.view(shape).expand(*x.shape[:dim], L, *x.shape[dim + 1:]))
+
+
+def apply_mask_and_allowed(emissions, transitions, lengths, mask, allowed):
+    """The `mask` and `allowed` arguments of the ops, turned into what the backends take:
+    returns (emissions, transitions, lengths, layout).
+
+    mask (B, L) bool (or 0 / 1 integers), instead of lengths: the real positions, anywhere in the
+    sentence (holes, left padding, a [CLS] position). A left-aligned mask becomes lengths; any
+    other is a Layout: emissions (and per-position transitions (B, L, T, T), whose entry at
+    position p scores the transition from the previous real position into p) are gathered into
+    the compact order, and layout.to_original puts position-wise results back.
+    allowed (B, L, T) bool: the tags each position may take; the others get emission -inf, which is
+    exactly the CRF restricted to the allowed tags (gradient 0 there). Every real position must
+    allow at least one tag (ValueError otherwise).
+    """
+    check_tensor("emissions", emissions, 3, "(batch, seq_len, num_tags)")
+    if not emissions.is_floating_point():
+        raise TypeError(f"emissions must be a floating-point tensor, got {emissions.dtype}")
+    B, L, T = emissions.shape
+    layout = None
+    if mask is not None:
+        if lengths is not None:
+            raise ValueError("give lengths or mask, not both")
+        mask = check_mask(mask, emissions)
+        lengths = mask.sum(1)
+        prefix = torch.arange(L, device=mask.device) < lengths.unsqueeze(1)
+        if is_compiling() or not torch.equal(prefix, mask):
+            order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+            layout = Layout(order, torch.argsort(order, dim=1))
+    if allowed is not None:
+        if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
+            raise TypeError(f"allowed must be a bool tensor (batch, seq_len, num_tags), got "
+                            f"{allowed.dtype if isinstance(allowed, Tensor) else type(allowed).__name__}")
+        if tuple(allowed.shape) != (B, L, T):
+            raise ValueError(f"allowed must have shape (batch, seq_len, num_tags) = {(B, L, T)}, "
+                             f"got {tuple(allowed.shape)}")
+        if allowed.device != emissions.device:
+            raise ValueError(f"allowed is on {allowed.device} but emissions is on {emissions.device}")
+        if not is_compiling():
+            if mask is not None:
+                real = mask
+            else:
+                real = torch.arange(L, device=allowed.device) < prepare_lengths(lengths, B, L, allowed.device)[:, None]
+            empty = (real & ~allowed.any(2)).nonzero()
+            if len(empty):
+                b, i = (int(v) for v in empty[0])
+                raise ValueError(f"allowed[{b}, {i}] allows no tag at a real position (every position needs one)")
+        emissions = emissions.masked_fill(~allowed, float("-inf"))
+    if layout is not None:
+        emissions = layout.to_compact(emissions)
+        if isinstance(transitions, Tensor) and transitions.dim() == 4 and transitions.shape[1] == L > 1:
+            transitions = layout.to_compact(transitions)
+    return emissions, transitions, lengths, layout
+
+
+def check_mask(mask, emissions: Tensor) -> Tensor:
+    """mask (B, L) of the real positions of emissions (B, L, T), as bool: bool, or integers 0 / 1
+    (pytorch-crf's uint8 masks)."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor (batch, seq_len), got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(emissions.shape[:2]):
+        raise ValueError(f"mask must have shape (batch, seq_len) = {tuple(emissions.shape[:2])} of emissions "
+                         f"{tuple(emissions.shape)}, got {tuple(mask.shape)}")
+    if mask.device != emissions.device:
+        raise ValueError(f"mask is on {mask.device} but emissions is on {emissions.device}")
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point() or mask.is_complex():
+            raise TypeError(f"mask must be a bool (or 0 / 1 integer) tensor, got {mask.dtype}")
+        if not is_compiling() and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError("mask must hold only 0 and 1 (or be a bool tensor)")
+        mask = mask != 0
+    return mask

@@ -69,6 +69,13 @@ def check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of 'mean', 'sum', 'none', 'token_mean', got '{reduction}'")
 
 
+def check_no_allowed(allowed: Optional[Tensor]) -> None:
+    """`allowed` is eager-only (crfkit._arguments.apply_mask_and_allowed has no TorchScript twin)."""
+    if allowed is not None:
+        raise ValueError("allowed is not taken under torch.jit.script: apply it as emissions.masked_fill(~allowed, "
+                         "float('-inf')) before calling the scripted CRF")
+
+
 def check_emissions(emissions: Tensor) -> None:
     if emissions.dim() != 3:
         raise ValueError(f"emissions must have 3 dimensions (batch, seq_len, num_tags), got shape {emissions.shape}")
@@ -170,7 +177,8 @@ def lengths_from_mask(mask: Tensor) -> Tensor:
     lengths = mask.sum(1)
     prefix = torch.arange(mask.shape[1], device=mask.device) < lengths.unsqueeze(1)
     if not torch.equal(prefix, mask):
-        raise ValueError("mask must be left-aligned (True for the first lengths[b] positions, then False)")
+        raise ValueError("mask must be left-aligned (True for the first lengths[b] positions, then False) under "
+                         "torch.jit.script; the eager module takes masks with holes")
     return lengths
 
 

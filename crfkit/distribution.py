@@ -7,10 +7,12 @@ style of torch.distributions and torch-struct, computed with crfkit's ops.
     teacher.cross_entropy(student)             # (B,)  -E_teacher[log P_student(y)], exact
     teacher.kl_divergence(student)             # (B,)  KL(teacher || student), exact
 
-Shapes: emissions (B, L, T); transitions (T, T) [from, to]; lengths (B,); start, end (T,).
-Everything per sentence is (B,). The exact entropy, cross entropy and KL divergence use the
-unary marginals and the expected transition counts (pairwise marginals summed over positions):
-O(n T^2) per sentence, no enumeration.
+Shapes: emissions (B, L, T); transitions (T, T) [from, to], or per example (B, T, T) / (B, L, T, T);
+lengths (B,) or a mask (B, L) with holes; start, end (T,) or (B, T); allowed (B, L, T) bool
+(crfkit.functional's module docstring). Everything per sentence is (B,). The exact entropy, cross
+entropy and KL divergence use the unary marginals and the expected transition counts (pairwise
+marginals summed over positions, or per position for per-position transitions): O(n T^2) per
+sentence, no enumeration.
 
 Sentences that allow no sequence at all (every sequence forbidden, log Z = -inf) have no
 distribution; their entropy, cross entropy and KL divergence are defined as 0 so that one such
@@ -26,7 +28,8 @@ import torch
 from torch import Tensor
 
 from . import functional as crf_ops
-from ._arguments import prepare
+from . import reference
+from ._arguments import apply_mask_and_allowed, per_example_form, prepare
 from .reference import log_likelihood_from_scores
 
 
@@ -45,10 +48,16 @@ class LinearChainCRF:
     """
 
     def __init__(self, emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
-                 start: Optional[Tensor] = None, end: Optional[Tensor] = None):
-        # Validate now so that mistakes surface where the object is made; the ops check again.
-        # The prepared arguments (as a backend takes them: compute dtype, start / end filled in)
-        # serve expected_score, which reads another distribution's scores directly.
+                 start: Optional[Tensor] = None, end: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
+                 allowed: Optional[Tensor] = None):
+        # Validate now so that mistakes surface where the object is made. The distribution is
+        # held in the form the backends take (crfkit._arguments: mask and allowed applied, real
+        # positions moved to the front where the mask has holes, compute dtype, start / end
+        # filled in); position-wise results are moved back through self._layout.
+        self._layout = None
+        if mask is not None or allowed is not None:
+            emissions, transitions, lengths, self._layout = apply_mask_and_allowed(emissions, transitions, lengths,
+                                                                                   mask, allowed)
         self._prepared_args = prepare(emissions, transitions, lengths, start, end)
         self.emissions, self.transitions = emissions, transitions
         self.start, self.end = start, end
@@ -84,16 +93,24 @@ class LinearChainCRF:
     @property
     def marginals(self) -> Tensor:
         """P(y_i = t | x): (B, L, T), zero at padded positions."""
+        return self._original(self._compact_marginals(), 1)
+
+    def _compact_marginals(self) -> Tensor:
         if self._marginals is None:
             self._marginals = crf_ops.marginals(*self._args())
         return self._marginals
+
+    def _original(self, x: Tensor, dim: int) -> Tensor:
+        return x if self._layout is None else self._layout.to_original(x, dim)
 
     def expected_transition_counts(self) -> Tensor:
         """E[number of s -> t transitions]: (B, T, T) (pairwise marginals summed over positions)."""
         return crf_ops.expected_transition_counts(*self._args())
 
     def log_prob(self, tags: Tensor) -> Tensor:
-        """log P(tags | x): tags (B, L) -> (B,), or (B, N, L) -> (B, N)."""
+        """log P(tags | x): tags (B, L) -> (B,), or (B, N, L) -> (B, N) (at the original positions)."""
+        if self._layout is not None and isinstance(tags, Tensor) and tags.dim() in (2, 3):
+            tags = self._layout.to_compact(tags, tags.dim() - 1)
         scores = crf_ops.sequence_score(self.emissions, self.transitions, tags, self.lengths, self.start, self.end)
         return log_likelihood_from_scores(scores, self.log_partition)
 
@@ -101,7 +118,7 @@ class LinearChainCRF:
     def argmax(self) -> Tensor:
         """The most probable tag sequence: (B, L) int64, -1 at padded positions. (torch-struct
         returns a one-hot structure here; tags are what sequence labelling needs.)"""
-        return crf_ops.viterbi(*self._args()).paths
+        return self._original(crf_ops.viterbi(*self._args()).paths, 1)
 
     @property
     def max(self) -> Tensor:
@@ -112,7 +129,8 @@ class LinearChainCRF:
         """The k most probable distinct sequences: KBest(scores (B, k), paths (B, k, L),
         log_probs (B, k)); see crfkit.kbest_viterbi."""
         emissions, transitions, lengths, start, end = self._args()
-        return crf_ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+        best = crf_ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+        return best._replace(paths=self._original(best.paths, 2))
 
     # ---- information measures --------------------------------------------------------------
     def expected_score(self, other: "LinearChainCRF") -> Tensor:
@@ -127,6 +145,14 @@ class LinearChainCRF:
         mu = self._marginals  # (B, L, T); counts (B, T, T)
         other_emissions, other_transitions, _, other_start, other_end = other._prepared_args
         B, L, T = mu.shape
+        if other_transitions.dim() == 4 and other_transitions.shape[1] > 1:
+            # Per-position scores: the expectation needs this distribution's pairwise marginals
+            # at each position (B, L, T, T), from the reference (autograd through its log Z).
+            emissions, transitions, lengths, start, end = self._prepared_args
+            per_position = per_example_form(transitions, start, end, B, T)[0].expand(B, L, T, T)
+            counts = reference.transition_gradients(emissions, per_position, lengths, start, end)
+        elif other_transitions.dim() == 4:
+            other_transitions = other_transitions[:, 0]  # (B, T, T)
 
         def weighted(weights, scores):
             # Where this distribution puts no mass, other's score (maybe -inf, or NaN padding)
@@ -134,11 +160,12 @@ class LinearChainCRF:
             return weights * torch.where(weights > 0, scores, torch.zeros_like(scores))
 
         total = (weighted(mu, other_emissions).sum((1, 2))
-                 + weighted(counts, other_transitions.unsqueeze(0)).sum((1, 2)))
+                 + weighted(counts, other_transitions.expand_as(counts)).flatten(1).sum(1))
         if L > 0:
             last = (self.lengths - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, T)
             mu_last = mu.gather(1, last).squeeze(1)  # (B, T); zero for length-0 sentences
-            total = total + weighted(mu[:, 0], other_start).sum(1) + weighted(mu_last, other_end).sum(1)
+            total = (total + weighted(mu[:, 0], other_start.expand(B, T)).sum(1)
+                     + weighted(mu_last, other_end.expand(B, T)).sum(1))
         return total
 
     def entropy(self) -> Tensor:
@@ -166,3 +193,8 @@ class LinearChainCRF:
                              f"{tuple(self.emissions.shape)} and {tuple(other.emissions.shape)}")
         if not torch.equal(self.lengths, other.lengths):
             raise ValueError("the two CRFs must have the same lengths")
+        same_layout = (self._layout is None and other._layout is None) or (
+            self._layout is not None and other._layout is not None
+            and torch.equal(self._layout.order, other._layout.order))
+        if not same_layout:
+            raise ValueError("the two CRFs must have the same mask")

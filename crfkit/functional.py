@@ -12,6 +12,19 @@ Shapes (batch first):
                             (default: all L). Padded positions are never read.
     tags         (B, L)     integer tag indices (values at padded positions are ignored)
 
+Optional, in every op (keyword-only):
+    mask         (B, L)     bool, instead of lengths: the real positions, anywhere (holes, left
+                            padding, a [CLS] position, first sub-words). Masked positions are
+                            skipped and the chain joins across them; position-wise outputs are
+                            padding there (paths -1, marginals 0).
+    allowed      (B, L, T)  bool: the tags each position may take (partial labels, forced tags);
+                            the CRF restricted to them (their emissions -inf). Every real
+                            position must allow at least one tag.
+Per-example parameters: transitions (B, T, T) (one matrix per sentence) or (B, L, T, T) (one per
+position: transitions[b, i] scores y_{i-1} -> y_i, [:, 0] unused; with a mask, the transition
+from the previous real position into position i), start / end (B, T). The compiled backend runs
+them on the CPU; elsewhere the reference does (crfkit.backends.for_transitions).
+
 Score of a tag sequence y of length n (n >= 1):
     s(y) = start[y_0] + emissions[0, y_0] + sum_{i>=1} (transitions[y_{i-1}, y_i] + emissions[i, y_i]) + end[y_{n-1}]
 
@@ -46,8 +59,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import backends
-from ._arguments import check_k, check_tensor, is_compiling, prepare, prepare_tags
+from . import backends, sampling
+from ._validation import check_int
+from .reference import log_likelihood_from_scores
+from ._arguments import (Layout, apply_mask_and_allowed, check_k, check_tensor, is_compiling, prepare,
+                         prepare_tags)
 
 
 class BestPath(NamedTuple):
@@ -73,8 +89,24 @@ for _result in (BestPath, KBest):
     _result.__annotations__.update(typing.get_type_hints(_result))
 
 
+def _prepared(emissions, transitions, lengths, start, end, mask, allowed):
+    """(backend, the five backend arguments, Layout or None): mask and allowed applied
+    (crfkit._arguments.apply_mask_and_allowed), then checked and prepared."""
+    layout = None
+    if mask is not None or allowed is not None:
+        emissions, transitions, lengths, layout = apply_mask_and_allowed(emissions, transitions, lengths, mask,
+                                                                         allowed)
+    args = prepare(emissions, transitions, lengths, start, end)
+    return backends.for_transitions(args[1]), args, layout
+
+
+def _original(layout: Optional[Layout], x: Tensor, dim: int = 1) -> Tensor:
+    return x if layout is None else layout.to_original(x, dim)
+
+
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
-                  start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> Tensor:
+                  start: Optional[Tensor] = None, end: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
+                  allowed: Optional[Tensor] = None) -> Tensor:
     """log Z(x) = logsumexp over all tag sequences of their score: (B,).
 
     Differentiable in emissions, transitions, start and end; the gradient with respect to
@@ -84,11 +116,16 @@ def log_partition(emissions: Tensor, transitions: Tensor, lengths: Optional[Tens
     gradient is not differentiable again there (a second derivative raises; the reference
     backend has them).
     """
-    return backends.current().log_partition(*prepare(emissions, transitions, lengths, start, end))
+    if mask is None and allowed is None:
+        args = prepare(emissions, transitions, lengths, start, end)
+        return backends.for_transitions(args[1]).log_partition(*args)
+    backend, args, _ = _prepared(emissions, transitions, lengths, start, end, mask, allowed)
+    return backend.log_partition(*args)
 
 
 def marginals(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
-              start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> Tensor:
+              start: Optional[Tensor] = None, end: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
+              allowed: Optional[Tensor] = None) -> Tensor:
     """P(y_i = t | x): (B, L, T), zero at padded positions.
 
     Differentiable in emissions, transitions, start and end: the gradient is a Hessian-vector
@@ -98,20 +135,25 @@ def marginals(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] 
     derivative of log Z, raises; the reference backend has those). In the other backends it is
     taken by autograd through the reference implementation, which is slower.
     """
-    return backends.current().marginals(*prepare(emissions, transitions, lengths, start, end))
+    backend, args, layout = _prepared(emissions, transitions, lengths, start, end, mask, allowed)
+    return _original(layout, backend.marginals(*args))
 
 
 def marginals_and_transition_counts(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
-                                    start: Optional[Tensor] = None,
-                                    end: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                                    start: Optional[Tensor] = None, end: Optional[Tensor] = None, *,
+                                    mask: Optional[Tensor] = None,
+                                    allowed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(marginals(...), expected_transition_counts(...)), from one forward-backward where the
     backend can (crfkit.distribution's exact entropy, cross entropy and KL need both). Not
     exported by the crfkit package: crfkit.LinearChainCRF is its user-facing form."""
-    return backends.current().marginals_and_transition_counts(*prepare(emissions, transitions, lengths, start, end))
+    backend, args, layout = _prepared(emissions, transitions, lengths, start, end, mask, allowed)
+    mu, counts = backend.marginals_and_transition_counts(*args)
+    return _original(layout, mu), counts
 
 
 def expected_transition_counts(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
-                               start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> Tensor:
+                               start: Optional[Tensor] = None, end: Optional[Tensor] = None, *,
+                               mask: Optional[Tensor] = None, allowed: Optional[Tensor] = None) -> Tensor:
     """Expected number of s -> t transitions per sentence: (B, T, T), i.e. the pairwise
     marginals P(y_{i-1} = s, y_i = t | x) summed over positions. With marginals() it gives
     every expectation of a score, E_p[s_q(y)], hence exact CRF cross entropy and KL divergence.
@@ -122,18 +164,26 @@ def expected_transition_counts(emissions: Tensor, transitions: Tensor, lengths: 
     analytic kernel (a Hessian-vector product of log Z, as the marginals'; differentiable once
     only); on CUDA and in the other backends it is autograd through the reference.
     """
-    return backends.current().expected_transition_counts(*prepare(emissions, transitions, lengths, start, end))
+    backend, args, _ = _prepared(emissions, transitions, lengths, start, end, mask, allowed)
+    return backend.expected_transition_counts(*args)
 
 
 def viterbi(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
-            start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> BestPath:
+            start: Optional[Tensor] = None, end: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
+            allowed: Optional[Tensor] = None) -> BestPath:
     """The best tag sequence: BestPath(scores (B,), paths (B, L) int64); paths are -1 at padded
     positions. scores are differentiable (they are the sequence scores of the paths)."""
-    return BestPath(*backends.current().viterbi(*prepare(emissions, transitions, lengths, start, end)))
+    if mask is None and allowed is None:
+        args = prepare(emissions, transitions, lengths, start, end)
+        return BestPath(*backends.for_transitions(args[1]).viterbi(*args))
+    backend, args, layout = _prepared(emissions, transitions, lengths, start, end, mask, allowed)
+    scores, paths = backend.viterbi(*args)
+    return BestPath(scores, _original(layout, paths))
 
 
 def kbest_viterbi(emissions: Tensor, transitions: Tensor, k: int, lengths: Optional[Tensor] = None,
-                  start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> KBest:
+                  start: Optional[Tensor] = None, end: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
+                  allowed: Optional[Tensor] = None) -> KBest:
     """The k highest-scoring DISTINCT tag sequences, best first (exact k-best Viterbi).
 
     Returns KBest(scores (B, k), paths (B, k, L) int64, log_probs (B, k)) with
@@ -142,31 +192,93 @@ def kbest_viterbi(emissions: Tensor, transitions: Tensor, k: int, lengths: Optio
     are -1. scores and log_probs are differentiable. Ties: see the module docstring.
     """
     check_k(k)
-    emissions, transitions, lengths, start, end = prepare(emissions, transitions, lengths, start, end)
-    return KBest(*backends.current().kbest_viterbi(emissions, transitions, k, lengths, start, end))
+    backend, (emissions, transitions, lengths, start, end), layout = _prepared(emissions, transitions, lengths, start,
+                                                                               end, mask, allowed)
+    scores, paths, log_probs = backend.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+    return KBest(scores, _original(layout, paths, 2), log_probs)
 
 
 def sequence_score(emissions: Tensor, transitions: Tensor, tags: Tensor, lengths: Optional[Tensor] = None,
-                   start: Optional[Tensor] = None, end: Optional[Tensor] = None) -> Tensor:
+                   start: Optional[Tensor] = None, end: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
+                   allowed: Optional[Tensor] = None) -> Tensor:
     """Score s(x, y) of given tag sequences, differentiable.
 
     tags (B, L) -> (B,), or (B, N, L) -> (B, N) for N sequences per sentence. Tags at real
     positions must lie in [0, T); values at padded positions are ignored (e.g. -100).
     """
-    emissions, transitions, lengths, start, end = prepare(emissions, transitions, lengths, start, end)
+    backend, (emissions, transitions, lengths, start, end), layout = _prepared(emissions, transitions, lengths, start,
+                                                                               end, mask, allowed)
     B, L, T = emissions.shape
+    if (layout is not None and isinstance(tags, Tensor) and tags.dim() in (2, 3)
+            and (tags.shape[0], tags.shape[-1]) == (B, L)):
+        tags = layout.to_compact(tags, tags.dim() - 1)  # (tags of another shape: prepare_tags says so)
     tags3, one_per_sentence = prepare_tags(tags, lengths, B, L, T, emissions.device)
-    scores = backends.current().sequence_score(emissions, transitions, tags3, lengths, start, end)
+    scores = backend.sequence_score(emissions, transitions, tags3, lengths, start, end)
     return scores.squeeze(1) if one_per_sentence else scores
+
+
+class Samples(NamedTuple):
+    """Result of sample: paths (B, n, L) int64 (-1 at padding, and everywhere in a row that holds
+    no sequence), log_probs (B, n) (differentiable; -inf for rows that hold no sequence)."""
+
+    paths: Tensor
+    log_probs: Tensor
+
+
+def partial_nll(emissions: Tensor, transitions: Tensor, allowed: Tensor, lengths: Optional[Tensor] = None,
+                start: Optional[Tensor] = None, end: Optional[Tensor] = None, *,
+                mask: Optional[Tensor] = None) -> Tensor:
+    """-log P(y in allowed | x) = log Z - log Z(allowed): (B,), the loss of training from partial or
+    incomplete annotation (each position's possible tags: allowed (B, L, T) bool). One-hot allowed
+    tags (the gold sequence) give the ordinary negative log-likelihood. +inf where no allowed
+    sequence has probability (e.g. the constraints forbid them all), with a finite gradient
+    (that of log Z), as crfkit.CRF's NLL of a forbidden gold sequence; 0 where the sentence
+    allows no sequence at all."""
+    log_z = log_partition(emissions, transitions, lengths, start, end, mask=mask)
+    log_z_allowed = log_partition(emissions, transitions, lengths, start, end, mask=mask, allowed=allowed)
+    return -log_likelihood_from_scores(log_z_allowed, log_z)
+
+
+def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Optional[Tensor] = None,
+           start: Optional[Tensor] = None, end: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
+           allowed: Optional[Tensor] = None, replacement: bool = True,
+           generator: Optional[torch.Generator] = None) -> Samples:
+    """n exact samples of tag sequences per sentence: Samples(paths (B, n, L), log_probs (B, n)).
+
+    replacement=True: independent draws (forward filtering, backward sampling). replacement=False:
+    n distinct sequences, an exact sample without replacement in the order it was drawn (Gumbel
+    top-k over the CRF's right-to-left factorisation, i.e. stochastic beam search); rows beyond
+    the number of allowed sequences hold no sequence (so a length-0 sentence has its empty
+    sequence in row 0 only, as in kbest_viterbi). generator: a torch.Generator on the
+    emissions' device for every random number, so that a seeded generator repeats the samples.
+    log_probs are differentiable (sequence_score - log_partition); rows that hold no sequence
+    have log_prob -inf (with replacement: only where the sentence allows no sequence; a length-0
+    sentence's rows are then its one empty sequence, log_prob 0). Runs in PyTorch on every
+    backend and device (crfkit/sampling.py).
+    """
+    check_int("n", n, minimum=1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    backend, args, layout = _prepared(emissions, transitions, lengths, start, end, mask, allowed)
+    emissions, transitions, lengths, start, end = args
+    if generator is not None and generator.device.type != emissions.device.type:
+        raise ValueError(f"generator is on {generator.device} but emissions is on {emissions.device}")
+    paths = sampling.sample(emissions, transitions, n, lengths, start, end, replacement=replacement,
+                            generator=generator)
+    missing = sampling.missing_rows(paths, lengths, replacement)
+    scores = backend.sequence_score(emissions, transitions, paths.clamp(min=0), lengths, start, end)
+    log_probs = log_likelihood_from_scores(scores, backend.log_partition(*args))
+    return Samples(_original(layout, paths, 2), log_probs.masked_fill(missing, float("-inf")))
 
 
 def lengths_from_mask(mask: Tensor) -> Tensor:
     """(B, L) bool mask of real positions -> (B,) int64 lengths. The mask must be left-aligned
-    (each row a run of True followed by False): crfkit does not support holes."""
+    (each row a run of True followed by False); the ops take any other mask as mask=... ."""
     check_tensor("mask", mask, 2, "(batch, seq_len)")
     mask = mask.bool()
     lengths = mask.sum(1)
     prefix = torch.arange(mask.shape[1], device=mask.device) < lengths.unsqueeze(1)
     if not is_compiling() and not torch.equal(prefix, mask):
-        raise ValueError("mask must be left-aligned (True for the first lengths[b] positions, then False)")
+        raise ValueError("mask must be left-aligned (True for the first lengths[b] positions, then False); "
+                         "pass a mask with holes to the ops as mask=... instead of lengths")
     return lengths

@@ -4,7 +4,11 @@ Familiar to pytorch-crf users, with two deliberate differences:
 - batch first always: emissions (B, L, T);
 - CRF(...)(emissions, tags) returns the NEGATIVE log-likelihood, a loss to minimise
   (pytorch-crf returns the log-likelihood; crf.log_likelihood(...) gives that).
-Masks from pytorch-crf / AllenNLP are accepted as `mask` (B, L) bool, left-aligned.
+Masks from pytorch-crf / AllenNLP are accepted as `mask` (B, L) bool, with holes or left padding
+if need be (crfkit.functional: masked positions are skipped and the chain joins across them);
+`allowed` (B, L, T) bool restricts the tags of each position (partial labels, forced tags), and
+crf(emissions, allowed=...) is the partial-annotation loss (crfkit.partial_nll). Under
+torch.jit.script masks must be left-aligned and `allowed` is not taken.
 
 torch.jit.script(crf) works (with crfkit's compiled extension loaded): each method's
 `torch.jit.is_scripting()` branch runs the TorchScript form of the front end (crfkit/_scripting.py),
@@ -20,7 +24,6 @@ from torch import Tensor, nn
 
 from . import _scripting
 from . import functional as crf_ops
-from ._arguments import check_tensor
 from ._validation import CRF_REDUCTIONS, check_int, check_reduction
 from .constraints import Constraints
 from .reference import log_likelihood_from_scores
@@ -100,40 +103,28 @@ class CRF(nn.Module):
         added: what the functional ops (e.g. crfkit.kbest_viterbi for distillation) need."""
         return self._parameters_for(None)
 
-    def _lengths(self, emissions: Tensor, lengths: Optional[Tensor], mask: Optional[Tensor]) -> Optional[Tensor]:
-        """(B,) lengths: `lengths` as given (the ops check it), or those of `mask`, which must be
-        a left-aligned (B, L) tensor for emissions (B, L, T); None when neither is given."""
-        if mask is not None:
-            if lengths is not None:
-                raise ValueError("give lengths or mask, not both")
-            # A mask narrower than emissions would give lengths that are merely in range, and
-            # the positions beyond it would silently be dropped: its shape must be (B, L).
-            check_tensor("emissions", emissions, 3, "(batch, seq_len, num_tags)")
-            if not isinstance(mask, Tensor):
-                raise TypeError(f"mask must be a torch.Tensor (batch, seq_len), got {type(mask).__name__}")
-            if tuple(mask.shape) != tuple(emissions.shape[:2]):
-                raise ValueError(f"mask must have shape (batch, seq_len) = {tuple(emissions.shape[:2])} of emissions "
-                                 f"{tuple(emissions.shape)}, got {tuple(mask.shape)}")
-            return crf_ops.lengths_from_mask(mask)  # raises ValueError naming mask unless it is left-aligned
-        return lengths
-
-    def _args(self, emissions, lengths, mask):
+    def _check_emissions(self, emissions) -> None:
         # Checked here, not left to the ops: they would name the transitions, which the caller never passed.
         if isinstance(emissions, Tensor) and emissions.dim() == 3 and emissions.shape[2] != self.num_tags:
             raise ValueError(f"emissions must have num_tags = {self.num_tags} (the CRF's) in its last dimension, "
                              f"got shape {tuple(emissions.shape)}")
+
+    def _op(self, op, emissions: Tensor, *extra, lengths=None, mask=None, allowed=None):
+        """op(emissions, transitions, *extra, lengths, start, end, mask=..., allowed=...) of crfkit.functional
+        with this CRF's scores."""
+        self._check_emissions(emissions)
         transitions, start, end = self._parameters_for(emissions)
-        return transitions, self._lengths(emissions, lengths, mask), start, end
+        return op(emissions, transitions, *extra, lengths, start, end, mask=mask, allowed=allowed)
 
     @torch.jit.export
     def log_partition(self, emissions: Tensor, lengths: Optional[Tensor] = None,
-                      mask: Optional[Tensor] = None) -> Tensor:
-        """log Z per sentence: (B,)."""
+                      mask: Optional[Tensor] = None, allowed: Optional[Tensor] = None) -> Tensor:
+        """log Z per sentence: (B,) (of the allowed sequences when allowed (B, L, T) is given)."""
         if torch.jit.is_scripting():
+            _scripting.check_no_allowed(allowed)
             em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
             return torch.ops.crfkit.log_partition(em, tr, ln, st, en)
-        transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        return crf_ops.log_partition(emissions, transitions, lengths, start, end)
+        return self._op(crf_ops.log_partition, emissions, lengths=lengths, mask=mask, allowed=allowed)
 
     @torch.jit.export
     def log_likelihood(self, emissions: Tensor, tags: Tensor, lengths: Optional[Tensor] = None,
@@ -143,61 +134,75 @@ class CRF(nn.Module):
             em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
             score = _scripting.sequence_score(em, tr, tags, ln, st, en)
             return _scripting.log_likelihood_from_scores(score, torch.ops.crfkit.log_partition(em, tr, ln, st, en))
-        transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        score = crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
-        return log_likelihood_from_scores(score, crf_ops.log_partition(emissions, transitions, lengths, start, end))
+        score = self._op(crf_ops.sequence_score, emissions, tags, lengths=lengths, mask=mask)
+        return log_likelihood_from_scores(score, self.log_partition(emissions, lengths, mask))
 
     @torch.jit.export
-    def nll(self, emissions: Tensor, tags: Tensor, lengths: Optional[Tensor] = None, mask: Optional[Tensor] = None,
-            reduction: str = "mean") -> Tensor:
-        """Negative log-likelihood of gold tags (B, L), >= 0.
+    def nll(self, emissions: Tensor, tags: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
+            mask: Optional[Tensor] = None, reduction: str = "mean", allowed: Optional[Tensor] = None) -> Tensor:
+        """Negative log-likelihood of gold tags (B, L), >= 0; or, with allowed (B, L, T) bool instead
+        of tags, of the allowed set: -log P(y in allowed | x) (partial annotation, crfkit.partial_nll).
 
         reduction: 'mean' over sentences (default), 'sum', 'none' (per sentence, (B,)),
         or 'token_mean' (sum divided by the number of real tokens).
         """
         if torch.jit.is_scripting():
+            _scripting.check_no_allowed(allowed)
+            if tags is None:
+                raise ValueError("tags is required (allowed is not taken under torch.jit.script)")
             _scripting.check_reduction(reduction)
             _scripting.check_emissions(emissions)
             lengths = self._scripted_lengths(emissions, lengths, mask)
             return reduce_per_sentence(-self.log_likelihood(emissions, tags, lengths, None), reduction, lengths,
                                        (emissions.shape[0], emissions.shape[1]))
         check_reduction(reduction, CRF_REDUCTIONS)
-        lengths = self._lengths(emissions, lengths, mask)
-        return reduce_per_sentence(-self.log_likelihood(emissions, tags, lengths), reduction, lengths,
-                                   (emissions.shape[0], emissions.shape[1]))
+        if tags is not None and allowed is None:
+            per_sentence = -self.log_likelihood(emissions, tags, lengths, mask)
+        elif allowed is not None and tags is None:
+            self._check_emissions(emissions)
+            transitions, start, end = self._parameters_for(emissions)
+            per_sentence = crf_ops.partial_nll(emissions, transitions, allowed, lengths, start, end, mask=mask)
+        else:
+            raise ValueError("give tags (gold tags, (B, L)) or allowed (the allowed tags, (B, L, T)), exactly one")
+        if mask is not None and isinstance(mask, Tensor):
+            lengths = (mask != 0).sum(1)
+        return reduce_per_sentence(per_sentence, reduction, lengths, (emissions.shape[0], emissions.shape[1]))
 
     forward = nll
 
     @torch.jit.export
     def decode(self, emissions: Tensor, lengths: Optional[Tensor] = None,
-               mask: Optional[Tensor] = None) -> crf_ops.BestPath:
-        """Viterbi: BestPath(scores (B,), paths (B, L) int64 with -1 at padding)."""
+               mask: Optional[Tensor] = None, allowed: Optional[Tensor] = None) -> crf_ops.BestPath:
+        """Viterbi: BestPath(scores (B,), paths (B, L) int64 with -1 at padding); the best allowed
+        path where allowed (B, L, T) is given."""
         if torch.jit.is_scripting():
+            _scripting.check_no_allowed(allowed)
             em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
             scores, paths = torch.ops.crfkit.viterbi(em, tr, ln, st, en)
             return crf_ops.BestPath(scores, paths)
-        transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        return crf_ops.viterbi(emissions, transitions, lengths, start, end)
+        return self._op(crf_ops.viterbi, emissions, lengths=lengths, mask=mask, allowed=allowed)
 
     @torch.jit.export
     def kbest(self, emissions: Tensor, k: int, lengths: Optional[Tensor] = None,
-              mask: Optional[Tensor] = None) -> crf_ops.KBest:
-        """k best distinct paths with scores and true log-probabilities (see crfkit.kbest_viterbi)."""
+              mask: Optional[Tensor] = None, allowed: Optional[Tensor] = None) -> crf_ops.KBest:
+        """k best distinct paths with scores and true log-probabilities (see crfkit.kbest_viterbi);
+        with allowed (B, L, T), the k best consistent with those partial labels."""
         if torch.jit.is_scripting():
+            _scripting.check_no_allowed(allowed)
             em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
             scores, paths, log_probs = _scripting.kbest_viterbi(em, tr, k, ln, st, en)
             return crf_ops.KBest(scores, paths, log_probs)
-        transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        return crf_ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)
+        return self._op(crf_ops.kbest_viterbi, emissions, k, lengths=lengths, mask=mask, allowed=allowed)
 
     @torch.jit.export
-    def marginals(self, emissions: Tensor, lengths: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Tensor:
-        """P(y_i = t | x): (B, L, T)."""
+    def marginals(self, emissions: Tensor, lengths: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                  allowed: Optional[Tensor] = None) -> Tensor:
+        """P(y_i = t | x): (B, L, T) (given that y is allowed, where allowed (B, L, T) is given)."""
         if torch.jit.is_scripting():
+            _scripting.check_no_allowed(allowed)
             em, tr, ln, st, en = self._scripted_args(emissions, lengths, mask)
             return torch.ops.crfkit.marginals(em, tr, ln, st, en)
-        transitions, lengths, start, end = self._args(emissions, lengths, mask)
-        return crf_ops.marginals(emissions, transitions, lengths, start, end)
+        return self._op(crf_ops.marginals, emissions, lengths=lengths, mask=mask, allowed=allowed)
 
     # ---- under torch.jit.script (crfkit/_scripting.py): the eager checks, in TorchScript ----------
     def _scripted_parameters(self) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:

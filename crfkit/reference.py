@@ -6,7 +6,9 @@ Gradients come from autograd. Argument checking is crfkit._arguments' job (crfki
 calls it before a backend); these functions assume well-formed inputs but accept the same
 optional arguments as the public API.
 
-Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,); lengths (B,).
+Shapes: emissions (B, L, T); transitions (T, T) as [from, to], or per example (B, Lt, T, T) with
+Lt = 1 (one matrix per sentence) or Lt = L (transitions[b, i] scores y_{i-1} -> y_i; [:, 0] is
+never read); start, end (T,), or (B, T) beside per-example transitions; lengths (B,).
 Scores are accumulated as ((score + transitions) + emissions) left to right, exactly like the
 compiled kernels, so decoded scores and ties agree to the last bit.
 """
@@ -22,6 +24,8 @@ NEG_INF = float("-inf")
 # As a backend (crfkit.backends.CRFBackend): these functions check no lengths or tags, so the
 # front end checks their values on every device.
 VALUES_CHECKED_ON_DEVICE = ()
+# Every op here takes per-example transitions (B, Lt, T, T) and start / end (B, T), on any device ("*").
+PER_EXAMPLE_DEVICES = ("*",)
 
 
 def _defaults(emissions: Tensor, lengths: Optional[Tensor], start: Optional[Tensor], end: Optional[Tensor]):
@@ -56,6 +60,62 @@ def _valid_positions(lengths: Tensor, L: int) -> Tensor:
     return torch.arange(L, device=lengths.device) < lengths.unsqueeze(1)
 
 
+def transitions_at(transitions: Tensor, i: int) -> Tensor:
+    """The transition scores into position i >= 1: (T, T) shared by the batch, or (B, T, T) for
+    per-example transitions (B, Lt, T, T) or (B, T, T). Both broadcast against (B, T, 1) forward
+    scores."""
+    if transitions.dim() <= 3:
+        return transitions
+    return transitions[:, i if transitions.shape[1] > 1 else 0]
+
+
+def tag_scores(scores: Tensor, tags: Tensor) -> Tensor:
+    """start / end scores of given tags: scores (T,) or (B, T), tags (B, N) -> (B, N)."""
+    return scores[tags] if scores.dim() == 1 else scores.gather(1, tags)
+
+
+def forward_log_scores(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
+                       start: Optional[Tensor] = None) -> Tensor:
+    """alpha (B, L, T): alpha[b, i, t] = log of the summed exp-scores of the prefixes y_0 .. y_i
+    with y_i = t (start and the emissions up to position i included); -inf at padded positions.
+    log Z = logsumexp_t(alpha[b, n - 1, t] + end[t]). Differentiable."""
+    lengths, start, _ = _defaults(emissions, lengths, start, None)
+    B, L, T = emissions.shape
+    valid = _valid_positions(lengths, L)
+    emissions = emissions.masked_fill(~valid.unsqueeze(-1), 0)
+    alphas = []
+    if L > 0:
+        alpha = start + emissions[:, 0]
+        alphas.append(alpha)
+        for i in range(1, L):
+            alpha = safe_logsumexp(alpha.unsqueeze(2) + transitions_at(transitions, i), dim=1) + emissions[:, i]
+            alphas.append(alpha)
+    out = torch.stack(alphas, 1) if alphas else emissions.new_zeros(B, 0, T)
+    return out.masked_fill(~valid.unsqueeze(-1), NEG_INF)
+
+
+def backward_log_scores(emissions: Tensor, transitions: Tensor, lengths: Optional[Tensor] = None,
+                        end: Optional[Tensor] = None) -> Tensor:
+    """beta (B, L, T): beta[b, i, t] = log of the summed exp-scores of the suffixes after position
+    i given y_i = t (the transitions and emissions of positions i+1 .. n-1, and end); -inf at padded
+    positions. alpha + beta - log Z is the log of the marginals. Differentiable."""
+    lengths, _, end = _defaults(emissions, lengths, None, end)
+    B, L, T = emissions.shape
+    valid = _valid_positions(lengths, L)
+    emissions = emissions.masked_fill(~valid.unsqueeze(-1), 0)
+    end = end.expand(B, T)
+    betas = [end] * L
+    beta = end
+    for i in range(L - 2, -1, -1):
+        into_next = transitions_at(transitions, i + 1) + (emissions[:, i + 1] + beta).unsqueeze(1)  # (B, T, T)
+        step = safe_logsumexp(into_next, dim=2)
+        # The last position of sentence b is n - 1: its beta is end; positions after it are padding.
+        beta = torch.where((i + 1 < lengths).unsqueeze(1), step, end)
+        betas[i] = beta
+    out = torch.stack(betas, 1) if L else emissions.new_zeros(B, 0, T)
+    return out.masked_fill(~valid.unsqueeze(-1), NEG_INF)
+
+
 def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     """logsumexp whose value is -inf and whose gradient is 0 (not NaN) when every term is -inf."""
     m = x.amax(dim, keepdim=True).detach()
@@ -77,7 +137,7 @@ def log_partition(emissions, transitions, lengths=None, start=None, end=None) ->
     emissions = emissions.masked_fill(~_valid_positions(lengths, L).unsqueeze(-1), 0)
     alpha = start + emissions[:, 0]
     for i in range(1, L):
-        step = safe_logsumexp(alpha.unsqueeze(2) + transitions, dim=1) + emissions[:, i]
+        step = safe_logsumexp(alpha.unsqueeze(2) + transitions_at(transitions, i), dim=1) + emissions[:, i]
         alpha = torch.where((i < lengths).unsqueeze(1), step, alpha)
     log_z = safe_logsumexp(alpha + end, dim=1)
     return torch.where(lengths == 0, torch.zeros_like(log_z), log_z)
@@ -102,29 +162,36 @@ def marginals(emissions, transitions, lengths=None, start=None, end=None) -> Ten
 
 def expected_transition_counts(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
     """E[number of s -> t transitions] per sentence: (B, T, T), the pairwise marginals
-    P(y_{i-1} = s, y_i = t | x) summed over positions i.
+    P(y_{i-1} = s, y_i = t | x) summed over positions i (whatever the shape of transitions).
+    Differentiable (the graph is kept) when grad mode is on and an input requires grad."""
+    counts = transition_gradients(emissions, transitions, lengths, start, end)
+    return counts.sum(1) if counts.dim() == 4 else counts
 
-    It is d log Z_b / d transitions for each sentence b separately. The kernels take one (T, T)
-    transitions tensor shared by the batch and so only give the batch sum; here each sentence
-    gets its own copy of the transitions (the log-space recursion broadcasts over a (B, T, T)
-    tensor unchanged) and autograd returns the per-sentence gradient. Differentiable (the graph
-    is kept) when grad mode is on and an input requires grad.
+
+def transition_gradients(emissions, transitions, lengths=None, start=None, end=None) -> Tensor:
+    """d log Z_b / d transitions for each sentence b: (B, T, T) for transitions (T, T) or
+    (B, 1, T, T), the pairwise marginals summed over positions; (B, L, T, T) for per-position
+    transitions (B, L, T, T): the pairwise marginals P(y_{i-1} = s, y_i = t | x) at each position
+    (0 at position 0 and at padding).
+
+    The kernels take one (T, T) transitions tensor shared by the batch and so only give the batch
+    sum; here each sentence gets its own copy of the transitions (the log-space recursion
+    broadcasts over a (B, T, T) tensor unchanged) and autograd returns the per-sentence gradient.
     """
     B, L, T = emissions.shape
-    if B == 0 or L == 0:
-        return emissions.new_zeros(B, T, T) + 0 * transitions.sum()
+    per_sentence_shape = (B, T, T) if transitions.dim() == 2 else tuple(transitions.shape)
+    if B == 0 or L <= 1:  # no transition is ever read
+        return emissions.new_zeros(per_sentence_shape) + 0 * (transitions.sum() + emissions.sum())
     create_graph = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (emissions, transitions, start, end)
     )
     with torch.enable_grad():
-        per_sentence = transitions.expand(B, T, T)
+        per_sentence = transitions.expand(B, T, T) if transitions.dim() == 2 else transitions
         # A leaf to differentiate against when nothing is recorded, or when only the emissions
         # (or start / end) require grad and the transitions are frozen.
         if not create_graph or not per_sentence.requires_grad:
             per_sentence = per_sentence.detach().clone().requires_grad_()
         log_z = log_partition(emissions, per_sentence, lengths, start, end)
-        if L == 1:  # no transition is ever read
-            return torch.zeros_like(per_sentence) + 0 * log_z.sum()
         (counts,) = torch.autograd.grad(log_z.sum(), per_sentence, create_graph=create_graph)
     return counts
 
@@ -163,12 +230,13 @@ def kbest_viterbi(emissions, transitions, k: int, lengths=None, start=None, end=
     lists = torch.cat([(start + emissions[:, 0]).unsqueeze(2), lists[:, :, 1:]], dim=2)
     backpointers = []  # backpointers[i - 1][b, t, r] = s * k + r' of the prefix extended at i
     for i in range(1, L):
-        cand = (lists.unsqueeze(3) + transitions[None, :, None, :]).permute(0, 3, 1, 2).reshape(B, T, T * k)
+        into = transitions_at(transitions, i).view(-1, T, 1, T)  # (1 or B, from, 1, to)
+        cand = (lists.unsqueeze(3) + into).permute(0, 3, 1, 2).reshape(B, T, T * k)
         values, codes = cand.sort(dim=2, descending=True, stable=True)
         step = values[..., :k] + emissions[:, i].unsqueeze(2)
         lists = torch.where((i < lengths).view(B, 1, 1), step, lists)
         backpointers.append(codes[..., :k])
-    final = (lists + end.view(1, T, 1)).reshape(B, T * k)
+    final = (lists + end.view(-1, T, 1)).reshape(B, T * k)
     scores, codes = final.sort(dim=1, descending=True, stable=True)
     scores, codes = scores[:, :k], codes[:, :k]
     tag, rank = codes // k, codes % k
@@ -222,12 +290,16 @@ def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=N
     emit = emissions.unsqueeze(1).expand(B, N, L, emissions.shape[2]).gather(3, safe.unsqueeze(3)).squeeze(3)
     scores = emissions.new_zeros(B, N)
     if L > 0:
-        scores = start[safe[:, :, 0]] + emit[:, :, 0]
+        scores = tag_scores(start, safe[:, :, 0]) + emit[:, :, 0]
+        batch = torch.arange(B, device=tags.device).view(B, 1)
         for i in range(1, L):
-            step = (scores + transitions[safe[:, :, i - 1], safe[:, :, i]]) + emit[:, :, i]
+            into = transitions_at(transitions, i)
+            prev, cur = safe[:, :, i - 1], safe[:, :, i]
+            pair = into[prev, cur] if into.dim() == 2 else into[batch, prev, cur]
+            step = (scores + pair) + emit[:, :, i]
             scores = torch.where(valid[:, :, i], step, scores)
         last = safe.gather(2, (lengths - 1).clamp(min=0).view(B, 1, 1).expand(B, N, 1)).squeeze(2)
-        scores = scores + end[last]
+        scores = scores + tag_scores(end, last)
         scores = torch.where((lengths == 0).unsqueeze(1), torch.zeros_like(scores), scores)
     return scores.squeeze(1) if squeeze else scores
 

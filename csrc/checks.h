@@ -35,6 +35,22 @@ inline void check_tags(const Tensor& tags, const Tensor& emissions) {
   CRFKIT_CHECK(tags.device() == emissions.device(), "crfkit: tags must be on the device of emissions");
 }
 
+// Row (b, j) of tags, read on the host (CPU tensors only): every tag within its length n in [0, T).
+inline void check_tag_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
+  for (int64_t i = 0; i < n; ++i) {
+    CRFKIT_CHECK_VALUE(row[i] >= 0 && row[i] < T, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", row[i],
+                " is not a tag index in [0, ", T, ")");
+  }
+}
+
+// Per-example transitions (batch, Lt, num_tags, num_tags), and the transition counts of their
+// shape, are taken by the CPU kernels (csrc/cpu/per_example.cpp) only: `x` is the argument `name`
+// of `who`, the code that refuses them.
+inline void check_not_per_example(const Tensor& x, const char* name, const char* who) {
+  CRFKIT_CHECK(x.dim() != 4, "crfkit: per-example ", name, " (batch, Lt, num_tags, num_tags) are not supported by ",
+               who, ", got ", name, " of shape ", x.sizes());
+}
+
 // lengths (B,) int64 on the device of `like` (the op's emissions, or its marginals).
 inline void check_lengths_argument(const Tensor& lengths, int64_t B, const Tensor& like) {
   CRFKIT_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == B, "crfkit: lengths must be (batch,) = (",
@@ -74,6 +90,21 @@ inline void check_backward_from_marginals_arguments(const Tensor& grad_log_z, co
   check_lengths_argument(lengths, B, marginals);
 }
 
+// transitions, start and end of the dtype of emissions; every argument on its device.
+inline void check_dtypes_and_devices(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
+                                     const Tensor& start, const Tensor& end) {
+  for (const auto* t : {&transitions, &start, &end}) {
+    CRFKIT_CHECK_TYPE(t->scalar_type() == emissions.scalar_type(),
+                "crfkit: transitions, start and end must have the dtype of emissions (",
+                emissions.scalar_type(), "), got ", t->scalar_type());
+  }
+  for (const auto* t : {&transitions, &start, &end, &lengths}) {
+    CRFKIT_CHECK(t->device() == emissions.device(),
+                "crfkit: every argument must be on the device of emissions (", emissions.device(),
+                "), got one on ", t->device());
+  }
+}
+
 // Shapes every op agrees on: emissions (B, L, T), transitions (T, T), start (T,),
 // end (T,), lengths (B,) int64. Raises with the argument's name (TypeError for a wrong dtype,
 // ValueError for a wrong shape or value, RuntimeError for a wrong device).
@@ -92,16 +123,7 @@ inline void check_crf_inputs(const Tensor& emissions, const Tensor& transitions,
   CRFKIT_CHECK_VALUE(end.dim() == 1 && end.size(0) == T, "crfkit: end must be (num_tags,) = (", T,
               ",), got ", end.sizes());
   check_lengths_argument(lengths, B, emissions);
-  for (const auto* t : {&transitions, &start, &end}) {
-    CRFKIT_CHECK_TYPE(t->scalar_type() == emissions.scalar_type(),
-                "crfkit: transitions, start and end must have the dtype of emissions (",
-                emissions.scalar_type(), "), got ", t->scalar_type());
-  }
-  for (const auto* t : {&transitions, &start, &end, &lengths}) {
-    CRFKIT_CHECK(t->device() == emissions.device(),
-                "crfkit: every argument must be on the device of emissions (", emissions.device(),
-                "), got one on ", t->device());
-  }
+  check_dtypes_and_devices(emissions, transitions, lengths, start, end);
 }
 
 // lengths[b] in [0, L] for every b; read on the host (CPU tensors only).

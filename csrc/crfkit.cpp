@@ -10,7 +10,8 @@
 // AOTInductor package needs nothing else).
 //
 // Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,);
-// lengths (B,) int64; tags (B, N, L) int64.
+// lengths (B,) int64; tags (B, N, L) int64. The CPU kernels also take per-example transitions
+// (B, Lt, T, T), Lt = 1 or L, with start, end (B, T) (csrc/cpu/per_example.h).
 #include <Python.h>
 
 #include "tensor.h"

@@ -12,7 +12,8 @@ def all_sequences(emissions, transitions, start, end, n):
     """Every allowed sequence of length n with its score, in crfkit's order: by descending
     score, ties broken by the tags read from the last position backwards, smaller first.
 
-    emissions (L, T), transitions (T, T), start (T,), end (T,) as float64 tensors or lists.
+    emissions (L, T), transitions (T, T) or per position (L, T, T) (transitions[i] scores
+    y_{i-1} -> y_i; [0] is never read), start (T,), end (T,) as float64 tensors or lists.
     Scores are accumulated ((s + transition) + emission) left to right, as crfkit does.
     Sequences of score -inf (forbidden) are left out. n = 0 gives [(0.0, ())].
     """
@@ -20,11 +21,12 @@ def all_sequences(emissions, transitions, start, end, n):
     if n == 0:
         return [(0.0, ())]
     T = len(st)
+    per_position = isinstance(tr[0][0], list)
     out = []
     for seq in itertools.product(range(T), repeat=n):
         s = st[seq[0]] + em[0][seq[0]]
         for i in range(1, n):
-            s = (s + tr[seq[i - 1]][seq[i]]) + em[i][seq[i]]
+            s = (s + (tr[i] if per_position else tr)[seq[i - 1]][seq[i]]) + em[i][seq[i]]
         s = s + en[seq[-1]]
         if s != NEG_INF:
             out.append((s, seq))

@@ -14,15 +14,13 @@ import copy
 import importlib.util
 import itertools
 import math
-import os
 import pathlib
 import re
-import sys
-import types
 
 import pytest
 import torch
 
+import allennlp_source
 from crfkit.compat.allennlp import ConditionalRandomField, allowed_transitions
 from crfkit.compat.pytorch_crf import CRF
 
@@ -177,19 +175,17 @@ def _bad_pytorch_crf_calls():
     emissions = torch.randn(L, B, T)
     tags = torch.zeros(L, B, dtype=torch.long)
     mask = torch.ones(L, B, dtype=torch.bool)
-    first_off = mask.clone()
-    first_off[0, 1] = False
+    twos = mask.to(torch.uint8) * 2
     return [
         ("emissions 2-D", "emissions", lambda crf: crf(emissions[0], tags[0])),
         ("emissions wrong num_tags", "emissions", lambda crf: crf(torch.randn(L, B, T + 1), tags)),
         ("tags wrong shape", "tags", lambda crf: crf(emissions, tags[:, :1])),
         ("tags batch first", "tags", lambda crf: crf(emissions, tags.t())),
         ("mask wrong shape", "mask", lambda crf: crf(emissions, tags, mask[:3])),
-        ("mask first step off", "mask", lambda crf: crf(emissions, tags, first_off)),
+        ("mask not 0 / 1", "mask", lambda crf: crf(emissions, tags, twos)),
         ("unknown reduction", "reduction", lambda crf: crf(emissions, tags, reduction="avg")),
         ("decode emissions 4-D", "emissions", lambda crf: crf.decode(emissions[None])),
         ("decode mask wrong shape", "mask", lambda crf: crf.decode(emissions, mask.t())),
-        ("decode mask first step off", "mask", lambda crf: crf.decode(emissions, first_off)),
     ]
 
 
@@ -213,13 +209,7 @@ def test_pytorch_crf_rejects_what_torchcrf_cannot_score():
     with pytest.raises(ValueError, match="num_tags"):
         CRF(0)
     crf = CRF(3, batch_first=True)
-    emissions = torch.randn(2, 4, 3)
     tags = torch.zeros(2, 4, dtype=torch.long)
-    holes = torch.tensor([[1, 0, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    with pytest.raises(ValueError, match="mask"):
-        crf(emissions, tags, holes)
-    with pytest.raises(ValueError, match="mask"):
-        crf.decode(emissions, holes)
     with pytest.raises(ValueError, match="emissions"):
         crf(torch.randn(2, 0, 3), tags[:, :0])
 
@@ -462,16 +452,13 @@ def test_allennlp_state_dict_round_trip():
 def test_allennlp_bad_input_raises_value_error_naming_the_argument():
     crf = ConditionalRandomField(3)
     inputs, tags, mask = torch.randn(2, 4, 3), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)
-    holes = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     cases = [
         ("inputs", lambda: crf(inputs[0], tags)),
         ("inputs", lambda: crf(torch.randn(2, 4, 5), tags)),
         ("tags", lambda: crf(inputs, tags[:, :3])),
         ("mask", lambda: crf(inputs, tags, mask[:1])),
-        ("mask", lambda: crf(inputs, tags, holes)),
         ("logits", lambda: crf.viterbi_tags(inputs[..., :2])),
         ("mask", lambda: crf.viterbi_tags(inputs, mask.t())),
-        ("mask", lambda: crf.viterbi_tags(inputs, holes)),
         ("top_k", lambda: crf.viterbi_tags(inputs, top_k=0)),
         ("constraints", lambda: ConditionalRandomField(3, constraints=[(0, 5)])),
         ("num_tags", lambda: ConditionalRandomField(0)),
@@ -540,51 +527,9 @@ def test_allennlp_allowed_transitions_iob1_and_bmes():
 
 
 def _load_allennlp_crf_module():
-    """AllenNLP's conditional_random_field module, or None.
-
-    An installed allennlp is used as is. Otherwise the wheel unpacked without its dependencies
-    (which `import allennlp` needs: spacy, ...) is loaded file by file: the CRF module needs
-    only allennlp.common.checks and allennlp.nn.util, and nn.util only three helpers of
-    allennlp.common.util at import time (stubbed: the CRF never calls them). The stubs are
-    removed from sys.modules afterwards.
-    """
-    if importlib.util.find_spec("allennlp") is not None:
-        try:
-            from allennlp.modules.conditional_random_field import conditional_random_field
-            return conditional_random_field
-        except Exception:
-            return None
-    site = os.environ.get("CRFKIT_ALLENNLP_SITE", os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "build", "allennlp-2.10.1"))   # where `make setup` unpacks it
-    root = pathlib.Path(site) / "allennlp"
-    crf_file = root / "modules" / "conditional_random_field" / "conditional_random_field.py"
-    if not crf_file.exists():
-        return None
-    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "allennlp"}
-
-    def load(name, path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-
-    try:
-        for package in ("allennlp", "allennlp.common", "allennlp.nn", "allennlp.modules",
-                        "allennlp.modules.conditional_random_field"):
-            sys.modules[package] = types.ModuleType(package)
-            sys.modules[package].__path__ = []
-        load("allennlp.common.checks", root / "common" / "checks.py")
-        common_util = sys.modules["allennlp.common.util"] = types.ModuleType("allennlp.common.util")
-        common_util.int_to_device = common_util.is_distributed = common_util.is_global_primary = None
-        load("allennlp.nn.util", root / "nn" / "util.py")
-        return load("allennlp.modules.conditional_random_field.conditional_random_field", crf_file)
-    except Exception:
-        return None
-    finally:
-        for name in [n for n in sys.modules if n.split(".")[0] == "allennlp"]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+    """AllenNLP's conditional_random_field module, or None (tests/allennlp_source.py)."""
+    found = allennlp_source.load_crf_modules()
+    return None if found is None else found["conditional_random_field"]
 
 
 @pytest.fixture(scope="module")
@@ -679,3 +624,39 @@ def test_readme_switching_section_imports_work():
     assert namespace["CRF"] is CRF and namespace["ConditionalRandomField"] is ConditionalRandomField
     with contextlib.suppress(ImportError):  # the peers' names, where they are installed
         exec(old_imports[0], {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks with holes, left padding and an off first time step (crfkit.functional joins the chain)
+
+
+def test_pytorch_crf_mask_with_holes_scores_the_on_positions():
+    torch.manual_seed(0)
+    crf = CRF(3, batch_first=True).double()
+    emissions = torch.randn(3, 4, 3, dtype=torch.float64)
+    tags = torch.randint(0, 3, (3, 4))
+    mask = torch.tensor([[1, 0, 1, 0], [0, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.uint8)
+    real = [[0, 2], [2, 3], []]
+    per_sentence = crf(emissions, tags, mask, reduction="none")
+    for b, positions in enumerate(real):
+        if positions:
+            expected = crf(emissions[b:b + 1, positions], tags[b:b + 1, positions], reduction="none")
+            torch.testing.assert_close(per_sentence[b:b + 1], expected)
+        else:
+            assert float(per_sentence[b].detach()) == 0.0  # the one empty sequence
+    decoded = crf.decode(emissions, mask)
+    for b, positions in enumerate(real):
+        assert decoded[b] == (crf.decode(emissions[b:b + 1, positions])[0] if positions else [])
+
+
+def test_allennlp_mask_with_holes_scores_the_on_positions():
+    torch.manual_seed(0)
+    crf = ConditionalRandomField(3).double()
+    logits = torch.randn(2, 4, 3, dtype=torch.float64)
+    tags = torch.randint(0, 3, (2, 4))
+    mask = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0]], dtype=torch.bool)
+    real = [[0, 2, 3], [1, 2]]
+    expected = sum(crf(logits[b:b + 1, p], tags[b:b + 1, p]) for b, p in enumerate(real))
+    torch.testing.assert_close(crf(logits, tags, mask), expected)
+    decoded = crf.viterbi_tags(logits, mask, top_k=2)
+    assert decoded == [crf.viterbi_tags(logits[b:b + 1, p], top_k=2)[0] for b, p in enumerate(real)]

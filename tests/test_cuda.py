@@ -889,3 +889,34 @@ def test_time_chunked_viterbi_checks_the_emissions_and_ignores_what_lies_beyond(
     assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
     want = torch.ops.crfkit.viterbi(*[x.cpu() for x in (em, tr, ln, s, e)])
     assert all(torch.equal(a.cpu(), b) for a, b in zip(clean, want))
+
+
+# ---- issue 59's arguments on the device (a real GPU only: they are front-end transforms and the
+# reference, which the emulator's raw ops do not exercise) ---------------------------------------
+@pytest.mark.skipif(EMULATED, reason="runs the public ops on CUDA tensors: a real GPU only")
+def test_mask_allowed_and_per_example_transitions_match_cpu():
+    em, tr, ln, st, en = random_crf(6, 9, 5, seed=59)
+    mask = torch.rand(6, 9, generator=torch.Generator().manual_seed(1)) < 0.7
+    allowed = torch.rand(6, 9, 5, generator=torch.Generator().manual_seed(2)) < 0.6
+    allowed[..., 0] = True
+    per_position = torch.randn(6, 9, 5, 5, dtype=em.dtype)
+    cases = [dict(mask=mask), dict(allowed=allowed), dict(mask=mask, allowed=allowed)]
+    for kwargs in cases:
+        cpu = (crfkit.log_partition(em, tr, start=st, end=en, **kwargs),
+               crfkit.marginals(em, tr, start=st, end=en, **kwargs),
+               crfkit.kbest_viterbi(em, tr, 4, start=st, end=en, **kwargs).paths)
+        dev = {k: v.cuda() for k, v in kwargs.items()}
+        gpu = (crfkit.log_partition(em.cuda(), tr.cuda(), start=st.cuda(), end=en.cuda(), **dev),
+               crfkit.marginals(em.cuda(), tr.cuda(), start=st.cuda(), end=en.cuda(), **dev),
+               crfkit.kbest_viterbi(em.cuda(), tr.cuda(), 4, start=st.cuda(), end=en.cuda(), **dev).paths)
+        torch.testing.assert_close(gpu[0].cpu(), cpu[0], **TOL[em.dtype])
+        torch.testing.assert_close(gpu[1].cpu(), cpu[1], **TOL[em.dtype])
+        assert torch.equal(gpu[2].cpu(), cpu[2])
+    torch.testing.assert_close(crfkit.log_partition(em.cuda(), per_position.cuda(), ln.cuda()).cpu(),
+                               crfkit.log_partition(em, per_position, ln), **TOL[em.dtype])
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    samples = crfkit.sample(em.cuda(), tr.cuda(), 50, ln.cuda(), allowed=allowed.cuda(), generator=generator)
+    paths = samples.paths.cpu()
+    real = paths >= 0
+    assert bool(allowed.unsqueeze(1).expand(6, 50, 9, 5).gather(3, paths.clamp(min=0).unsqueeze(3)).squeeze(3)[real]
+                .all())

@@ -199,13 +199,31 @@ def test_a_mask_of_the_wrong_shape_is_refused(method, mask_shape):
 
 
 @pytest.mark.parametrize("method", MASK_METHODS)
-def test_a_mask_that_is_not_left_aligned_is_refused(method):
+def test_a_mask_with_holes_gives_what_the_sentences_without_them_give(method):
+    torch.manual_seed(0)
     crf = crfkit.CRF(4)
-    em = torch.randn(2, 5, 4)
+    em = torch.randn(2, 5, 4, dtype=torch.float64)
+    crf.double()
     tags = torch.randint(0, 4, (2, 5))
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 1, 0, 0]], dtype=torch.bool)  # a hole in row 1
-    with pytest.raises(ValueError, match="mask must be left-aligned"):
-        MASK_METHODS[method](crf, em, tags, mask)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 0, 1, 1]], dtype=torch.bool)  # left padding and a hole in row 1
+    real = [[0, 1, 2, 3, 4], [1, 3, 4]]
+    with_holes = MASK_METHODS[method](crf, em, tags, mask)
+    parts = [MASK_METHODS[method](crf, em[b:b + 1, real[b]], tags[b:b + 1, real[b]], None) for b in range(2)]
+    if method in ("decode", "kbest"):
+        for b in range(2):
+            assert torch.equal(with_holes.paths[b, ..., real[b]], parts[b].paths[0])
+            torch.testing.assert_close(with_holes.scores[b], parts[b].scores[0])
+        assert bool((with_holes.paths[1, ..., [0, 2]] == -1).all())
+    elif method == "marginals":
+        for b in range(2):
+            torch.testing.assert_close(with_holes[b, real[b]], parts[b][0])
+        assert bool((with_holes[1, [0, 2]] == 0).all())
+    elif method == "nll_token_mean":  # each part is its sum over its tokens: undo that
+        torch.testing.assert_close(with_holes, (parts[0] * 5 + parts[1] * 3) / 8)
+    elif with_holes.dim() == 0:  # the mean over sentences
+        torch.testing.assert_close(with_holes, (parts[0] + parts[1]) / 2)
+    else:
+        torch.testing.assert_close(with_holes, torch.cat(parts))
 
 
 @pytest.mark.parametrize("method", MASK_METHODS)

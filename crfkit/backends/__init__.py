@@ -59,6 +59,12 @@ class CRFBackend(Protocol):
     in emissions, transitions, start and end.
     """
 
+    PER_EXAMPLE_DEVICES: Tuple[str, ...]
+    """The device types on which this backend's functions take per-example parameters
+    (transitions (B, Lt, T, T), start / end (B, T): crfkit._arguments.per_example_form); on the
+    others crfkit.functional runs the reference for such calls (for_transitions below). ("*",):
+    every device."""
+
     VALUES_CHECKED_ON_DEVICE: Tuple[str, ...]
     """The device types ("cuda", ...) on which this backend's kernels check the values of
     lengths and tags themselves (raising, with the argument named, once they have run); the
@@ -236,6 +242,16 @@ def current():
     if _first_use_pending:
         _first_use_build()
     return _available[_current]
+
+
+def for_transitions(transitions: Tensor):
+    """The backend for prepared transitions: current(), or the reference where they are per
+    example ((B, Lt, T, T)) and the current backend has no kernels for them on their device."""
+    backend = current()
+    devices = backend.PER_EXAMPLE_DEVICES
+    if transitions.dim() == 4 and "*" not in devices and transitions.device.type not in devices:
+        return reference
+    return backend
 
 
 def build_extension(verbose: bool = False) -> str:

@@ -142,17 +142,51 @@ class _LogPartition(torch.autograd.Function):
 
 # Decoders: the scores are differentiable (sums of the scores the paths use); paths are not.
 def _decode_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[-3], output[1])  # emissions, lengths, paths
+    emissions, transitions, *_, lengths, start, end = inputs
+    ctx.save_for_backward(emissions, transitions, lengths, start, end, output[1])
     ctx.mark_non_differentiable(output[1])
 
 
 def _paths_input_grads(grad_scores: Tensor, saved, undefined: int):
-    """The input gradients (_crf_input_grads) of path scores, from the saved (emissions, lengths,
-    paths): paths (B, L) with grad_scores (B,) (Viterbi), or (B, N, L) with (B, N)."""
-    emissions, lengths, paths = saved
+    """The input gradients (_crf_input_grads) of path scores, from the saved (emissions,
+    transitions, lengths, start, end, paths): paths (B, L) with grad_scores (B,) (Viterbi), or
+    (B, N, L) with (B, N). The kernel gives the gradients of shared parameters; per-example ones
+    (transitions (B, Lt, T, T)) come from autograd through the reference's sequence_score."""
+    emissions, transitions, lengths, start, end, paths = saved
     if paths.dim() == 2:
         grad_scores, paths = grad_scores.unsqueeze(1), paths.unsqueeze(1)
+    if transitions.dim() == 4:
+        return _crf_input_grads(_per_example_path_score_grads(grad_scores, emissions, transitions, paths, lengths),
+                                undefined)
     return _crf_input_grads(_path_score_grads(grad_scores, emissions, paths, lengths), undefined)
+
+
+def _per_example_path_score_grads(grad_scores: Tensor, emissions: Tensor, transitions: Tensor, paths: Tensor,
+                                  lengths: Tensor):
+    """_path_score_grads for per-example transitions (B, Lt, T, T) and start / end (B, T), which
+    sequence_score_backward's kernel does not take: grad_scores (B, N) added, by scatter_add, at
+    the scores each path (B, N, L) uses. Plain tensor ops, so torch.compile traces them."""
+    B, N, L = paths.shape
+    T = emissions.shape[2]
+    real = (torch.arange(L, device=paths.device) < lengths.unsqueeze(1)).unsqueeze(1)  # (B, 1, L)
+    weight = (grad_scores.unsqueeze(2) * real).to(emissions.dtype)  # (B, N, L), 0 at padding
+    tags = paths.clamp(min=0)
+    grad_emissions = emissions.new_zeros(B, L, T).scatter_add_(2, tags.transpose(1, 2), weight.transpose(1, 2))
+    nonempty = weight[:, :, 0] if L else grad_scores.new_zeros(B, N)
+    grad_start = emissions.new_zeros(B, T)
+    grad_end = emissions.new_zeros(B, T)
+    grad_transitions = emissions.new_zeros(B, transitions.shape[1], T * T)
+    if L:
+        last = tags.gather(2, (lengths - 1).clamp(min=0).view(B, 1, 1).expand(B, N, 1)).squeeze(2)
+        grad_start.scatter_add_(1, tags[:, :, 0], nonempty)
+        grad_end.scatter_add_(1, last, nonempty)
+    if L > 1:
+        pairs = tags[:, :, :-1] * T + tags[:, :, 1:]  # (B, N, L - 1): the transition into positions 1 ..
+        if transitions.shape[1] > 1:  # per position: into (B, L, T * T) at positions 1 .. L - 1
+            grad_transitions[:, 1:].scatter_add_(2, pairs.transpose(1, 2), weight[:, :, 1:].transpose(1, 2))
+        else:
+            grad_transitions[:, 0].scatter_add_(1, pairs.flatten(1), weight[:, :, 1:].flatten(1))
+    return grad_emissions, grad_transitions.view(transitions.shape), grad_start, grad_end
 
 
 def _viterbi_backward(ctx, grad_scores, _grad_paths):
@@ -164,8 +198,8 @@ def _kbest_viterbi_backward(ctx, grad_scores, _grad_paths):
 
 
 def _sequence_score_setup(ctx, inputs, output):
-    emissions, _transitions, tags, lengths, _start, _end = inputs
-    ctx.save_for_backward(emissions, lengths, tags)
+    emissions, transitions, tags, lengths, start, end = inputs
+    ctx.save_for_backward(emissions, transitions, lengths, start, end, tags)
 
 
 def _sequence_score_backward(ctx, grad_scores):
@@ -186,7 +220,7 @@ class _Decode(torch.autograd.Function):
             else:
                 scores, paths = ops.kbest_viterbi(emissions, transitions, k, lengths, start, end)
         ctx.k = k
-        ctx.save_for_backward(emissions, lengths, paths)
+        ctx.save_for_backward(emissions, transitions, lengths, start, end, paths)
         ctx.mark_non_differentiable(paths)
         return scores, paths
 
@@ -202,7 +236,7 @@ class _SequenceScore(torch.autograd.Function):
     def forward(ctx, emissions, transitions, tags, lengths, start, end):
         with _below_autograd():
             scores = ops.sequence_score(emissions, transitions, tags, lengths, start, end)
-        ctx.save_for_backward(emissions, lengths, tags)
+        ctx.save_for_backward(emissions, transitions, lengths, start, end, tags)
         return scores
 
     @staticmethod
@@ -238,7 +272,7 @@ def _second_derivative(kernel_name: str, reference_op, message: str):
     `message`); elsewhere autograd over the reference's op (reference.gradients_by_autograd)."""
     def backward(ctx, grad):
         emissions, transitions, lengths, start, end = ctx.saved_tensors
-        if _has_kernel(kernel_name, emissions):
+        if _has_kernel(kernel_name, emissions) and transitions.dim() == 2:  # (no kernel for per-example ones)
             with _below_autograd():
                 g = getattr(ops, kernel_name)(grad, emissions, transitions, lengths, start, end)
             g = _once_differentiable(message, g, grad, emissions, transitions, start, end)
@@ -291,6 +325,9 @@ _KERNELS = {(name, key): torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit
 # check costs about 1 us there and its message gives the whole range. (The emulator's tests put
 # "cpu" here, to run the CUDA path on its CPU tensors.)
 VALUES_CHECKED_ON_DEVICE = ("cuda",) if _KERNELS[("log_partition", "CUDA")] else ()
+# Per-example transitions (B, Lt, T, T): CPU kernels only (csrc/cpu/per_example.cpp); on CUDA the
+# reference runs them (crfkit.backends.for_transitions).
+PER_EXAMPLE_DEVICES: tuple = ("cpu",)
 
 
 def _has_kernel(op_name: str, tensor: Tensor) -> bool:

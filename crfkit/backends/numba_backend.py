@@ -302,6 +302,9 @@ class _SequenceScore(_PathScores):
 # The kernels run on the CPU only, where the front end checks the values of lengths and tags
 # before a call (the kernels check them again, and NaN / +inf, while they scan).
 VALUES_CHECKED_ON_DEVICE = ()
+# Per-example transitions (B, Lt, T, T) run in the reference (crfkit.backends.for_transitions):
+# the numba kernels take one (T, T) matrix.
+PER_EXAMPLE_DEVICES: tuple = ()
 
 # No numba kernel for the per-sentence transition counts: autograd through the reference's log Z.
 expected_transition_counts = reference.expected_transition_counts

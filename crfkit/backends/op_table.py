@@ -17,7 +17,8 @@ or tags where the op has one, then lengths, start, end. Backward ops take the up
 first and return the gradients of (emissions, transitions, start, end). Decoders return
 (scores, paths), values first as torch.topk does.
 
-Shapes: emissions (B, L, T); transitions (T, T) as [from, to]; start, end (T,); lengths (B,)
+Shapes: emissions (B, L, T); transitions (T, T) as [from, to], or per example (B, Lt, T, T) with
+start, end (B, T) (the CPU kernels: csrc/cpu/per_example.cpp); start, end (T,); lengths (B,)
 int64; tags (B, N, L) int64.
 """
 from __future__ import annotations
@@ -35,14 +36,29 @@ class Op(NamedTuple):
     fake: Callable  # shapes and dtypes of the outputs, from the arguments' (torch.library.register_fake)
 
 
-def _grads_like(emissions: Tensor):
+def _grads_like(emissions: Tensor, transitions=None, start=None, end=None):
+    """The gradients of (emissions, transitions, start, end): shaped like them, (T, T), (T,), (T,)
+    where they are not given (the ops whose gradients are of shared parameters only)."""
     T = emissions.shape[2]
-    return torch.empty_like(emissions), emissions.new_empty((T, T)), emissions.new_empty(T), emissions.new_empty(T)
+    if transitions is None:
+        return torch.empty_like(emissions), emissions.new_empty((T, T)), emissions.new_empty(T), emissions.new_empty(T)
+    return torch.empty_like(emissions), torch.empty_like(transitions), torch.empty_like(start), torch.empty_like(end)
 
 
-def _counts_like(emissions: Tensor) -> Tensor:
+def _counts_like(emissions: Tensor, transitions: Tensor) -> Tensor:
+    """Expected transition counts (B, T, T), or per-example transition gradients shaped like
+    per-example transitions (B, Lt, T, T) (log_partition_with_marginals)."""
     B, _L, T = emissions.shape
-    return emissions.new_empty((B, T, T))
+    return torch.empty_like(transitions) if transitions.dim() == 4 else emissions.new_empty((B, T, T))
+
+
+def _grads_from_counts(marginals: Tensor, counts: Tensor):
+    """log_partition_backward_from_marginals: per example where the counts are (B, Lt, T, T)."""
+    if counts.dim() != 4:
+        return _grads_like(marginals)
+    B, _L, T = marginals.shape
+    per_sentence = marginals.new_empty((B, T))
+    return torch.empty_like(marginals), torch.empty_like(counts), per_sentence, torch.empty_like(per_sentence)
 
 
 OPS: Dict[str, Op] = {
@@ -54,15 +70,18 @@ OPS: Dict[str, Op] = {
     "marginals_backward": Op(
         lambda grad_marginals, emissions, transitions, lengths, start, end: _grads_like(emissions)),
     "log_partition_backward": Op(
-        lambda grad_log_z, emissions, transitions, lengths, start, end: _grads_like(emissions)),
+        lambda grad_log_z, emissions, transitions, lengths, start, end: _grads_like(emissions, transitions, start,
+                                                                                    end)),
     # log Z with its gradients for grad_log_z = 1 (a differentiable log Z: crfkit/backends/compiled.py).
     "log_partition_with_marginals": Op(
         lambda emissions, transitions, lengths, start, end: (
-            emissions.new_empty(emissions.shape[0]), torch.empty_like(emissions), _counts_like(emissions))),
+            emissions.new_empty(emissions.shape[0]), torch.empty_like(emissions),
+            _counts_like(emissions, transitions))),
     "log_partition_backward_from_marginals": Op(
-        lambda grad_log_z, marginals, transition_counts, lengths: _grads_like(marginals)),
+        lambda grad_log_z, marginals, transition_counts, lengths: _grads_from_counts(marginals, transition_counts)),
     "expected_transition_counts": Op(
-        lambda emissions, transitions, lengths, start, end: _counts_like(emissions)),
+        lambda emissions, transitions, lengths, start, end: emissions.new_empty(
+            (emissions.shape[0], emissions.shape[2], emissions.shape[2]))),
     # The counts' vector-Jacobian product (their autograd formula); not differentiable.
     "expected_transition_counts_backward": Op(
         lambda grad_counts, emissions, transitions, lengths, start, end: _grads_like(emissions)),

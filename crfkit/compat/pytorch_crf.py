@@ -9,11 +9,13 @@ computation runs through crfkit.functional (sequence_score, log_partition, viter
 compiled kernels instead of a Python loop over time steps.
 
 Differences from torchcrf, all on inputs where torchcrf's result is not meaningful or raises:
-- The mask must be left-aligned (each sentence a run of on positions, then off ones); a mask
-  with holes raises ValueError. torchcrf accepts one, but its normaliser carries the scores
-  across the hole while its numerator scores the transition out of the hole's tag, and it takes
-  the last tag at position mask.sum() - 1, which then is not the last real one: the result is
-  not a log-likelihood.
+- The mask may have holes, left padding or an off first time step: masked positions are skipped
+  and the chain joins across them (crfkit.functional), so the result is the log-likelihood of
+  the tags at the on positions; a sentence with no on position has the one empty sequence
+  (log-likelihood 0). torchcrf requires the first time step on, and given a mask with holes its
+  normaliser carries the scores across the hole while its numerator scores the transition out
+  of the hole's tag: its result is not a log-likelihood there. Under torch.jit.script the mask
+  must be left-aligned (a run of on positions, then off ones; no other restriction).
 - Tags at masked positions are ignored (torchcrf indexes its transitions with them, so padding
   values such as -100 raise IndexError there).
 - Tie-breaking between equally scored paths in `decode` follows crfkit's rule
@@ -71,8 +73,9 @@ class CRF(nn.Module):
         for parameter in (self.start_transitions, self.end_transitions, self.transitions):
             nn.init.uniform_(parameter, -0.1, 0.1)
 
-    def extra_repr(self) -> str:
-        return f"num_tags={self.num_tags}, batch_first={self.batch_first}"
+    def __repr__(self) -> str:
+        # pytorch-crf's repr, which its own test suite checks: the class name and num_tags only.
+        return f"{self.__class__.__name__}(num_tags={self.num_tags})"
 
     def __prepare_scriptable__(self) -> "CRF":
         # torch.jit.script calls this first: a clear error where the compiled ops are missing.
@@ -87,7 +90,7 @@ class CRF(nn.Module):
             emissions: (L, B, T), or (B, L, T) with batch_first.
             tags: (L, B) integer tags, or (B, L) with batch_first.
             mask: optional (L, B), or (B, L) with batch_first: on (nonzero) for real tokens,
-                left-aligned, with the first time step on for every sentence. Default: all on.
+                anywhere (see the module docstring). Default: all on.
             reduction: 'none' -> (B,); 'sum' (default) -> () summed over sentences;
                 'mean' -> () averaged over sentences; 'token_mean' -> () sum divided by the
                 number of real tokens.
@@ -95,18 +98,18 @@ class CRF(nn.Module):
         Raises:
             ValueError naming the argument: emissions not 3-dimensional or with a last
             dimension other than num_tags, tags or mask of a shape other than
-            emissions.shape[:2], a mask whose first time step is off or that is not
-            left-aligned, an unknown reduction.
+            emissions.shape[:2], a mask with values other than 0 / 1, an unknown reduction.
         """
         if torch.jit.is_scripting():
             return self._scripted_forward(emissions, tags, mask, reduction)
         self._validate(emissions, tags=tags, mask=mask)
         check_reduction(reduction, CRF_REDUCTIONS)
-        emissions, tags, lengths = self._batch_first(emissions, tags, mask)
+        emissions, tags, mask = self._batch_first(emissions, tags, mask)
         transitions, start, end, emissions = self._scores(emissions)
-        score = crf_ops.sequence_score(emissions, transitions, tags, lengths, start, end)
-        log_z = crf_ops.log_partition(emissions, transitions, lengths, start, end)
+        score = crf_ops.sequence_score(emissions, transitions, tags, start=start, end=end, mask=mask)
+        log_z = crf_ops.log_partition(emissions, transitions, start=start, end=end, mask=mask)
         log_likelihood = log_likelihood_from_scores(score, log_z)
+        lengths = None if mask is None else (mask != 0).sum(1)
         return reduce_per_sentence(log_likelihood, reduction, lengths, emissions.shape[:2])
 
     @torch.jit.export
@@ -123,14 +126,14 @@ class CRF(nn.Module):
         if torch.jit.is_scripting():
             return self._scripted_decode(emissions, mask)
         self._validate(emissions, mask=mask)
-        emissions, _, lengths = self._batch_first(emissions, None, mask)
+        emissions, _, mask = self._batch_first(emissions, None, mask)
         with torch.no_grad():  # the paths are integers: nothing to differentiate
             transitions, start, end, emissions = self._scores(emissions)
-            paths = crf_ops.viterbi(emissions, transitions, lengths, start, end).paths
+            paths = crf_ops.viterbi(emissions, transitions, start=start, end=end, mask=mask).paths
         rows = paths.tolist()
-        if lengths is None:
+        if mask is None:
             return rows
-        return [row[:length] for row, length in zip(rows, lengths.tolist())]
+        return _tags_of_on_positions(rows)
 
     def _validate(self, emissions: Tensor, tags: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> None:
         layout = "(batch, seq_len" if self.batch_first else "(seq_len, batch"
@@ -158,22 +161,16 @@ class CRF(nn.Module):
         if seq_len == 0:
             # torchcrf scores the first time step of every sentence, so it needs one.
             raise ValueError(f"emissions must have at least one time step, got shape {tuple(emissions.shape)}")
-        if mask is not None:
-            first_step = mask[:, 0] if self.batch_first else mask[0]
-            if not bool(first_step.bool().all()):
-                raise ValueError("mask must have the first time step on for every sentence")
 
     def _batch_first(self, emissions: Tensor, tags: Optional[Tensor],
                      mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """(emissions (B, L, T), tags (B, L) or None, lengths (B,) or None for all L): crfkit's
+        """(emissions (B, L, T), tags (B, L) or None, mask (B, L) or None for all on): crfkit's
         layout. Transposed views: crfkit copies them to contiguous memory itself."""
         if not self.batch_first:
             emissions = emissions.transpose(0, 1)
             tags = None if tags is None else tags.transpose(0, 1)
             mask = None if mask is None else mask.transpose(0, 1)
-        # Raises ValueError naming mask unless it is left-aligned.
-        lengths = None if mask is None else crf_ops.lengths_from_mask(mask)
-        return emissions, tags, lengths
+        return emissions, tags, mask
 
     def _scores(self, emissions: Tensor):
         """(transitions, start, end, emissions) in one dtype, as crfkit's ops require.
@@ -206,10 +203,6 @@ class CRF(nn.Module):
         seq_len = emissions.shape[1] if self.batch_first else emissions.shape[0]
         if seq_len == 0:
             raise ValueError(f"emissions must have at least one time step, got shape {emissions.shape}")
-        if mask is not None:
-            first_step = mask[:, 0] if self.batch_first else mask[0]
-            if not bool(first_step.to(torch.bool).all()):
-                raise ValueError("mask must have the first time step on for every sentence")
 
     def _scripted_inputs(self, emissions: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor,
                                                                                   Tensor, Optional[Tensor]]:
@@ -247,3 +240,10 @@ class CRF(nn.Module):
             return rows
         sizes: List[int] = lengths.tolist()
         return [rows[b][:sizes[b]] for b in range(len(rows))]
+
+
+def _tags_of_on_positions(rows: List[List[int]]) -> List[List[int]]:
+    """Viterbi rows (-1 at the off positions) -> the tags of the on positions. (A function of its own:
+    TorchScript parses CRF.decode's eager branch too, and has no comprehension ifs.)"""
+    return [[tag for tag in row if tag >= 0] for row in rows]
+

@@ -31,6 +31,7 @@
 #include "kbest_lanes.h"
 #include "lanes.h"
 #include "log_space.h"
+#include "per_example.h"
 #include "viterbi_common.h"
 
 namespace crfkit {
@@ -458,13 +459,6 @@ void kbest_sentence(const scalar_t* emit, const PaddedTransitions<scalar_t>& tra
   }
 }
 
-// Number of tag sequences of length L, saturated at `cap`.
-int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
-  int64_t count = 1;
-  for (int64_t i = 0; i < L && count < cap; ++i) count = count > cap / T ? cap : count * T;
-  return std::min(count, cap);
-}
-
 }  // namespace
 
 // scores (B, K), paths (B, K, L) int64: the K best distinct sequences per sentence, descending;
@@ -473,6 +467,9 @@ std::tuple<Tensor, Tensor> kbest_viterbi_cpu(const Tensor& emissions_in,
                                                      const Tensor& transitions_in, int64_t k,
                                                      const Tensor& lengths_in, const Tensor& start_in,
                                                      const Tensor& end_in) {
+  if (transitions_in.dim() == 4) {  // per-example transitions: per_example.cpp
+    return kbest_viterbi_per_example(emissions_in, transitions_in, k, lengths_in, start_in, end_in);
+  }
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   CRFKIT_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);

@@ -19,6 +19,7 @@
 #include "../checks.h"
 #include "isa.h"
 #include "kernels.h"
+#include "per_example.h"
 
 namespace crfkit {
 namespace cpu {
@@ -56,9 +57,11 @@ std::tuple<Tensor, Tensor, Tensor> kbest_viterbi_with_log_probs_cpu(Crf emission
                                                                                 int64_t k, Crf lengths_in,
                                                                                 Crf start_in, Crf end_in) {
   // Checked once, before either kernel starts, so that a bad argument raises the same message
-  // whichever task would have met it first.
+  // whichever task would have met it first. Per-example transitions: the two kernels below send
+  // them to per_example.cpp.
   const auto [emissions, transitions, lengths, start, end] =
-      checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
+      transitions_in.dim() == 4 ? checked_per_example_args(emissions_in, transitions_in, lengths_in, start_in, end_in)
+                                : checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   CRFKIT_CHECK_VALUE(k >= 1, "crfkit: k must be at least 1, got ", k);
   Tensor scores, paths, log_z;
   auto decode = [&] { std::tie(scores, paths) = kbest_viterbi_cpu(emissions, transitions, k, lengths, start, end); };

@@ -15,6 +15,7 @@
 #include "../checks.h"
 #include "isa.h"
 #include "log_space.h"
+#include "per_example.h"
 #include "prob_lanes.h"
 #include "prob_space.h"
 #include "recycled_memory.h"
@@ -308,6 +309,9 @@ void forward_backward_batch(const Tensor& emissions, const Tensor& transitions,
 Tensor log_partition_cpu(const Tensor& emissions_in, const Tensor& transitions_in,
                              const Tensor& lengths_in, const Tensor& start_in,
                              const Tensor& end_in) {
+  if (transitions_in.dim() == 4) {  // per-example transitions: per_example.cpp
+    return log_partition_per_example(emissions_in, transitions_in, lengths_in, start_in, end_in);
+  }
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   auto log_z = empty({emissions.size(0)}, options_of(emissions));
@@ -322,6 +326,9 @@ Tensor log_partition_cpu(const Tensor& emissions_in, const Tensor& transitions_i
 // P(y_i = t | x): (B, L, T), zero at padded positions.
 Tensor marginals_cpu(const Tensor& emissions_in, const Tensor& transitions_in,
                          const Tensor& lengths_in, const Tensor& start_in, const Tensor& end_in) {
+  if (transitions_in.dim() == 4) {  // per-example transitions: per_example.cpp
+    return marginals_per_example(emissions_in, transitions_in, lengths_in, start_in, end_in);
+  }
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   auto marginals = empty_as(emissions);  // zeroed per sentence by the kernel
@@ -338,6 +345,10 @@ Tensor marginals_cpu(const Tensor& emissions_in, const Tensor& transitions_in,
 std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_cpu(
     const Tensor& grad_log_z_in, const Tensor& emissions_in, const Tensor& transitions_in,
     const Tensor& lengths_in, const Tensor& start_in, const Tensor& end_in) {
+  if (transitions_in.dim() == 4) {  // per-example transitions: per_example.cpp
+    return log_partition_backward_per_example(grad_log_z_in, emissions_in, transitions_in, lengths_in, start_in,
+                                              end_in);
+  }
   const Tensor grad_log_z = as_contiguous(grad_log_z_in);
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
@@ -366,6 +377,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_cpu(
 std::tuple<Tensor, Tensor, Tensor> log_partition_with_marginals_cpu(
     const Tensor& emissions_in, const Tensor& transitions_in, const Tensor& lengths_in,
     const Tensor& start_in, const Tensor& end_in) {
+  if (transitions_in.dim() == 4) {  // per-example transitions: per_example.cpp
+    return log_partition_with_marginals_per_example(emissions_in, transitions_in, lengths_in, start_in, end_in);
+  }
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const int64_t B = emissions.size(0), T = emissions.size(2);
@@ -389,6 +403,10 @@ std::tuple<Tensor, Tensor, Tensor> log_partition_with_marginals_cpu(
 std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_from_marginals_cpu(
     const Tensor& grad_log_z_in, const Tensor& marginals_in, const Tensor& counts_in,
     const Tensor& lengths_in) {
+  // Per-example counts (B, Lt, T, T), from per-example transitions: per-example gradients.
+  if (counts_in.dim() == 4) {
+    return log_partition_backward_from_marginals_per_example(grad_log_z_in, marginals_in, counts_in, lengths_in);
+  }
   const Tensor grad_log_z = as_contiguous(grad_log_z_in), marginals = as_contiguous(marginals_in),
                    counts = as_contiguous(counts_in), lengths = as_contiguous(lengths_in);
   check_backward_from_marginals_arguments(grad_log_z, marginals, counts, lengths);
@@ -441,6 +459,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_from_marginals
 Tensor expected_transition_counts_cpu(const Tensor& emissions, const Tensor& transitions,
                                           const Tensor& lengths, const Tensor& start,
                                           const Tensor& end) {
+  if (transitions.dim() == 4) {  // summed over positions, also for Lt = L (per_example.cpp)
+    return expected_transition_counts_per_example(emissions, transitions, lengths, start, end);
+  }
   return std::get<2>(log_partition_with_marginals_cpu(emissions, transitions, lengths, start, end));
 }
 

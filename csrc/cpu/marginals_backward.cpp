@@ -353,6 +353,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> tangent_backward(
 std::tuple<Tensor, Tensor, Tensor, Tensor> marginals_backward_cpu(
     const Tensor& grad_marginals_in, const Tensor& emissions_in, const Tensor& transitions_in,
     const Tensor& lengths_in, const Tensor& start_in, const Tensor& end_in) {
+  check_not_per_example(transitions_in, "transitions",
+                        "marginals_backward (differentiate the marginals through crfkit.reference)");
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const Tensor grad_marginals = as_contiguous(grad_marginals_in);
@@ -364,6 +366,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> marginals_backward_cpu(
 std::tuple<Tensor, Tensor, Tensor, Tensor> expected_transition_counts_backward_cpu(
     const Tensor& grad_counts_in, const Tensor& emissions_in, const Tensor& transitions_in,
     const Tensor& lengths_in, const Tensor& start_in, const Tensor& end_in) {
+  check_not_per_example(transitions_in, "transitions",
+                        "expected_transition_counts_backward (differentiate the counts through crfkit.reference)");
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const Tensor grad_counts = as_contiguous(grad_counts_in);

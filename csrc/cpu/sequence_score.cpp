@@ -8,26 +8,18 @@
 #include "../tensor.h"
 #include "../checks.h"
 #include "isa.h"
+#include "per_example.h"
 
 namespace crfkit {
 namespace cpu {
 inline namespace CRFKIT_CPU_ISA {
-namespace {
-
-// Raises unless every tag of row (b, j) within its length is in [0, T).
-void check_row(const int64_t* row, int64_t n, int64_t T, int64_t b, int64_t j) {
-  for (int64_t i = 0; i < n; ++i) {
-    CRFKIT_CHECK_VALUE(row[i] >= 0 && row[i] < T, "crfkit: tags[", b, ", ", j, ", ", i, "] = ", row[i],
-                " is not a tag index in [0, ", T, ")");
-  }
-}
-
-}  // namespace
-
 // (B, N): score of each sequence; 0 for a length-0 sentence.
 Tensor sequence_score_cpu(const Tensor& emissions_in, const Tensor& transitions_in,
                               const Tensor& tags_in, const Tensor& lengths_in,
                               const Tensor& start_in, const Tensor& end_in) {
+  if (transitions_in.dim() == 4) {  // per-example transitions: per_example.cpp
+    return sequence_score_per_example(emissions_in, transitions_in, tags_in, lengths_in, start_in, end_in);
+  }
   const Tensor tags = as_contiguous(tags_in);
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
@@ -38,7 +30,7 @@ Tensor sequence_score_cpu(const Tensor& emissions_in, const Tensor& transitions_
   const int64_t* len = lengths.mutable_data_ptr<int64_t>();
   const int64_t* tag = tags.mutable_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t j = 0; j < N; ++j) check_row(tag + (b * N + j) * L, len[b], T, b, j);
+    for (int64_t j = 0; j < N; ++j) check_tag_row(tag + (b * N + j) * L, len[b], T, b, j);
   }
   CRFKIT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "crfkit_sequence_score", [&] {
     const scalar_t* emit = emissions.mutable_data_ptr<scalar_t>();
@@ -89,7 +81,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sequence_score_backward_cpu(
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t j = 0; j < N; ++j) {
       const int64_t* y = tag + (b * N + j) * L;
-      if (len[b] > 0 && y[0] != -1) check_row(y, len[b], T, b, j);
+      if (len[b] > 0 && y[0] != -1) check_tag_row(y, len[b], T, b, j);
     }
   }
   auto grad_emissions = zeros_like(emissions);

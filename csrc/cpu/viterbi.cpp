@@ -23,6 +23,7 @@
 #include "isa.h"
 #include "lanes.h"
 #include "log_space.h"
+#include "per_example.h"
 #include "viterbi_common.h"
 #include "viterbi_lanes.h"
 
@@ -71,6 +72,9 @@ std::tuple<Tensor, Tensor> viterbi_cpu(const Tensor& emissions_in,
                                                const Tensor& transitions_in,
                                                const Tensor& lengths_in, const Tensor& start_in,
                                                const Tensor& end_in) {
+  if (transitions_in.dim() == 4) {  // per-example transitions: per_example.cpp
+    return viterbi_per_example(emissions_in, transitions_in, lengths_in, start_in, end_in);
+  }
   const auto [emissions, transitions, lengths, start, end] =
       checked_cpu_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
   const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);

@@ -109,6 +109,14 @@ void column_argmax(const scalar_t* offsets, const scalar_t* rows, int64_t stride
   });
 }
 
+// Number of tag sequences of length L, saturated at `cap` (k-best's list length: no sentence has
+// more than T^L sequences; kbest.cpp, per_example.cpp).
+inline int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
+  int64_t count = 1;
+  for (int64_t i = 0; i < L && count < cap; ++i) count = count > cap / T ? cap : count * T;
+  return std::min(count, cap);
+}
+
 // scores (B,), paths (B, L) int64: the Viterbi op's CPU kernel (viterbi.cpp).
 std::tuple<Tensor, Tensor> viterbi_cpu(const Tensor& emissions_in,
                                                const Tensor& transitions_in,

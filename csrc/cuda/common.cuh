@@ -200,6 +200,7 @@ inline CrfArgs checked_cuda_args(const Tensor& emissions, const Tensor& transiti
                                  const Tensor& end) {
   CrfArgs a{as_contiguous(emissions), as_contiguous(transitions), as_contiguous(lengths), as_contiguous(start),
             as_contiguous(end)};
+  check_not_per_example(a.transitions, "transitions", "the CUDA kernels (only the CPU ones take them)");
   check_crf_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
   CRFKIT_CHECK(a.emissions.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got emissions on ",
               a.emissions.device());

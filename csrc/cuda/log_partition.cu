@@ -383,6 +383,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_from_marginals
     const Tensor& lengths_in) {
   const Tensor grad_log_z = as_contiguous(grad_log_z_in), marginals = as_contiguous(marginals_in),
                    counts = as_contiguous(counts_in), lengths = as_contiguous(lengths_in);
+  check_not_per_example(counts, "transition_counts", "the CUDA kernels (only the CPU ones take them)");
   check_backward_from_marginals_arguments(grad_log_z, marginals, counts, lengths);
   CRFKIT_CHECK(marginals.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got marginals on ",
               marginals.device());
