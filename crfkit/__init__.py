@@ -18,6 +18,7 @@ from .backends import (backend_info, build_extension, cached_memory, release_cac
                        use_backend)
 from .backends.deferred_errors import check_errors, deferred_errors
 from .distribution import LinearChainCRF
+from .entities import EntityMarginals, MBRDecode, entity_marginals, mbr_decode
 from .functional import (
     BestPath,
     KBest,
@@ -35,7 +36,7 @@ from .functional import (
 from .nn import CRF
 from ._version import __version__ as __version__
 
-_LAZY_SUBMODULES = ("compat", "data", "distill", "taggers", "training")
+_LAZY_SUBMODULES = ("calibration", "compat", "data", "distill", "taggers", "training")
 
 
 def __getattr__(name: str):
@@ -48,8 +49,10 @@ def __getattr__(name: str):
 __all__ = [
     "BestPath",
     "CRF",
+    "EntityMarginals",
     "KBest",
     "LinearChainCRF",
+    "MBRDecode",
     "Samples",
     "backend_info",
     "build_extension",
@@ -58,11 +61,13 @@ __all__ = [
     "constraints",
     "deferred_errors",
     "distill",
+    "entity_marginals",
     "expected_transition_counts",
     "kbest_viterbi",
     "lengths_from_mask",
     "log_partition",
     "marginals",
+    "mbr_decode",
     "partial_nll",
     "reference",
     "release_cached_memory",

@@ -50,3 +50,8 @@ if [ "$torch_before" != "$torch_after" ]; then
     exit 1
 fi
 echo "peers installed; torch $torch_after untouched"
+# pytorch-partial-crf (benchmarks/bench_new_ops.py, partial log-likelihood): pure Python; its metadata
+# pins torch < 2 and pytest < 7, which it does not need at run time (it imports torch alone and runs
+# under torch 2.13), so --no-deps; it cannot change torch.
+$PIP install --no-deps "pytorch-partial-crf==0.2.1"
+$PYTHON -c "import pytorch_partial_crf" && echo "pytorch-partial-crf installed; torch $($PYTHON -c 'import torch; print(torch.__version__)') untouched"

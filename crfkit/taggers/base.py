@@ -12,9 +12,14 @@ A tagger is an nn.Module with
 and the CRF ops on top (decode, kbest, marginals). The Trainer feeds forward() the collated
 batches of crfkit.training; predict() is the user's entry point.
 
-A saved tagger is a folder: config.json (the class, every constructor argument, the labels),
-model.safetensors (the weights) and the class's own extra files (vocabulary, tokenizer).
-Loading reads JSON and safetensors only: nothing is unpickled.
+A saved tagger is a folder: config.json (the class, every constructor argument, the labels, the
+temperature), model.safetensors (the weights) and the class's own extra files (vocabulary,
+tokenizer). Loading reads JSON and safetensors only: nothing is unpickled.
+
+Confidence: predict(..., confidence=True) gives each entity its exact probability under the CRF
+(crfkit.entities) with every score divided by the tagger's temperature (1.0 unless set, or fitted
+on validation data by calibrate(); saved in config.json, and a folder saved without one loads
+with 1.0). The temperature never changes the tags predict returns.
 """
 from __future__ import annotations
 
@@ -29,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from .._files import read_json
-from .._validation import check_int
-from ..constraints import allowed_transitions
+from .._validation import check_bool, check_int, check_number
+from ..constraints import SCHEMES, allowed_transitions
 from ..functional import KBest
 from ..nn import CRF
 
@@ -73,6 +78,8 @@ class CRFTagger(nn.Module):
         decoding alike; None for an unconstrained CRF.
     """
 
+    _temperature = 1.0  # (a class default too, for subclasses built without CRFTagger.__init__)
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         _REGISTRY[cls.__name__] = cls
@@ -87,6 +94,7 @@ class CRFTagger(nn.Module):
         self.scheme = scheme
         constraints = allowed_transitions(self.labels, scheme) if scheme is not None else None
         self.crf = CRF(len(self.labels), constraints=constraints)
+        self._temperature = 1.0
 
     # ------------------------------------------------------------------ to implement
     def featurize(self, token_lists: Sequence[Sequence[str]]) -> dict[str, Tensor]:
@@ -173,32 +181,146 @@ class CRFTagger(nn.Module):
         emissions, hidden = self.emissions_and_hidden(batch, hidden_layer)
         return TeacherOutput(emissions, transitions, batch["lengths"], start, end, hidden)
 
+    # ------------------------------------------------------------------ predicting, with confidence
+    @property
+    def temperature(self) -> float:
+        """The temperature T > 0 of the entity probabilities: every CRF score is divided by T before
+        they are computed (T > 1 flattens, T < 1 sharpens; the predicted tags never change). 1.0
+        unless set or fitted by calibrate(); saved in config.json."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._temperature = check_number("temperature", value, minimum=0, open_minimum=True)
+
+    @property
+    def entity_scheme(self) -> str:
+        """The scheme whose labels crfkit.entities reads: the tagger's scheme, or for an
+        unconstrained tagger (scheme None) the first of BIO, BIOES, BMES, IOB1 that accepts its
+        labels (the reading of tags as entities is the same in all of them)."""
+        if self.scheme is not None:
+            return allowed_transitions(self.labels, self.scheme).scheme
+        for scheme in ("BIO", "BIOES", "BMES", "IOB1"):
+            try:
+                allowed_transitions(self.labels, scheme)
+            except ValueError:
+                continue
+            return scheme
+        raise ValueError(f"the labels {self.labels} fit none of the schemes {', '.join(SCHEMES)}: "
+                         "their entities cannot be read")
+
+    def _batches(self, sentences: list[list[str]], batch_size: int):
+        """(first sentence index, sentences, featurize() batch on the tagger's device) per batch."""
+        device = next(self.parameters()).device
+        for begin in range(0, len(sentences), batch_size):
+            chunk = sentences[begin:begin + batch_size]
+            yield begin, chunk, {name: t.to(device) for name, t in self.featurize(chunk).items()}
+
+    def _scaled_parameters(self):
+        """(transitions, start, end) divided by the temperature (None stays None)."""
+        transitions, start, end = self.distribution_parameters()
+        scale = 1.0 / self.temperature
+        return transitions * scale, None if start is None else start * scale, None if end is None else end * scale
+
     @torch.no_grad()
-    def predict(self, token_lists: Sequence[Sequence[str]], batch_size: int = 32) -> list[list[str]]:
-        """Tag sentences: a list of word lists -> a list of tag-name lists (same lengths).
-        Runs in eval mode on the tagger's device, batch_size sentences at a time. A sentence that
-        no tag sequence is allowed for (every path scores -inf) is a ValueError naming it."""
+    def predict(self, token_lists: Sequence[Sequence[str]], batch_size: int = 32,
+                confidence: bool = False) -> list:
+        """Tag sentences: a list of word lists -> a list of tag-name lists (same lengths), the
+        Viterbi paths. Runs in eval mode on the tagger's device, batch_size sentences at a time. A
+        sentence that no tag sequence is allowed for (every path scores -inf) is a ValueError naming it.
+
+        confidence=True: per sentence instead a dict
+            {"tags": [tag names, as without confidence],
+             "entities": [{"text": "the words joined by spaces", "type": "PER", "start": first word,
+                           "end": word after the last, "probability": float}, ...]}
+        with the entities of those tags, in order (read as crfkit.tag.entities and crfkit.entities
+        read tags), each with its exact probability under the CRF at the tagger's temperature:
+        P(the CRF's tag sequence holds an entity of that type with exactly those words)."""
         sentences = _check_token_lists(token_lists)
         check_int("batch_size", batch_size, minimum=1, type_error=ValueError)
+        check_bool("confidence", confidence)
         was_training = self.training
         self.eval()
-        device = next(self.parameters()).device
-        tagged: list[list[str]] = []
+        tagged: list = []
         try:
-            for begin in range(0, len(sentences), batch_size):
-                chunk = sentences[begin:begin + batch_size]
-                batch = {name: t.to(device) for name, t in self.featurize(chunk).items()}
-                paths = self.decode(batch).tolist()
-                for tokens, path in zip(chunk, paths):
+            for _, chunk, batch in self._batches(sentences, batch_size):
+                if confidence:
+                    emissions = self.emissions(batch)
+                    paths = self.crf.decode(emissions, lengths=batch["lengths"]).paths
+                else:
+                    paths = self.decode(batch)
+                rows = paths.tolist()
+                for tokens, path in zip(chunk, rows):
                     if tokens and path[0] < 0:  # Viterbi's -1: no sequence has a finite score
                         raise ValueError(
                             f"predict: sentence {len(tagged)} ({sentence_preview(tokens)}) has no tag sequence that "
                             "the CRF allows: every sequence scores -inf (-inf emissions rule out each sequence that "
                             "the transition constraints leave)")
                     tagged.append([self.labels[t] for t in path[:len(tokens)]])
+                if confidence:
+                    first = len(tagged) - len(chunk)
+                    for i, found in enumerate(self._entities(emissions, batch["lengths"], paths, chunk)):
+                        tagged[first + i] = {"tags": tagged[first + i], "entities": found}
         finally:
             self.train(was_training)
         return tagged
+
+    def _entities(self, emissions: Tensor, lengths: Tensor, paths: Tensor, chunk: list[list[str]]) -> list[list[dict]]:
+        """The entities of paths (B, L) with their probabilities at the tagger's temperature, per sentence."""
+        from ..entities import entity_marginals, entity_spans, entity_types
+
+        scheme = self.entity_scheme
+        spans = entity_spans(paths, self.labels, lengths, scheme=scheme)
+        transitions, start, end = self._scaled_parameters()
+        found = entity_marginals(emissions / self.temperature, transitions, self.labels, spans, lengths, start, end,
+                                 scheme=scheme)
+        types = entity_types(self.labels, scheme)
+        out: list[list[dict]] = [[] for _ in chunk]
+        for (b, first, stop, kind), p in zip(found.spans.tolist(), found.probabilities.tolist()):
+            out[b].append({"text": " ".join(chunk[b][first:stop]), "type": types[kind], "start": first, "end": stop,
+                           "probability": p})
+        return out
+
+    @torch.no_grad()
+    def calibrate(self, token_lists: Sequence[Sequence[str]], tag_lists: Sequence[Sequence[str]],
+                  batch_size: int = 32, **search) -> float:
+        """Fit the temperature on held-out sentences with gold tags (the validation split), set it
+        and return it: crfkit.calibration.fit_temperature, the T minimising the gold sequences'
+        negative log-likelihood with every CRF score divided by T (search: its bounds / tolerance).
+        A gold sequence that the CRF forbids (say IOB1 tags for a BIO tagger) is a ValueError."""
+        from ..calibration import fit_temperature
+
+        sentences = _check_token_lists(token_lists)
+        check_int("batch_size", batch_size, minimum=1, type_error=ValueError)
+        if isinstance(tag_lists, (str, bytes)) or not isinstance(tag_lists, Sequence) or len(tag_lists) != len(
+                sentences):
+            raise ValueError(f"tag_lists must hold one list of tag names per sentence ({len(sentences)})")
+        index = {label: i for i, label in enumerate(self.labels)}
+        gold = []
+        for i, (tokens, tags) in enumerate(zip(sentences, tag_lists)):
+            if isinstance(tags, str) or not isinstance(tags, Sequence) or len(tags) != len(tokens):
+                raise ValueError(f"tag_lists[{i}] must be a list of {len(tokens)} tag names, one per word")
+            unknown = [t for t in tags if t not in index]
+            if unknown:
+                raise ValueError(f"tag_lists[{i}] holds {unknown[0]!r}, not one of the tagger's labels {self.labels}")
+            gold.append([index[t] for t in tags])
+        was_training = self.training
+        self.eval()
+        emissions, tags, lengths = [], [], []
+        try:
+            for begin, chunk, batch in self._batches(sentences, batch_size):
+                em = self.emissions(batch)
+                tg = torch.zeros(em.shape[:2], dtype=torch.long, device=em.device)
+                for b, row in enumerate(gold[begin:begin + len(chunk)]):
+                    tg[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+                emissions.append(em)
+                tags.append(tg)
+                lengths.append(batch["lengths"])
+        finally:
+            self.train(was_training)
+        transitions, start, end = self.distribution_parameters()
+        self.temperature = fit_temperature(emissions, transitions, tags, lengths, start, end, **search)
+        return self.temperature
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
@@ -217,7 +339,7 @@ class CRFTagger(nn.Module):
         os.makedirs(directory, exist_ok=True)
         record = {"format": TAGGER_FORMAT, "format_version": TAGGER_FORMAT_VERSION, "tagger": type(self).__name__,
                   "labels": self.labels, "scheme": self.scheme, "config": self.config(),
-                  "crfkit_version": __version__}
+                  "temperature": self.temperature, "crfkit_version": __version__}
         self.save_extra(directory)
         save_model(self, os.path.join(directory, WEIGHTS_NAME))
         with open(os.path.join(directory, CONFIG_NAME), "w") as f:
@@ -257,6 +379,7 @@ class CRFTagger(nn.Module):
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
             raise ValueError(f"{path} describes a {record['tagger']} that cannot be built: {message}") from None
         _load_weights(tagger, weights, path, device)
+        tagger.temperature = record.get("temperature", 1.0)  # (folders saved before it existed: 1.0)
         return tagger.eval()
 
 
@@ -276,6 +399,11 @@ def _read_tagger_config(path: str, directory: str) -> dict[str, Any]:
         if not isinstance(record.get(key), kind):
             raise ValueError(f"{path}: {key!r} must be {what} (a JSON {'string' if kind is str else 'object'}), "
                              f"got {reprlib.repr(record.get(key))}")
+    temperature = record.get("temperature", 1.0)
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0
+            or temperature == float("inf")):
+        raise ValueError(f"{path}: 'temperature' must be a positive number (the entity probabilities' temperature), "
+                         f"got {reprlib.repr(temperature)}")
     if "scheme" not in record or not isinstance(record["scheme"], (str, type(None))):
         raise ValueError(f"{path}: 'scheme' must be a tagging scheme name or null, got "
                          f"{reprlib.repr(record.get('scheme', '(missing)'))}")
