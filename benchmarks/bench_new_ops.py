@@ -19,10 +19,11 @@ Parts (--parts picks some; --overhead-only is --parts overhead):
                (B, T, T) and (B, L, T, T), against torch-struct (per-position potentials), crfkit's
                reference backend and crfkit with the shared (T, T) matrix (context, other inputs).
   overhead     crfkit.log_partition / viterbi / kbest_viterbi(k=5), no_grad, with NO new argument:
-               this checkout ("after") against the last commit ("before": a git worktree of HEAD in
-               --before-tree, removed afterwards, with this checkout's built crfkit/_C.abi3.so and
-               _build_info.py copied in), each in its own subprocess, rounds interleaved
-               before, after, before, after, ...; both results must be identical first.
+               this checkout ("after") against --before-commit (default HEAD, the last commit; once the
+               new ops are committed, pass the last commit without them) as "before": a git worktree of
+               it in a fresh temp folder (--before-tree), removed afterwards, with this checkout's built
+               crfkit/_C.abi3.so and _build_info.py copied in; each in its own subprocess, rounds
+               interleaved before, after, before, after, ...; both results must be identical first.
 --quick (default) runs every part on its first shapes; --full adds the larger ones (listed in
 the output). Inputs: benchmarks/cases.py's seeded inputs (emissions randn*3, transitions / start /
 end randn, lengths in [L/2, L] with sentence 0 of length L), float32; the extra tensors (partial
@@ -52,6 +53,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -99,7 +101,7 @@ ISOLATE_MB = 256
 MEM_CAP_GB = 8.0
 CHILD_BASE_GB = 3.0  # address space of a bare torch + crfkit process, added to the cap
 RESULT_TAG = "@@bench_new_ops "
-BEFORE_TREE = "/tmp/crfkit-before"
+BEFORE_PREFIX = "crfkit-before-"  # part 5's worktree: a fresh folder of the temp dir (outside the checkout)
 
 SCORE_TOL, PROB_TOL, COUNT_TOL, TIE_TOL = cases.SCORE_TOL, cases.PROB_TOL, cases.COUNT_TOL, cases.TIE_TOL
 REL_TOL = 1e-4  # partial NLL values, peer against crfkit (relative)
@@ -910,14 +912,16 @@ def _git(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True, check=check)
 
 
-def make_before_tree(path: Path) -> str:
-    """A git worktree of HEAD at path (outside the checkout), with this checkout's built extension."""
-    if path.exists():
+def make_before_tree(path: Path, commit: str = "HEAD") -> str:
+    """A git worktree of `commit` at path (outside the checkout), with this checkout's built extension.
+    path may be an empty folder (the fresh temp folder of the default); an existing worktree of this
+    checkout there is replaced."""
+    if path.exists() and any(path.iterdir()):
         listed = _git("worktree", "list", "--porcelain").stdout
         if f"worktree {path}\n" not in listed + "\n":
             raise RuntimeError(f"{path} exists and is not a worktree of {ROOT}: remove it or pass --before-tree")
         remove_before_tree(path)
-    _git("worktree", "add", "--detach", str(path), "HEAD")
+    _git("worktree", "add", "--detach", str(path), commit)
     for name in ("_C.abi3.so", "_build_info.py"):
         if (ROOT / "crfkit" / name).exists():
             shutil.copy2(ROOT / "crfkit" / name, path / "crfkit" / name)
@@ -943,9 +947,16 @@ def _same(a, b) -> Optional[str]:
 
 
 def run_overhead(specs: List[dict], args) -> Tuple[List[dict], dict]:
-    tree = Path(args.before_tree)
-    before_commit = make_before_tree(tree)
-    info: Dict[str, Any] = {"before_tree": str(tree), "before_commit": before_commit}
+    # a fresh folder by default, so that two runs at once cannot remove each other's tree
+    tree = Path(args.before_tree) if args.before_tree else Path(tempfile.mkdtemp(prefix=BEFORE_PREFIX))
+    try:
+        before_commit = make_before_tree(tree, args.before_commit)
+    except Exception:
+        if not args.before_tree and tree.exists() and not any(tree.iterdir()):
+            tree.rmdir()
+        raise
+    info: Dict[str, Any] = {"before_tree": str(tree), "before_commit": before_commit,
+                            "before_rev": args.before_commit}
     workers: Dict[str, Worker] = {}
     rows = []
     try:
@@ -1114,8 +1125,9 @@ PART_NOTES = {
     "overhead": (
         "One call of `crfkit.log_partition` / `crfkit.viterbi` / `crfkit.kbest_viterbi(k=5)` under no_grad with "
         "lengths, start and end and no new argument, in two subprocesses: 'before' imports crfkit from a git "
-        "worktree of HEAD (the last commit) with this checkout's built extension copied in, 'after' from this "
-        "checkout (each worker's crfkit.__file__ is verified). The two results must be identical before timing. "
+        "worktree of --before-commit (see the line below) with this checkout's built extension copied in, "
+        "'after' from this checkout (each worker's crfkit.__file__ is verified). The two results must be "
+        "identical before timing. "
         "Rounds interleaved (before, after, before, after, ...), each a blocked_autorange median; the smallest "
         "round median is reported, the rounds beside it."),
 }
@@ -1171,6 +1183,11 @@ def markdown(env: dict, rows: Dict[str, List[dict]], overhead_info: Optional[dic
             lines += [f"**Not run: {overhead_info['error']}**", ""]
         elif part == "overhead" and overhead_info:
             b, a = overhead_info.get("before", {}), overhead_info.get("after", {})
+            if b.get("has_new_ops"):
+                lines += [f"**Warning: the 'before' crfkit (commit {overhead_info['before_commit']}, from "
+                          f"--before-commit {overhead_info.get('before_rev')}) already has the new ops "
+                          "(crfkit.partial_nll): this table does not measure their cost. Rerun with --before-commit "
+                          "set to the last commit without them.**", ""]
             lines += [f"before: commit {overhead_info['before_commit']} ({b.get('crfkit_file')}, backend "
                       f"{b.get('backend_info', {}).get('backend')}, new ops present: {b.get('has_new_ops')}); after: "
                       f"{env['crfkit_git']} ({a.get('crfkit_file')}, backend "
@@ -1243,8 +1260,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="run torch-struct cells expected to need more in a capped subprocess")
     parser.add_argument("--mem-cap-gb", type=float, default=MEM_CAP_GB,
                         help="address-space cap of that subprocess (+%g GiB for the process)" % CHILD_BASE_GB)
-    parser.add_argument("--before-tree", default=BEFORE_TREE,
-                        help="where part 5 puts the git worktree of HEAD (default %(default)s; removed afterwards)")
+    parser.add_argument("--before-commit", default="HEAD",
+                        help="the commit part 5 times as 'before' (default %(default)s: the last commit; once the "
+                        "new ops are committed, the last commit without them)")
+    parser.add_argument("--before-tree", help="where part 5 puts the git worktree of --before-commit (default: a "
+                        f"fresh folder {BEFORE_PREFIX}* of the temp dir; removed afterwards)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv[1:])

@@ -180,8 +180,10 @@ def transition_gradients(emissions, transitions, lengths=None, start=None, end=N
     """
     B, L, T = emissions.shape
     per_sentence_shape = (B, T, T) if transitions.dim() == 2 else tuple(transitions.shape)
-    if B == 0 or L <= 1:  # no transition is ever read
-        return emissions.new_zeros(per_sentence_shape) + 0 * (transitions.sum() + emissions.sum())
+    if B == 0 or L <= 1:  # no transition is ever read: zeros, connected to the inputs' graph
+        # (nan_to_num: a -inf score must not turn 0 * score into NaN)
+        finite = transitions.nan_to_num(0.0, 0.0, 0.0).sum() + emissions.nan_to_num(0.0, 0.0, 0.0).sum()
+        return emissions.new_zeros(per_sentence_shape) + 0 * finite
     create_graph = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (emissions, transitions, start, end)
     )

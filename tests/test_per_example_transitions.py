@@ -202,3 +202,14 @@ def test_torch_compile_traces_per_example_transitions(per_position):
     from conftest import check_compile_matches_eager
     emissions, transitions, lengths, start, end = per_example_crf(3, 5, 4, per_position, seed=12)
     check_compile_matches_eager(emissions, transitions, lengths, start, end, crfkit.use_backend("compiled"))
+
+
+@pytest.mark.parametrize("per_example", [False, True])
+def test_counts_of_one_position_sentences_are_zero_with_forbidden_transitions(backend, per_example):
+    # No transition is read at L = 1: the counts are 0, not 0 * -inf = NaN.
+    emissions, transitions, lengths, start, end = random_crf(3, 1, 3, seed=4)
+    transitions[0, 1] = -math.inf
+    if per_example:
+        transitions = transitions.expand(3, 3, 3).clone()
+    counts = crfkit.expected_transition_counts(emissions, transitions, lengths, start, end)
+    assert torch.equal(counts, torch.zeros(3, 3, 3, dtype=counts.dtype))
