@@ -116,11 +116,6 @@ def per_example_form(transitions: Tensor, start: Tensor, end: Tensor, B: int, T:
     return (transitions.contiguous(), start.expand(B, T).contiguous(), end.expand(B, T).contiguous())
 
 
-def is_per_example(transitions: Tensor) -> bool:
-    """Whether prepared transitions are per example ((B, Lt, T, T); see per_example_form)."""
-    return transitions.dim() == 4
-
-
 # The checks above run on every call; at small sizes (B = 1, short sentences) they cost more
 # than the kernels, so the no-op conversions are skipped and the default start / end zeros are
 # made once per (num_tags, dtype, device). They are never written to or returned.
