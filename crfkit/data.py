@@ -398,7 +398,9 @@ class Vocabulary:
     vocabulary has pad at 0 (``nn.Embedding(len(v), d, padding_idx=v.pad_index)``). A tag set is a
     Vocabulary with ``pad_token=None, unk_token=None``, where an unknown tag is an error.
     lowercase: items are stored lower-cased and lookups try the lower-cased string (special
-    tokens are kept as given).
+    tokens are kept as given). lowercase_fallback (with lowercase=False): items keep their case
+    and a lookup that misses tries the lower-cased string, then the capitalised one, so a cased
+    table finds "PARIS" as "paris" or, failing that, "Paris".
     """
 
     def __init__(
@@ -408,10 +410,14 @@ class Vocabulary:
         pad_token: Optional[str] = "<pad>",
         unk_token: Optional[str] = "<unk>",
         lowercase: bool = False,
+        lowercase_fallback: bool = False,
     ) -> None:
+        if lowercase and lowercase_fallback:
+            raise ValueError("lowercase_fallback applies to a cased vocabulary (lowercase=False)")
         self.pad_token = pad_token
         self.unk_token = unk_token
         self.lowercase = lowercase
+        self.lowercase_fallback = lowercase_fallback
         self._items: list[str] = []
         self._index: dict[str, int] = {}
         specials = [token for token in (pad_token, unk_token) if token is not None]
@@ -468,11 +474,14 @@ class Vocabulary:
         return iter(self._items)
 
     def __getitem__(self, item: str) -> int:
-        """The index of ``item`` (lower-cased first if the vocabulary was built lower-cased);
+        """The index of ``item`` (lower-cased first if the vocabulary was built lower-cased, or
+        lower-cased, then capitalised, when the item misses with lowercase_fallback);
         unknown items map to unk_index, or raise KeyError when there is no unk token."""
         index = self._index.get(item)
-        if index is None and self.lowercase:
+        if index is None and (self.lowercase or self.lowercase_fallback):
             index = self._index.get(item.lower())
+        if index is None and self.lowercase_fallback:
+            index = self._index.get(item[:1].upper() + item[1:].lower())
         if index is None:
             if self.unk_token is None:
                 raise KeyError(f"{item!r} is not in the vocabulary and it has no unk token")

@@ -89,11 +89,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--k", type=positive_int, default=5, help="teacher paths for the SEQ losses (default 5)")
     parser.add_argument("--cache-k", type=positive_int, help="paths kept in the teacher-label cache (default: the "
                         "largest K asked for; 15 with --full, so that every run of the K ablation shares one cache)")
+    parser.add_argument("--crossfit", type=count, default=0, metavar="N",
+                        help="cross-fitted teacher labels for the train text: N fold teachers, each fine-tuned "
+                        "without its fold, label it (0: off, the default)")
     parser.add_argument("--seeds", nargs="+", type=count, help="student seeds (" + _default("seeds") + ")")
     parser.add_argument("--student-epochs", type=positive, help=_default("student_epochs"))
     parser.add_argument("--student-lr", type=positive, default=1e-3, help="default 1e-3")
     parser.add_argument("--student-hidden", type=positive_int, default=300,
                         help="BiLSTM width, both directions together: even (default 300)")
+    parser.add_argument("--student-char-cnn", action="store_true",
+                        help="give the BiLSTM students a character CNN (default off)")
     parser.add_argument("--student-dropout", type=_validation.cli_number(minimum=0, maximum=1, open_maximum=True),
                         default=0.5, help="default 0.5")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="training batch size (default 32)")
@@ -123,7 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.requested_cache_k = args.cache_k  # what the tool is given (None: the largest K, as it resolves)
     try:
         distillation = DistillationArguments(runs=list(args.runs), k=args.k, cache_k=args.cache_k,
-                                             seeds=list(args.seeds), stages=list(args.stages))
+                                             seeds=list(args.seeds), stages=list(args.stages),
+                                             crossfit_folds=args.crossfit)
         args.run_specs, args.cache_k, _ = plan_runs(distillation, DataArguments(da_news=bool(args.da_news),
                                                                                 da_augment=args.da_augment))
     except ValueError as error:  # the tool's message, in this command line's option names
@@ -146,10 +152,11 @@ def tool_arguments(args: argparse.Namespace):
                              teacher_learning_rate=args.teacher_lr, teacher_head_learning_rate=args.teacher_head_lr,
                              teacher_layer_decay=args.layer_decay, teacher_hidden_layer=args.teacher_hidden_layer),
             StudentArguments(student_epochs=args.student_epochs, student_learning_rate=args.student_lr,
-                             student_hidden=args.student_hidden, student_dropout=args.student_dropout),
+                             student_hidden=args.student_hidden, student_dropout=args.student_dropout,
+                             student_char_cnn=args.student_char_cnn),
             DistillationArguments(runs=list(args.runs), k=args.k,
                                   cache_k=getattr(args, "requested_cache_k", args.cache_k), seeds=list(args.seeds),
-                                  stages=list(args.stages)),
+                                  stages=list(args.stages), crossfit_folds=args.crossfit),
             DistillTrainingArguments(output_dir=args.workdir, per_device_train_batch_size=args.batch_size,
                                      patience=args.patience, seed=args.seed, report_to="none"))
 

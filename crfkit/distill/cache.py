@@ -81,6 +81,7 @@ Runtime dependencies: torch, numpy, safetensors, tqdm.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -107,6 +108,7 @@ from ..functional import KBest, kbest_viterbi, log_partition, marginals
 __all__ = [
     "CacheBusyError",
     "CacheMismatchError",
+    "CacheUnion",
     "CachedBatch",
     "CachedLabels",
     "TeacherLabelCache",
@@ -482,7 +484,14 @@ def _shard_bytes(batches: List[dict], first_id: int, end_id: int, metadata: dict
         tensors["marginals"] = torch.cat([b["marginals"] for b in batches]).to(marginals_dtype)
     if "emissions" in batches[0]:
         tensors["emissions"] = torch.cat([b["emissions"] for b in batches])
-        tensors.update(batches[-1]["crf"])
+        # a shard stores one CRF: every batch of it must come from the same teacher
+        crf = batches[0]["crf"]
+        for b in batches[1:]:
+            if any(not torch.equal(crf[name], b["crf"][name]) for name in crf):
+                raise CacheMismatchError(f"sentences [{first_id}, {end_id}) of one shard got CRFs of different "
+                                         "teachers; label each teacher's sentences into a cache of their own and "
+                                         "join them with CacheUnion")
+        tensors.update(crf)
     if "hidden" in batches[0]:
         tensors["hidden"] = torch.cat([b["hidden"] for b in batches])
     metadata = dict(metadata, num_tokens=str(int(offsets[-1])))
@@ -954,6 +963,15 @@ class TeacherLabelCache:
         shard = self._shard(min(self._files))
         return shard.crf["transitions"], shard.crf["start"], shard.crf["end"]
 
+    per_sentence_crf = False   # one teacher labelled every sentence (CacheUnion: one per part)
+
+    def teacher_crfs(self, ids) -> tuple[Tensor, Tensor, Tensor]:
+        """Each sentence's teacher CRF: transitions (B, T, T), start (B, T), end (B, T)."""
+        transitions, start, end = self.teacher_crf()
+        B = len(ids.tolist() if isinstance(ids, Tensor) else list(ids))
+        return (transitions.expand(B, *transitions.shape), start.expand(B, *start.shape),
+                end.expand(B, *end.shape))
+
     def close(self) -> None:
         """Close every open shard (the cache reopens them on demand)."""
         self._open.clear()
@@ -962,6 +980,100 @@ class TeacherLabelCache:
         state = dict(self.__dict__)
         state["_open"] = OrderedDict()
         return state
+
+
+class CacheUnion:
+    """Teacher-label caches read as one corpus: part j's sentence i is sentence offsets[j] + i of
+    the union, each part labelled by a teacher of its own (cross-fitting: fold j of the training
+    text by the teacher trained without it, the DA pool by the teacher trained on all of it); a
+    part may be a range of a cache's sentences. Reads like a TeacherLabelCache (len, [id], batch,
+    k, label_names, manifest's with_emissions / with_hidden, teacher_info: the parts' list); when
+    the parts' CRFs differ, per_sentence_crf is True, teacher_crf() refuses and teacher_crfs(ids)
+    gives each sentence its own teacher's CRF (the token_pos and exact_kl losses take it per
+    example).
+
+        union = CacheUnion([load_cache("labels-fold0"), load_cache("labels-fold1"),
+                            (load_cache("labels-all"), 14041, 16728)])   # its DA pool's ids only
+    """
+
+    collate = staticmethod(TeacherLabelCache.collate)
+
+    def __init__(self, parts: Sequence):
+        """parts: caches, or (cache, first_id, end_id) for its sentences [first_id, end_id) only."""
+        ranges = []
+        for part in parts:
+            cache, first, end = part if isinstance(part, tuple) else (part, 0, len(part))
+            check_int("first_id", first, minimum=0, maximum=len(cache))
+            check_int("end_id", end, minimum=first, maximum=len(cache))
+            ranges.append((cache, first, end))
+        if not ranges:
+            raise ValueError("CacheUnion needs at least one cache")
+        parts = [cache for cache, _, _ in ranges]
+        self._firsts = [first for _, first, _ in ranges]
+        for name in ("k", "num_tags", "label_names"):
+            values = {repr(getattr(part, name)) for part in parts}
+            if len(values) > 1:
+                raise CacheMismatchError(f"the caches of a CacheUnion must share {name}; got {sorted(values)}")
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [end - first for _, first, end in ranges]).tolist()
+        flags = {key: all(part.manifest.get(key) for part in parts) for key in ("with_emissions", "with_hidden",
+                                                                               "with_marginals")}
+        self.manifest = dict(flags, k=parts[0].k, num_tags=parts[0].num_tags, label_names=parts[0].label_names,
+                             num_sentences=self.offsets[-1], complete=all(part.complete for part in parts),
+                             teacher=[part.teacher_info for part in parts], parts=[
+                                 {"directory": os.path.basename(os.path.normpath(part.directory)),
+                                  "first_id": offset, "part_ids": [first, end]}
+                                 for (part, first, end), offset in zip(ranges, self.offsets)])
+        crfs = [part.teacher_crf() for part in parts] if flags["with_emissions"] else []
+        self.per_sentence_crf = any(not all(torch.equal(a, b) for a, b in zip(crfs[0], crf)) for crf in crfs[1:])
+
+    k = property(lambda self: self.manifest["k"], doc="paths per sentence")
+    num_tags = property(lambda self: self.manifest["num_tags"], doc="the teachers' number of tags")
+    label_names = property(lambda self: self.manifest["label_names"], doc="tag names, or None")
+    teacher_info = property(lambda self: self.manifest["teacher"], doc="each part's teacher description")
+    complete = property(lambda self: self.manifest["complete"], doc="every part's labelling finished")
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __repr__(self) -> str:
+        return f"CacheUnion({len(self.parts)} parts, sentences={len(self)}, k={self.k})"
+
+    def _locate(self, sentence_id) -> tuple[int, int]:
+        i = operator.index(sentence_id)
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(f"sentence id {sentence_id} out of range for a cache of {len(self)} sentences")
+        j = bisect.bisect_right(self.offsets, i) - 1
+        return j, i - self.offsets[j]
+
+    def __getitem__(self, sentence_id) -> CachedLabels:
+        j, local = self._locate(sentence_id)
+        return self.parts[j][self._firsts[j] + local]._replace(id=self.offsets[j] + local)
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def batch(self, ids, pad_to: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> CachedBatch:
+        """Records ids (an iterable of ints or a 1-D tensor) -> a padded CachedBatch."""
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        return self.collate([self[i] for i in ids], pad_to=pad_to, dtype=dtype)
+
+    def teacher_crf(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The one CRF every part shares; refused when the parts' teachers differ (teacher_crfs)."""
+        if self.per_sentence_crf:
+            raise ValueError("the parts of this CacheUnion come from teachers with different CRFs: take each "
+                             "sentence's with teacher_crfs(ids)")
+        return self.parts[0].teacher_crf()
+
+    def teacher_crfs(self, ids) -> tuple[Tensor, Tensor, Tensor]:
+        """Each sentence's teacher CRF: transitions (B, T, T), start (B, T), end (B, T)."""
+        ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
+        crfs = [self.parts[j].teacher_crf() for j in range(len(self.parts))]
+        chosen = [crfs[self._locate(i)[0]] for i in ids]
+        return tuple(torch.stack([crf[n] for crf in chosen]) for n in range(3))  # type: ignore[return-value]
 
 
 def load_cache(directory: str, **kwargs) -> TeacherLabelCache:

@@ -322,6 +322,10 @@ class CRFTagger(nn.Module):
         self.temperature = fit_temperature(emissions, transitions, tags, lengths, start, end, **search)
         return self.temperature
 
+    def describe(self) -> str:
+        """A short architecture string for run records, e.g. "BiLSTM 2x300, ..., CRF"."""
+        return f"{type(self).__name__}, CRF"
+
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 

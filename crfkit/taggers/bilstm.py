@@ -40,13 +40,15 @@ class BiLSTMCRFTagger(CRFTagger):
     characters of words). embedding_dim, hidden_size (total over both directions), num_layers,
     dropout (on the embeddings and on the BiLSTM output), casing_dim (0: none), char_cnn with
     char_dim / char_filters / char_kernel, lowercase (look words up lower-cased),
-    freeze_embeddings (no gradient to the word table, as TE does)."""
+    lowercase_fallback (lowercase=False: a word missing from the cased vocabulary is looked up
+    lower-cased, then capitalised; for cased tables such as packaged.neuroner_vectors'), freeze_embeddings (no
+    gradient to the word table, as TE does)."""
 
     def __init__(self, labels: Sequence[str], words: Sequence[str], scheme: Optional[str] = "BIO",
                  embedding_dim: int = 100, hidden_size: int = 300, num_layers: int = 1, dropout: float = 0.5,
                  casing_dim: int = 16, char_cnn: bool = False, chars: Optional[Sequence[str]] = None,
                  char_dim: int = 30, char_filters: int = 50, char_kernel: int = 3, lowercase: bool = True,
-                 freeze_embeddings: bool = False):
+                 freeze_embeddings: bool = False, lowercase_fallback: bool = False):
         super().__init__(labels, scheme)
         for name, value, low in (("embedding_dim", embedding_dim, 1), ("hidden_size", hidden_size, 2),
                                  ("num_layers", num_layers, 1), ("casing_dim", casing_dim, 0),
@@ -59,10 +61,10 @@ class BiLSTMCRFTagger(CRFTagger):
         words = list(words)
         if words[:2] != [PAD, UNK]:
             raise ValueError(f"words must start with {PAD!r}, {UNK!r} (use BiLSTMCRFTagger.build_vocabulary)")
-        self.vocabulary = Vocabulary(words[2:], lowercase=lowercase)
+        self.vocabulary = Vocabulary(words[2:], lowercase=lowercase, lowercase_fallback=lowercase_fallback)
         if len(self.vocabulary) != len(words):
             raise ValueError("words must be distinct (after lower-casing when lowercase=True)")
-        self.lowercase = lowercase
+        self.lowercase, self.lowercase_fallback = lowercase, lowercase_fallback
         self.embedding_dim, self.hidden_size, self.dropout_rate = embedding_dim, hidden_size, float(dropout)
         self.word_embedding = nn.Embedding(len(words), embedding_dim, padding_idx=0)
         self.freeze_embeddings(freeze_embeddings)
@@ -131,7 +133,7 @@ class BiLSTMCRFTagger(CRFTagger):
         rows, sources = [], []
         index = self.vocabulary.to_dict()
         for i, w in enumerate(words):
-            row = index.get(w.lower() if self.lowercase else w)
+            row = index.get(w.lower() if self.lowercase else w)   # exact rows only: no fallback here
             if row is not None and row > 1:
                 rows.append(row)
                 sources.append(i)
@@ -140,6 +142,40 @@ class BiLSTMCRFTagger(CRFTagger):
                 self.word_embedding.weight[torch.tensor(rows)] = vectors[torch.tensor(sources)]
         self.freeze_embeddings(freeze)
         return len(rows)
+
+    def load_word_vector_tables(self, tables: Sequence[tuple[Sequence[str], Tensor, bool]],
+                                freeze: bool = True) -> list[int]:
+        """Fill the word table with pretrained tables side by side: tables[j] = (words (N_j,),
+        vectors (N_j, D_j), uncased) goes into the D_j columns after those of tables[:j] (the D_j
+        must add up to embedding_dim). A vocabulary word's part of table j is its own vector,
+        looked up as it is spelled and then lower-cased (only lower-cased when uncased); a word
+        without one there gets zeros in those columns, so "no vector in this table" is one
+        consistent input rather than noise. Returns the number of rows filled from each table."""
+        widths = [int(torch.as_tensor(vectors).shape[-1]) for _, vectors, _ in tables]
+        if sum(widths) != self.embedding_dim:
+            raise ValueError(f"the tables' widths {widths} must add up to embedding_dim ({self.embedding_dim})")
+        filled, column = [], 0
+        weight = self.word_embedding.weight
+        with torch.no_grad():
+            weight.zero_()
+            for (words, vectors, uncased), width in zip(tables, widths):
+                vectors = torch.as_tensor(vectors, dtype=weight.dtype)
+                if vectors.dim() != 2 or vectors.shape[0] != len(words):
+                    raise ValueError(f"a table's vectors must be ({len(words)}, D), got {tuple(vectors.shape)}")
+                index = {w: i for i, w in reversed(list(enumerate(words)))}   # a word seen twice: its first row
+                rows, sources = [], []
+                for row, w in enumerate(self.vocabulary):
+                    found = None if uncased else index.get(w)
+                    found = index.get(w.lower()) if found is None else found
+                    if row > 1 and found is not None:
+                        rows.append(row)
+                        sources.append(found)
+                if rows:
+                    weight[torch.tensor(rows), column:column + width] = vectors[torch.tensor(sources)]
+                filled.append(len(rows))
+                column += width
+        self.freeze_embeddings(freeze)
+        return filled
 
     # ------------------------------------------------------------------ inputs
     def featurize(self, token_lists: Sequence[Sequence[str]]) -> dict[str, Tensor]:
@@ -221,6 +257,16 @@ class BiLSTMCRFTagger(CRFTagger):
                 hidden = nn.functional.dropout(hidden, lstm.dropout, self.training)
         return hidden.masked_fill(~real.unsqueeze(2), 0.0)
 
+    def describe(self) -> str:
+        parts = [f"BiLSTM {self.lstm.num_layers}x(2x{self.hidden_size // 2})",
+                 f"words {self.embedding_dim}-d{' frozen' if self.frozen_embeddings else ''}"
+                 f"{'' if self.lowercase else ', cased'}"]
+        if self.char_vocabulary is not None:
+            parts.append(f"char CNN {self.char_settings['char_filters']}")
+        if self.casing is not None:
+            parts.append(f"casing {self.casing.embedding_dim}")
+        return ", ".join(parts) + ", CRF"
+
     def emissions_from_features(self, features: Tensor) -> Tensor:
         return self.head(self.output_dropout(features))
 
@@ -241,7 +287,8 @@ class BiLSTMCRFTagger(CRFTagger):
                 "num_layers": self.lstm.num_layers, "dropout": self.dropout_rate,
                 "casing_dim": 0 if self.casing is None else self.casing.embedding_dim,
                 "char_cnn": self.char_vocabulary is not None, **self.char_settings,
-                "lowercase": self.lowercase, "freeze_embeddings": self.frozen_embeddings}
+                "lowercase": self.lowercase, "freeze_embeddings": self.frozen_embeddings,
+                **({"lowercase_fallback": True} if self.lowercase_fallback else {})}
 
     def save_extra(self, directory: str) -> None:
         vocab = {"words": list(self.vocabulary)}

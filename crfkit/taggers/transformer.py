@@ -116,6 +116,11 @@ class TransformerCRFTagger(CRFTagger):
         pieces = self.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         return self._with_casing(batch, self._words(batch, pieces))
 
+    def describe(self) -> str:
+        name = os.path.basename(str(self.encoder_name).rstrip("/")) or str(self.encoder_name)
+        casing = "" if self.casing is None else f", casing {self.casing.embedding_dim}"
+        return f"{name} ({self.num_layers} layers){casing}, CRF"
+
     def emissions_from_features(self, features: Tensor) -> Tensor:
         return self.head(self.dropout(features))
 

@@ -154,6 +154,9 @@ class DistillationArguments:
     k: int = field(default=5, metadata=_help("teacher paths for the k-best losses"))
     cache_k: Optional[int] = field(default=None, metadata=_help(
         "paths kept in the teacher-label cache (default: the largest K asked for)"))
+    crossfit_folds: int = field(default=0, metadata=_help(
+        "cross-fitted teacher labels for the training text: N teachers, each fine-tuned without one of N "
+        "contiguous folds, label that fold (the DA pool keeps the teacher trained on all of it); 0: off"))
     seeds: list[int] = field(default_factory=lambda: [0], metadata=_help("student seeds"))
     stages: list[str] = field(default_factory=lambda: list(STAGES), metadata=_help(
         "stages to run, in order", choices=STAGES))
@@ -163,6 +166,9 @@ class DistillationArguments:
 
         check_int("--k", self.k, minimum=1, type_error=ValueError)
         check_int("--cache_k", self.cache_k, minimum=1, optional=True, type_error=ValueError)
+        check_int("--crossfit_folds", self.crossfit_folds, minimum=0, type_error=ValueError)
+        if self.crossfit_folds == 1:
+            raise ValueError("--crossfit_folds must be 0 (off) or at least 2, got 1")
         check_number("--temperature", self.temperature, minimum=0, open_minimum=True, type_error=ValueError)
         for seed in self.seeds:
             check_int("--seeds", seed, minimum=0, type_error=ValueError)

@@ -39,6 +39,10 @@ from .records import (command_line, file_sha256, finished_record, git_commit, lo
 __all__ = ["CONFIG_FILE", "DistillationJob", "RunSpec", "is_trained_teacher", "plan_runs"]
 
 CONFIG_FILE = "config.json"
+# GloVe rows beside NeuroNER's in the "glove100" table: its 100k most frequent words (GloVe's
+# file order) keep the student's file at about 80 MB; NeuroNER's table already covers every
+# CoNLL word, so these serve the DA pool's and a user's other words.
+GLOVE100_EXTRA_WORDS = 100_000
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,12 @@ class RunSpec:
     k: int
     seed: int
     pool: str = ""
+    crossfit: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.variant}-k{self.k}-seed{self.seed}" + (f"-{self.pool}" if self.pool else "")
+        return (f"{self.variant}-k{self.k}-seed{self.seed}" + (f"-{self.pool}" if self.pool else "")
+                + (f"-xf{self.crossfit}" if self.crossfit else ""))
 
 
 def custom_variant(distillation: DistillationArguments) -> Optional[tuple[str, Variant]]:
@@ -89,8 +95,10 @@ def plan_runs(distillation: DistillationArguments, data: DataArguments) -> tuple
     if not pool and any(variants[name].da for name, _ in named):
         raise ValueError("the DA runs need a pool of unlabelled text: give --unlabelled_file, --da_news or "
                          "--da_augment 1 (or more)")
-    specs = [RunSpec(name, k, seed, pool if variants[name].da else "") for name, k in named
-             for seed in distillation.seeds]
+    # cross-fitting changes the teacher's labels of the train text: runs that read none are the same either way
+    specs = [RunSpec(name, k, seed, pool if variants[name].da else "",
+                     distillation.crossfit_folds if any(o.needs_teacher for o in variants[name].objectives) else 0)
+             for name, k in named for seed in distillation.seeds]
     largest = max([spec.k for spec in specs], default=distillation.k)
     cache_k = distillation.cache_k or largest
     if cache_k < largest:
@@ -190,8 +198,51 @@ class DistillationJob:
         _barrier()
         return self.teacher_dir
 
-    def teacher_sha256(self) -> str:
-        return file_sha256(os.path.join(self.teacher_dir, "model.safetensors"))
+    def teacher_sha256(self, teacher_dir: Optional[str] = None) -> str:
+        return file_sha256(os.path.join(teacher_dir or self.teacher_dir, "model.safetensors"))
+
+    # ------------------------------------------------------------------ cross-fitting
+    def folds(self) -> list[tuple[int, int]]:
+        """The cross-fitting folds: N contiguous blocks [lo, hi) of the training sentences (CoNLL's
+        documents are contiguous, so a block keeps most documents whole)."""
+        n, N = len(self.data.train), self.distillation.crossfit_folds
+        return [(round(i * n / N), round((i + 1) * n / N)) for i in range(N)]
+
+    def fold_teacher_dir(self, fold: int) -> str:
+        return os.path.join(self.workdir, f"teacher-fold{fold}of{self.distillation.crossfit_folds}", "model")
+
+    def train_fold_teachers(self) -> None:
+        """The N cross-fitting teachers: teacher i is fine-tuned as the teacher is (the same encoder,
+        recipe and seed; selected on the same validation sentences) on the training text without
+        fold i, and scored once like the teacher (variant "teacher_fold")."""
+        import transformers
+
+        from ..training import RunClock, fit_tagger, tagging_items
+
+        encoder = load_tagger(self.teacher_dir).encoder_name if self.given_teacher else self.encoder
+        for fold, (lo, hi) in enumerate(self.folds()):
+            out = os.path.dirname(self.fold_teacher_dir(fold))
+            if finished_record(self.workdir, out) is not None:
+                continue
+            train = self.data.train[:lo] + self.data.train[hi:]
+            log(f"teacher fold {fold}: fine-tuning {encoder} + CRF on {len(train)} sentences (all but [{lo}, {hi}))")
+            transformers.set_seed(self.training.seed)
+            teacher = TransformerCRFTagger(self.data.labels, encoder=encoder, scheme=self.data.scheme)
+            arguments = self.stage_arguments(out, num_train_epochs=self.teacher_args.teacher_epochs,
+                                             learning_rate=self.teacher_args.teacher_learning_rate,
+                                             head_learning_rate=self.teacher_args.teacher_head_learning_rate,
+                                             layer_decay=self.teacher_args.teacher_layer_decay, weight_decay=0.01,
+                                             warmup_steps=0.1)
+            clock = RunClock(out)
+            trainer = fit_tagger(teacher, tagging_items(train), tagging_items(self.data.selection), arguments,
+                                 callbacks=[clock])
+            if is_main_process():
+                self.finish_run(trainer.model.tagger, out, {
+                    "variant": "teacher_fold", "K": None, "seed": self.training.seed, "fold": fold,
+                    "folds": len(self.folds()), "fold_sentences": [lo, hi], "distilled": False,
+                    "teacher_sha256": self.teacher_sha256(self.fold_teacher_dir(fold)), "dataset":
+                    self.record_fields()["data"]}, clock, trainer)
+            _barrier()
 
     # ------------------------------------------------------------------ stage 2
     def label_transfer_set(self, with_hidden: bool = False):
@@ -227,6 +278,35 @@ class DistillationJob:
                                     teacher_info={"encoder": teacher.encoder_name, "weights_sha256": weights},
                                     corpus_info=corpus_info)
 
+    def label_folds(self, cache):
+        """The cross-fitted labels: fold i of the training text labelled by fold teacher i (a cache
+        each, labelled as the transfer set is), then the DA pool's labels from cache (the teacher
+        trained on everything), joined into one distill.CacheUnion with the transfer set's ids."""
+        if not self.distillation.crossfit_folds:
+            return None
+        parts = []
+        for fold, (lo, hi) in enumerate(self.folds()):
+            directory = self.fold_teacher_dir(fold)
+            if not os.path.isfile(os.path.join(directory, "config.json")):
+                raise ConfigurationError(f"no trained fold teacher in {directory}: run the 'teacher' stage with "
+                                         f"--crossfit_folds {self.distillation.crossfit_folds} first")
+            teacher = load_tagger(directory).eval()
+            weights = self.teacher_sha256(directory)
+            sentences = [tuple(s.tokens) for s in self.data.train[lo:hi]]
+            name = f"labels-k{self.cache_k}-n{len(sentences)}-{weights[:8]}-fold{fold}of{len(self.folds())}"
+            log(f"label: fold teacher {fold}'s {self.cache_k} best paths for train sentences [{lo}, {hi}) -> {name}")
+            parts.append(distill.label_corpus(
+                teacher.teacher_output, sentences, os.path.join(self.workdir, name), k=self.cache_k, batch_size=64,
+                with_emissions=True, label_names=list(self.data.labels),
+                teacher_info={"encoder": teacher.encoder_name, "weights_sha256": weights, "fold": fold,
+                              "folds": len(self.folds())},
+                corpus_info={"train_sentences": [lo, hi], **({} if "dataset" not in self.data.description
+                                                            else {"dataset": self.data.description["dataset"]})}))
+        n = len(self.data.train)
+        if self.data.pool:
+            parts.append((cache, n, n + len(self.data.pool)))
+        return distill.CacheUnion(parts)
+
     # ------------------------------------------------------------------ stage 3
     def build_student(self, embeddings: str) -> BiLSTMCRFTagger:
         """The student of every BiLSTM variant: lower-cased words, a casing embedding, a BiLSTM
@@ -237,14 +317,30 @@ class DistillationJob:
         "glove": the train words plus the vectors' words (--word_vectors_file, or GloVe 6B 50d),
             their rows, frozen (train words without a vector keep a random row);
         "random": the train words seen at least twice (so <unk> is trained on the singletons),
-            random rows of the teacher's width, trained."""
-        from ..packaged import glove_vectors
+            random rows of the teacher's width, trained;
+        "glove100": cased words, looked up lower-cased when missing (NeuroNER's rule): the train
+            words, NeuroNER's 28,983 and GloVe's GLOVE100_EXTRA_WORDS most frequent; each row is
+            its NeuroNER 100-d vector beside its GloVe 50-d one (150 wide, zeros where a table
+            lacks the word), frozen. Uses no teacher."""
+        from ..packaged import glove_vectors, neuroner_vectors
         from ..taggers.vectors import read_word2vec_text
 
+        train = self.data.train
+        settings = dict(scheme=self.data.scheme, hidden_size=self.student_args.student_hidden,
+                        num_layers=self.student_args.student_layers, dropout=self.student_args.student_dropout,
+                        char_cnn=self.student_args.student_char_cnn)
+        if embeddings == "glove100":
+            neuroner, glove = neuroner_vectors(), glove_vectors()
+            glove = (glove[0][:GLOVE100_EXTRA_WORDS], glove[1][:GLOVE100_EXTRA_WORDS])
+            words = BiLSTMCRFTagger.build_vocabulary(train, extra_words=neuroner[0] + glove[0], lowercase=False)
+            student = BiLSTMCRFTagger(self.data.labels, words, embedding_dim=neuroner[1].shape[1] + glove[1].shape[1],
+                                      lowercase=False, lowercase_fallback=True, **settings)
+            student.load_word_vector_tables([(neuroner[0], torch.from_numpy(neuroner[1]), False),
+                                             (glove[0], torch.from_numpy(glove[1]), True)], freeze=True)
+            return student
         teacher = load_tagger(self.teacher_dir)
         width = teacher.encoder.get_input_embeddings().weight.shape[1]
         vectors = None
-        train = self.data.train
         if embeddings == "teacher":
             pieces = [p for p in teacher.tokenizer.get_vocab() if p.isalnum()]
             words = BiLSTMCRFTagger.build_vocabulary(train, extra_words=sorted(pieces))
@@ -255,11 +351,7 @@ class DistillationJob:
             width = vectors[1].shape[1]
         else:
             words = BiLSTMCRFTagger.build_vocabulary(train, min_count=2)
-        student = BiLSTMCRFTagger(self.data.labels, words, scheme=self.data.scheme, embedding_dim=width,
-                                  hidden_size=self.student_args.student_hidden,
-                                  num_layers=self.student_args.student_layers,
-                                  dropout=self.student_args.student_dropout,
-                                  char_cnn=self.student_args.student_char_cnn)
+        student = BiLSTMCRFTagger(self.data.labels, words, embedding_dim=width, **settings)
         if embeddings == "teacher":
             student.load_teacher_embeddings(teacher, freeze=True)
         elif embeddings == "glove":
@@ -332,7 +424,11 @@ class DistillationJob:
                 student.save_pretrained(os.path.join(out, "model"))
             final = objectives[-1]
             record = self.finish_run(student, out, {
-                "run": spec.name, "variant": spec.variant, "teacher_sha256": self.teacher_sha256(),
+                "run": spec.name, "variant": spec.variant, "distilled": variant.distilled,
+                "teacher_sha256": self.teacher_sha256() if variant.distilled else None,
+                "student": student.describe() if hasattr(student, "describe") else type(student).__name__,
+                "dataset": self.record_fields()["data"], "pool": spec.pool or None,
+                "pool_sentences": len(self.data.pool) if variant.da else 0, "crossfit_folds": spec.crossfit,
                 "K": spec.k if any(o.uses_kbest for o in objectives) else None,
                 "da_pool": self.data.description["pool"] if variant.da else None, "seed": spec.seed,
                 "losses": [list(o.losses) for o in objectives] if len(objectives) > 1 else list(final.losses),
@@ -379,9 +475,16 @@ class DistillationJob:
         self.write_configuration()
         log(f"work folder {self.workdir}; stages {', '.join(stages)}; {len(self.runs)} student run(s); "
             f"{machine_description()}")
+        # a teacher is needed unless every run is a baseline on gold labels with its own word table
+        needs_teacher = "report" in stages or any(
+            self._variant(spec).distilled or self._variant(spec).embeddings in ("random", "teacher", "pretrained")
+            for spec in self.runs)
+        crossfit = any(spec.crossfit for spec in self.runs)
         if "teacher" in stages:
             self.train_teacher()
-        elif not os.path.isfile(os.path.join(self.teacher_dir, "config.json")):
+            if crossfit:
+                self.train_fold_teachers()
+        elif needs_teacher and not os.path.isfile(os.path.join(self.teacher_dir, "config.json")):
             raise ConfigurationError(f"no trained teacher in {self.teacher_dir}: run the 'teacher' stage first")
 
         def needs(spec, what):
@@ -389,16 +492,22 @@ class DistillationJob:
 
         needs_cache = any(needs(spec, "needs_teacher") or self._variant(spec).da for spec in self.runs)
         needs_hidden = any(needs(spec, "needs_teacher_hidden") for spec in self.runs)
-        cache = hidden_cache = None
+        cache = hidden_cache = crossfit_cache = None
         if "label" in stages or "students" in stages:
             if needs_cache:
                 cache = self.label_transfer_set()
             if needs_hidden:
+                if crossfit:
+                    raise ConfigurationError("--crossfit_folds does not cover the hidden loss (te_da_stagewise): "
+                                             "run it without cross-fitting")
                 hidden_cache = self.label_transfer_set(with_hidden=True)
+            if crossfit:
+                crossfit_cache = self.label_folds(cache)
         records = []
         if "students" in stages:
             for spec in self.runs:
-                chosen = hidden_cache if needs(spec, "needs_teacher_hidden") else cache
+                chosen = hidden_cache if needs(spec, "needs_teacher_hidden") else (
+                    crossfit_cache if spec.crossfit else cache)
                 records.append(self.train_student(chosen, spec))
         else:
             records = [finished_record(self.workdir, os.path.join(self.workdir, "students", spec.name))

@@ -73,7 +73,9 @@ class TaggingCollator:
     the tagger's featurize() tensors (lengths (B,) among them), tags (B, L) int64 (-100 past each
     length), has_gold (B,) bool. With a teacher-label cache, also teacher_paths (B, K, L) and
     teacher_log_probs (B, K) (the first k of the cache's K best, -1 / -inf for missing rows), and
-    teacher_emissions (B, L, T) when asked for (a cache that stores emissions), and teacher_hidden
+    teacher_emissions (B, L, T) when asked for (a cache that stores emissions; with a cache whose
+    sentences come from teachers with different CRFs, a CacheUnion, also each sentence's
+    teacher_transitions (B, T, T), teacher_start and teacher_end (B, T)), and teacher_hidden
     (B, L, H) float32 likewise (a cache labelled with_hidden). A sentence without gold tags is
     given the teacher's best path as its tags (the hard loss on unlabelled text).
     """
@@ -126,6 +128,9 @@ class TaggingCollator:
             batch["teacher_log_probs"] = cached.kbest.log_probs[:, :self.k]
             if self.teacher_emissions:
                 batch["teacher_emissions"] = cached.emissions
+                if getattr(self.cache, "per_sentence_crf", False):   # a CacheUnion of cross-fitted teachers
+                    crfs = self.cache.teacher_crfs(cached.ids)
+                    batch["teacher_transitions"], batch["teacher_start"], batch["teacher_end"] = crfs
             if self.teacher_hidden:
                 batch["teacher_hidden"] = cached.hidden.float()
             best = cached.kbest.paths[:, 0]

@@ -92,6 +92,9 @@ _TEACHER_FIELDS = {
                          "teacher_emissions=True)",
     "teacher_hidden": "the teacher's hidden states (a cache labelled with with_hidden=True and a TaggingCollator "
                       "with teacher_hidden=True)",
+    "teacher_transitions": "each sentence's teacher CRF (a CacheUnion of teachers with different CRFs)",
+    "teacher_start": "each sentence's teacher CRF (a CacheUnion of teachers with different CRFs)",
+    "teacher_end": "each sentence's teacher CRF (a CacheUnion of teachers with different CRFs)",
 }
 
 
@@ -129,8 +132,19 @@ def _token_em(student, batch, objective):
                             source="emissions", temperature=objective.objective_config.temperature)
 
 
+def _teacher_crf(batch, objective):
+    """The teacher's (transitions, start, end): each sentence's (B, T, T), (B, T) from the batch
+    when its sentences come from different teachers (cross-fitting), else the one CRF."""
+    if batch.get("teacher_transitions") is not None:
+        return batch["teacher_transitions"], batch["teacher_start"], batch["teacher_end"]
+    if objective.teacher_crf is None:
+        raise ValueError("the teacher's CRF is missing: TaggingObjective got no teacher_crf and the batch holds no "
+                         "per-sentence teacher_transitions")
+    return objective.teacher_crf
+
+
 def _token_pos(student, batch, objective):
-    transitions, start, end = objective.teacher_crf
+    transitions, start, end = _teacher_crf(batch, objective)
     return distill.token_kd(student.emissions, _teacher_emissions(student, batch), student.lengths,
                             source="marginals", student_transitions=student.transitions,
                             teacher_transitions=transitions, student_start=student.start, student_end=student.end,
@@ -138,7 +152,7 @@ def _token_pos(student, batch, objective):
 
 
 def _exact_kl(student, batch, objective):
-    transitions, start, end = objective.teacher_crf
+    transitions, start, end = _teacher_crf(batch, objective)
     teacher = LinearChainCRF(_teacher_emissions(student, batch), transitions, student.lengths, start, end)
     return distill.crf_kl_divergence(teacher, LinearChainCRF(student.emissions, student.transitions,
                                                              student.lengths, student.start, student.end))
@@ -240,15 +254,16 @@ class ObjectiveConfig:
         return asdict(self)
 
 
-EMBEDDINGS = ("random", "teacher", "glove", "pretrained")
+EMBEDDINGS = ("random", "teacher", "glove", "glove100", "pretrained")
 
 
 @dataclass(frozen=True)
 class Variant:
     """A row of the multi-grained distillation paper's tables: the student's word embeddings
     ("random": trained from scratch; "teacher": TE, the teacher's table, frozen; "glove": GloVe
-    vectors, frozen, the baseline without a teacher), whether teacher-labelled unlabelled text is
-    pooled in (da), and the objective. transformer_layers > 0 makes the student a
+    vectors, frozen, the baseline without a teacher; "glove100": NeuroNER's cased 100-d GloVe
+    table beside GloVe 50d, frozen, crfkit.tool.job.DistillationJob.build_student), whether
+    teacher-labelled unlabelled text is pooled in (da), and the objective. transformer_layers > 0 makes the student a
     TransformerCRFTagger of the pretrained encoder's first layers instead of a BiLSTM (the
     paper's appendix; embeddings is then "pretrained"). stages: objectives trained one after the
     other, each to its best validation score (the stage-wise schedule of the multi-stage
@@ -267,6 +282,12 @@ class Variant:
     def objectives(self) -> tuple[ObjectiveConfig, ...]:
         """The objectives in training order (one, unless stage-wise)."""
         return tuple(self.stages) or (self.objective,)
+
+    @property
+    def distilled(self) -> bool:
+        """Whether the run uses anything of a teacher: its embedding table, its labels of the DA
+        pool, or any loss on its outputs. False for the baselines trained on gold labels alone."""
+        return self.embeddings == "teacher" or self.da or any(o.needs_teacher for o in self.objectives)
 
     def __post_init__(self):
         check_choice("embeddings", self.embeddings, EMBEDDINGS)
@@ -297,6 +318,16 @@ VARIANTS: dict[str, Variant] = {
     "te_da_seq": Variant("teacher", da=True, objective=_seq()),
     "te_da_seq_equal": Variant("teacher", da=True, objective=_seq(weighting="equal")),
     "te_da_exact_kl": Variant("teacher", da=True, objective=ObjectiveConfig(("hard", "exact_kl"))),
+    # the students issue's student: NeuroNER's cased 100-d GloVe beside GloVe 50d (give it
+    # --student_hidden 600 --student_char_cnn); "g100" is its baseline on gold labels alone
+    "g100": Variant("glove100", da=False),
+    "g100_token_pos": Variant("glove100", da=False, objective=ObjectiveConfig(("hard", "token_pos"))),
+    "g100_seq": Variant("glove100", da=False, objective=_seq()),
+    "g100_exact_kl": Variant("glove100", da=False, objective=ObjectiveConfig(("hard", "exact_kl"))),
+    "g100_da": Variant("glove100", da=True),
+    "g100_da_token_pos": Variant("glove100", da=True, objective=ObjectiveConfig(("hard", "token_pos"))),
+    "g100_da_seq": Variant("glove100", da=True, objective=_seq()),
+    "g100_da_exact_kl": Variant("glove100", da=True, objective=ObjectiveConfig(("hard", "exact_kl"))),
     # the loss combinations of the paper's Table 2 (with DA, as there)
     "te_da_seq_token_pos": Variant("teacher", da=True, objective=_seq("token_pos")),
     "te_da_seq_no_fuzzy": Variant("teacher", da=True, objective=_seq(drop=("fuzzy",))),
@@ -322,7 +353,8 @@ class TaggingObjective(nn.Module):
 
     tagger: a crfkit.taggers tagger (the student, or the model being trained on gold).
     config: ObjectiveConfig. teacher_crf: the teacher's (transitions, start, end), needed by
-    token_em / token_pos / exact_kl / logit_mse (TeacherLabelCache.teacher_crf()).
+    token_em / token_pos / exact_kl / logit_mse (TeacherLabelCache.teacher_crf()), or
+    per_sentence_teacher_crf=True when each batch brings its sentences' own (a CacheUnion's).
     hidden_projection: a crfkit.distill.GeluProjectionLoss from the tagger's word_features width
     to the teacher's hidden width, needed by the hidden loss; trained with the tagger (pass the
     same module to every stage or round that shares it).
@@ -333,11 +365,11 @@ class TaggingObjective(nn.Module):
 
     def __init__(self, tagger: nn.Module, config: ObjectiveConfig = ObjectiveConfig(),
                  teacher_crf: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-                 hidden_projection: Optional[nn.Module] = None):
+                 hidden_projection: Optional[nn.Module] = None, per_sentence_teacher_crf: bool = False):
         super().__init__()
         self.tagger = tagger
         self.objective_config = config
-        if config.needs_teacher_crf and teacher_crf is None:
+        if config.needs_teacher_crf and teacher_crf is None and not per_sentence_teacher_crf:
             raise ValueError(f"losses {config.losses} need the teacher's CRF: pass teacher_crf=cache.teacher_crf() "
                              "(label the cache with with_emissions=True)")
         if config.needs_teacher_hidden and hidden_projection is None:

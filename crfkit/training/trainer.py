@@ -205,8 +205,11 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
     args.greater_is_better = select_on == "f1"
     args.remove_unused_columns = False
     args.label_names = ["tags"]
-    model = TaggingObjective(tagger, objective, cache.teacher_crf() if objective.needs_teacher_crf else None,
-                             hidden_projection=hidden_projection if objective.needs_teacher_hidden else None)
+    per_sentence = getattr(cache, "per_sentence_crf", False)   # cross-fitted teachers: each batch brings its CRFs
+    model = TaggingObjective(tagger, objective,
+                             cache.teacher_crf() if objective.needs_teacher_crf and not per_sentence else None,
+                             hidden_projection=hidden_projection if objective.needs_teacher_hidden else None,
+                             per_sentence_teacher_crf=per_sentence)
     collator = TaggingCollator(tagger, cache=cache if objective.needs_teacher or _any_unlabelled(train_items) else None,
                                k=objective.k if cache is not None else None,
                                teacher_emissions="teacher_emissions" in objective.teacher_fields,
