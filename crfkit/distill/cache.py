@@ -828,6 +828,16 @@ class _Shard:
                             hidden)
 
 
+def _sentence_index(sentence_id, n: int) -> int:
+    """sentence_id as an index into n sentences (negative ids count from the end); IndexError
+    outside."""
+    i = operator.index(sentence_id)
+    i = i + n if i < 0 else i
+    if not 0 <= i < n:
+        raise IndexError(f"sentence id {sentence_id} out of range for a cache of {n} sentences")
+    return i
+
+
 def _pad_per_token(values: Sequence[Optional[Tensor]], L: int, dtype: Optional[torch.dtype]) -> Optional[Tensor]:
     """B per-token (n_b, T) tensors -> (B, L, T), zero past each n_b; None if any is None."""
     if not values or any(v is None for v in values):
@@ -901,12 +911,7 @@ class TeacherLabelCache:
         return shard
 
     def __getitem__(self, sentence_id) -> CachedLabels:
-        i = operator.index(sentence_id)
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sentence id {sentence_id} out of range for a cache of {n} sentences")
+        i = _sentence_index(sentence_id, len(self))
         return self._shard(i // self.shard_size).record(i)
 
     def __iter__(self):
@@ -996,7 +1001,10 @@ class CacheUnion:
                             (load_cache("labels-all"), 14041, 16728)])   # its DA pool's ids only
     """
 
+    # read like a TeacherLabelCache: the same collation, iteration and batching over self[i]
     collate = staticmethod(TeacherLabelCache.collate)
+    __iter__ = TeacherLabelCache.__iter__
+    batch = TeacherLabelCache.batch
 
     def __init__(self, parts: Sequence):
         """parts: caches, or (cache, first_id, end_id) for its sentences [first_id, end_id) only."""
@@ -1024,8 +1032,10 @@ class CacheUnion:
                                  {"directory": os.path.basename(os.path.normpath(part.directory)),
                                   "first_id": offset, "part_ids": [first, end]}
                                  for (part, first, end), offset in zip(ranges, self.offsets)])
-        crfs = [part.teacher_crf() for part in parts] if flags["with_emissions"] else []
-        self.per_sentence_crf = any(not all(torch.equal(a, b) for a, b in zip(crfs[0], crf)) for crf in crfs[1:])
+        # read once: the collator asks for them every batch
+        self._crfs = [part.teacher_crf() for part in parts] if flags["with_emissions"] else []
+        self.per_sentence_crf = any(not all(torch.equal(a, b) for a, b in zip(self._crfs[0], crf))
+                                    for crf in self._crfs[1:])
 
     k = property(lambda self: self.manifest["k"], doc="paths per sentence")
     num_tags = property(lambda self: self.manifest["num_tags"], doc="the teachers' number of tags")
@@ -1040,26 +1050,13 @@ class CacheUnion:
         return f"CacheUnion({len(self.parts)} parts, sentences={len(self)}, k={self.k})"
 
     def _locate(self, sentence_id) -> tuple[int, int]:
-        i = operator.index(sentence_id)
-        i = i + len(self) if i < 0 else i
-        if not 0 <= i < len(self):
-            raise IndexError(f"sentence id {sentence_id} out of range for a cache of {len(self)} sentences")
+        i = _sentence_index(sentence_id, len(self))
         j = bisect.bisect_right(self.offsets, i) - 1
         return j, i - self.offsets[j]
 
     def __getitem__(self, sentence_id) -> CachedLabels:
         j, local = self._locate(sentence_id)
         return self.parts[j][self._firsts[j] + local]._replace(id=self.offsets[j] + local)
-
-    def __iter__(self):
-        for i in range(len(self)):
-            yield self[i]
-
-    def batch(self, ids, pad_to: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> CachedBatch:
-        """Records ids (an iterable of ints or a 1-D tensor) -> a padded CachedBatch."""
-        if isinstance(ids, Tensor):
-            ids = ids.tolist()
-        return self.collate([self[i] for i in ids], pad_to=pad_to, dtype=dtype)
 
     def teacher_crf(self) -> tuple[Tensor, Tensor, Tensor]:
         """The one CRF every part shares; refused when the parts' teachers differ (teacher_crfs)."""
@@ -1071,8 +1068,10 @@ class CacheUnion:
     def teacher_crfs(self, ids) -> tuple[Tensor, Tensor, Tensor]:
         """Each sentence's teacher CRF: transitions (B, T, T), start (B, T), end (B, T)."""
         ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
-        crfs = [self.parts[j].teacher_crf() for j in range(len(self.parts))]
-        chosen = [crfs[self._locate(i)[0]] for i in ids]
+        if not self._crfs:
+            raise ValueError("the caches of this CacheUnion were not all labelled with with_emissions=True: they "
+                             "hold no teacher CRF")
+        chosen = [self._crfs[self._locate(i)[0]] for i in ids]
         return tuple(torch.stack([crf[n] for crf in chosen]) for n in range(3))  # type: ignore[return-value]
 
 

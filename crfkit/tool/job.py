@@ -184,11 +184,7 @@ class DistillationJob:
                 f"{self.teacher_args.teacher_epochs:g} epoch(s)")
             transformers.set_seed(self.training.seed)
             teacher = TransformerCRFTagger(self.data.labels, encoder=self.encoder, scheme=self.data.scheme)
-            arguments = self.stage_arguments(out, num_train_epochs=self.teacher_args.teacher_epochs,
-                                             learning_rate=self.teacher_args.teacher_learning_rate,
-                                             head_learning_rate=self.teacher_args.teacher_head_learning_rate,
-                                             layer_decay=self.teacher_args.teacher_layer_decay, weight_decay=0.01,
-                                             warmup_steps=0.1)
+            arguments = self.teacher_training_arguments(out)
             trainer = fit_tagger(teacher, tagging_items(self.data.train), tagging_items(self.data.selection),
                                  arguments, callbacks=[clock])
             teacher = trainer.model.tagger
@@ -197,6 +193,14 @@ class DistillationJob:
                                            "teacher_sha256": self.teacher_sha256()}, clock, trainer)
         _barrier()
         return self.teacher_dir
+
+    def teacher_training_arguments(self, output_dir: str):
+        """The teacher's fine-tuning recipe (the teacher and every fold teacher share it)."""
+        return self.stage_arguments(output_dir, num_train_epochs=self.teacher_args.teacher_epochs,
+                                    learning_rate=self.teacher_args.teacher_learning_rate,
+                                    head_learning_rate=self.teacher_args.teacher_head_learning_rate,
+                                    layer_decay=self.teacher_args.teacher_layer_decay, weight_decay=0.01,
+                                    warmup_steps=0.1)
 
     def teacher_sha256(self, teacher_dir: Optional[str] = None) -> str:
         return file_sha256(os.path.join(teacher_dir or self.teacher_dir, "model.safetensors"))
@@ -228,11 +232,7 @@ class DistillationJob:
             log(f"teacher fold {fold}: fine-tuning {encoder} + CRF on {len(train)} sentences (all but [{lo}, {hi}))")
             transformers.set_seed(self.training.seed)
             teacher = TransformerCRFTagger(self.data.labels, encoder=encoder, scheme=self.data.scheme)
-            arguments = self.stage_arguments(out, num_train_epochs=self.teacher_args.teacher_epochs,
-                                             learning_rate=self.teacher_args.teacher_learning_rate,
-                                             head_learning_rate=self.teacher_args.teacher_head_learning_rate,
-                                             layer_decay=self.teacher_args.teacher_layer_decay, weight_decay=0.01,
-                                             warmup_steps=0.1)
+            arguments = self.teacher_training_arguments(out)
             clock = RunClock(out)
             trainer = fit_tagger(teacher, tagging_items(train), tagging_items(self.data.selection), arguments,
                                  callbacks=[clock])
@@ -426,7 +426,7 @@ class DistillationJob:
             record = self.finish_run(student, out, {
                 "run": spec.name, "variant": spec.variant, "distilled": variant.distilled,
                 "teacher_sha256": self.teacher_sha256() if variant.distilled else None,
-                "student": student.describe() if hasattr(student, "describe") else type(student).__name__,
+                "student": student.describe(),
                 "dataset": self.record_fields()["data"], "pool": spec.pool or None,
                 "pool_sentences": len(self.data.pool) if variant.da else 0, "crossfit_folds": spec.crossfit,
                 "K": spec.k if any(o.uses_kbest for o in objectives) else None,
