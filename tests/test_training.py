@@ -789,7 +789,13 @@ def test_pipeline_tiny_end_to_end(tmp_path):
     assert records[-1]["losses"] == [["hidden"], ["logit_mse"], ["hard"]] and records[-1]["K"] is None  # K unused
     assert records[-1]["gradual_unfreezing"] is True
     teacher_weights = hashlib.sha256((tmp_path / "teacher" / "model" / "model.safetensors").read_bytes()).hexdigest()
-    assert {r["teacher_sha256"] for r in records} == {teacher_weights}  # the teacher's own record too
+    # the teacher's own record and every distilled run name the teacher; the baselines, which use
+    # nothing of it, say so and name none
+    baselines = ["vanilla", *(["glove"] if with_glove else [])]
+    assert [r["variant"] for r in records if r.get("distilled") is False] == baselines
+    assert all(r["teacher_sha256"] is None for r in records if r["variant"] in baselines)
+    assert {r["teacher_sha256"] for r in records if r["variant"] not in baselines} == {teacher_weights}
+    assert all(r["distilled"] for r in records[len(baselines) + 1:])
     assert records[-3]["da_pool"] == {"news": 0, "augment": 1} and records[1]["da_pool"] is None
     stages = tmp_path / "students" / "te_da_stagewise-k5-seed0-aug1"
     for stage in ("stage1", "stage2", "stage3"):
