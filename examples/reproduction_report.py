@@ -11,13 +11,24 @@ benchmark (benchmarks/results/training_step.json) and the issue's targets with v
 docs/reproduction_notes.md (hand-written commentary, no numbers) is appended when present.
 More than one --workdir (a run per teacher, e.g. the MPNet-base one): their records are merged; the
 tables keep to the teacher most students name, the others are listed by teacher and encoder.
+
+The students issue (issue 60: the g100* variants, the 100-d GloVe student with character
+features) has a section of its own: one table per (teacher, student architecture, dataset), every
+row judged against the baseline g100 (the same student on gold labels alone; it belongs to no
+teacher and serves every teacher's table of its student) by paired differences over the seeds
+both have, with a seeded bootstrap interval and an exact sign test; the ordering SEQ > TOKEN-POS
+> alone is judged with the same intervals. Records written since the tool recorded `distilled`
+(2026-12-02) name a teacher only when they use one: for them `teacher_sha256` None means no
+teacher, never the main one. Cross-fitting's fold teachers (variant teacher_fold) are in no table.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import os
+import re
 import shlex
 import statistics
 from pathlib import Path
@@ -50,34 +61,86 @@ TABLE3 = [("te_seq", "te_seq_equal", "without DA"), ("te_da_seq", "te_da_seq_equ
 RECORD_FIELDS = ("run", "variant", "K", "teacher_sha256", "seed", "dev_f1", "test_f1", "params", "trainable_params",
                  "sentences_per_s", "wall_s", "epochs", "command", "git", "machine", "date", "losses", "weighting",
                  "test_sentences", "da_pool")
+# fields of the records written since 2026-12-02 (issue 60), kept when a record has them: records
+# written before lack them (and are kept without them)
+NEW_RECORD_FIELDS = ("distilled", "student", "dataset", "pool_sentences", "crossfit_folds", "gradual_unfreezing",
+                     "fold", "folds", "fold_sentences", "config_sha256")
 TEACHERLESS = ("vanilla", "glove")  # Table 1's students that no teacher shapes
 MAIN_POOL = "news"  # the DA pool of Table 1 (pipeline --full: --da-news, no Tang augmentation)
+STUDENTS_ISSUE = "g100"   # issue 60's student: its variants' prefix; "g100" itself is its baseline
+FOLD_TEACHER = "teacher_fold"   # cross-fitting's fold teachers: not students, in no table
+# the ordering of issue 60 (SEQ > TOKEN-POS > the student alone), without and with DA
+ORDERING = (("without DA", "g100_seq", "g100_token_pos", "g100"),
+            ("with DA", "g100_da_seq", "g100_da_token_pos", "g100_da"))
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 60   # fixed: the intervals, and so the docs, are the same on every rebuild
+CONFIDENCE = 0.95
+# a student row of the tool's report.json: "BiLSTM+CRF g100_seq, K = 5, seed 0"
+REPORT_ROW = re.compile(r"^(?P<kind>.+?) (?P<variant>[^\s,]+)(?:, K = (?P<k>\d+))?, seed (?P<seed>-?\d+)$")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a results.jsonl (a line cut short by a kill is skipped)."""
+    records = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def is_new(record: dict) -> bool:
+    """Whether a record was written since runs record `distilled` (2026-12-02): then its
+    teacher_sha256 None means that it uses no teacher (the teacher's own record has no
+    `distilled`; a fold teacher's says false and names its own weights)."""
+    return "distilled" in record
+
+
+def in_old_tables(record: dict) -> bool:
+    """Whether a record belongs to the paper's tables (not issue 60's student, not a fold teacher)."""
+    return not record["variant"].startswith(STUDENTS_ISSUE) and record["variant"] != FOLD_TEACHER
+
+
+def record_key(record: dict) -> tuple:
+    """What makes two records runs of the same thing (the later replaces the earlier); the
+    teacher last (see load_records)."""
+    return (record["variant"], record.get("K"), record["seed"], record["pool"], record.get("student"),
+            record.get("dataset"), record.get("crossfit_folds") or 0, record.get("fold"), record["teacher_sha256"])
 
 
 def load_records(workdirs: Sequence[Path], previous: dict) -> list[dict]:
-    """The latest record per (variant, K, seed, DA pool, teacher): those already in
-    docs/reproduction.json (`previous`, so that records of earlier sessions are kept when their
-    workdir is gone), then each workdir's results.jsonl. A record's teacher is the digest of the teacher's
-    weights (a teacher's own record names its own); records written before the pipeline recorded it
-    (teacher_sha256 None) count as the main teacher's (see main_teacher)."""
+    """The latest record per (variant, K, seed, DA pool, student, dataset, cross-fitting, teacher):
+    those already in docs/reproduction.json (`previous`, so that records of earlier sessions are
+    kept when their workdir is gone), then each workdir's results.jsonl. A record's teacher is the
+    digest of the teacher's weights (a teacher's own record names its own); records written before
+    the pipeline recorded it (teacher_sha256 None, no `distilled`) count as the main teacher's (see
+    main_teacher). A record with `distilled` false names no teacher because it uses none."""
     latest = {}
     records = list(previous.get("records", []))
     for workdir in workdirs:
         path = workdir / "results.jsonl"
         if not path.exists():
             raise SystemExit(f"{path} does not exist: run python -m crfkit.pipeline --workdir {workdir} first")
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records += read_jsonl(path)
     for record in records:
         kept = {k: record.get(k) for k in RECORD_FIELDS}
+        kept.update({k: record[k] for k in NEW_RECORD_FIELDS if k in record})
         kept["command"] = without_machine_paths(kept["command"])
-        kept["pool"] = pool_name(record)
-        latest[(record["variant"], record.get("K"), record["seed"], kept["pool"], kept["teacher_sha256"])] = kept
-    main = main_teacher(latest.values())
-    unnamed = [key for key in latest if main is not None and key[-1] is None and key[:-1] + (main,) in latest]
+        # the tool records its pool's name ("news", "articles20000"); older records its contents only
+        kept["pool"] = (record.get("pool") or None) if is_new(record) else pool_name(record)
+        latest[record_key(kept)] = kept
+    main = main_teacher(r for r in latest.values() if in_old_tables(r))
+    unnamed = [key for key, r in latest.items() if main is not None and not is_new(r) and key[-1] is None
+               and key[:-1] + (main,) in latest]
     for key in unnamed:  # superseded by a later record of the same run that names the main teacher
         del latest[key]
     return sorted(latest.values(), key=lambda r: (r["variant"], r.get("K") or 0, r["seed"], r["pool"] or "",
-                                                  r["teacher_sha256"] or ""))
+                                                  r["teacher_sha256"] or "", r.get("student") or "",
+                                                  r.get("dataset") or "", r.get("crossfit_folds") or 0,
+                                                  r.get("fold") or 0))
 
 
 def without_machine_paths(command: str | None) -> str | None:
@@ -106,15 +169,18 @@ def shown(workdir: Path) -> str:
 
 def main_teacher(records) -> str | None:
     """The teacher whose students fill the tables: the digest that most student records name."""
-    counts = {}
+    counts: dict[str, int] = {}
     for r in records:
-        if r["variant"] != "teacher" and r.get("teacher_sha256"):
+        if r["variant"] not in ("teacher", FOLD_TEACHER) and r.get("teacher_sha256"):
             counts[r["teacher_sha256"]] = counts.get(r["teacher_sha256"], 0) + 1
     return max(counts, key=counts.get) if counts else None
 
 
 def by_teacher(records: list[dict]) -> tuple[str | None, list[dict], dict[str, list[dict]]]:
-    """The main teacher, its records (with those that name none) and, per other teacher, its own."""
+    """The main teacher, its records (with those that name none) and, per other teacher, its own.
+    Those that name none: records written before records named the teacher, and baselines that
+    use no teacher (`distilled` false: the tables' vanilla and GloVe rows, which the other
+    teachers' targets share too)."""
     main = main_teacher(records)
     others = {}
     for r in records:
@@ -128,12 +194,19 @@ def encoder_name(teacher_record: dict | None) -> str:
     --teacher-encoder: "minilm" by default, "mpnet", or a folder, named by its last part)."""
     if teacher_record is None:
         return "?"
+
+    def named(value: str) -> str:  # a folder by its last part that is not the tool's own "teacher/model"
+        parts = [p for p in value.rstrip("/").split("/") if p not in ("", ".", "..")]
+        meaningful = [p for p in parts if p not in ("model", "teacher")]
+        return (meaningful or parts or [value])[-1]
+
     words = shlex.split(teacher_record.get("command") or "")
     for i, word in enumerate(words):
-        if word == "--teacher-encoder" and i + 1 < len(words):
-            return os.path.basename(words[i + 1].rstrip("/")) or words[i + 1]
-        if word.startswith("--teacher-encoder="):
-            return os.path.basename(word.split("=", 1)[1].rstrip("/"))
+        for flag in ("--teacher-encoder", "--teacher_model_name_or_path"):  # the pipeline's, the tool's
+            if word == flag and i + 1 < len(words):
+                return named(words[i + 1])
+            if word.startswith(flag + "="):
+                return named(word.split("=", 1)[1])
     return "minilm"
 
 
@@ -189,7 +262,7 @@ def build(workdirs: Path | Sequence[Path], ablation_variant: str, default_k: int
     previous = DOCS / "reproduction.json"
     previous = json.loads(previous.read_text()) if previous.exists() else {}
     all_records = load_records(workdirs, previous)
-    main, records, other_teachers = by_teacher(all_records)
+    main, records, other_teachers = by_teacher([r for r in all_records if in_old_tables(r)])
     names = [shown(w) for w in workdirs] or [shown(Path(w.strip())) for w in previous.get("workdir", "").split(",")
                                              if w.strip()]
     out = {"generated": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -313,7 +386,10 @@ def build(workdirs: Path | Sequence[Path], ablation_variant: str, default_k: int
                              f"{_paper(r['variant'])} | {r['dev_f1']:.2f} | {r['machine']} | {r['date']} |")
 
     side_by_side = workdir / "report.json"
-    report = json.loads(side_by_side.read_text()) if side_by_side.exists() else previous.get("side_by_side")
+    report = json.loads(side_by_side.read_text()) if side_by_side.exists() else None
+    if report is not None and report_of_students_issue(report):  # measured for issue 60's section instead
+        report = None
+    report = report or previous.get("side_by_side")
     if report:  # from this workdir's report stage, else the one already in docs/reproduction.json
         lines += ["", "## Tagging speed, measured side by side", "",
                   f"From the pipeline's report stage (`{report['command']}`, git {report['git']}, {report['date']}, "
@@ -348,6 +424,12 @@ def build(workdirs: Path | Sequence[Path], ablation_variant: str, default_k: int
         encoder = encoder_name(next((r for r in rows if r["variant"] == "teacher"), None))
         lines += ["", f"With the {encoder} teacher `{digest[:12]}` (its students only; vanilla and GloVe from "
                   "Table 1):", ""] + targets(own)
+    speeds = students_side_by_side(workdirs, previous)
+    if speeds:
+        out["students_side_by_side"] = speeds
+    if any(r["variant"].startswith(STUDENTS_ISSUE) for r in all_records):
+        section, out["students_issue"] = students_section(all_records, speeds, default_k)
+        lines += [""] + section
     notes = DOCS / "reproduction_notes.md"
     if notes.exists():
         lines += ["", notes.read_text().strip()]
@@ -382,6 +464,369 @@ def targets(table1: dict) -> list[str]:
         rows.append(f"- SEQ ({spread('te_seq')}) > TOKEN-POS ({spread('te_token_pos')}) > TE ({spread('te')}): "
                     f"{'met' if seq > pos > te else 'NOT met'} (on the means)")
     return rows or ["- not enough runs yet"]
+
+
+# ---------------------------------------------------------------------- the students issue (issue 60)
+def sign_test(differences: Sequence[float]) -> float:
+    """Two-sided exact sign test (binomial, p = 1/2) of paired differences; ties (0) are dropped.
+    1.0 when no difference is non-zero."""
+    positive = sum(1 for d in differences if d > 0)
+    negative = sum(1 for d in differences if d < 0)
+    n = positive + negative
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(positive, negative) + 1))
+    return min(1.0, 2 * tail / 2 ** n)
+
+
+def paired_interval(differences: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                    confidence: float = CONFIDENCE) -> dict:
+    """Mean of paired differences (one per seed), its percentile bootstrap interval over seeds
+    (resamples of the seeds with replacement, numpy's generator seeded with `seed`: the same
+    interval on every rebuild) and the sign test's p. With fewer than 2 pairs: no interval (low,
+    high None)."""
+    import numpy as np
+
+    d = np.asarray(list(differences), dtype=float)
+    n = len(d)
+    result = {"n": n, "mean": round(float(d.mean()), 6) if n else None, "low": None, "high": None,
+              "p": sign_test(d.tolist()), "resamples": resamples, "confidence": confidence}
+    if n >= 2:
+        rng = np.random.default_rng(seed)
+        means = d[rng.integers(0, n, size=(resamples, n))].mean(axis=1)
+        low, high = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
+        result["low"], result["high"] = round(float(low), 6), round(float(high), 6)
+    return result
+
+
+def paired(row: dict | None, base: dict | None) -> dict | None:
+    """The paired comparison of two rows (see student_rows) over the seeds both have."""
+    if row is None or base is None:
+        return None
+    seeds = sorted(set(row["by_seed"]) & set(base["by_seed"]))
+    result = paired_interval([round(row["by_seed"][s] - base["by_seed"][s], 6) for s in seeds])
+    result["seeds"] = seeds
+    return result
+
+
+def interval_verdict(p: dict | None) -> str:
+    if p is None or p["n"] == 0:
+        return "not run yet"
+    if p["low"] is None:
+        return "not resolved (n < 2)"
+    if p["low"] > 0:
+        return "holds"
+    if p["high"] < 0:
+        return "does not hold"
+    return "not resolved (interval spans 0)"
+
+
+def _interval(p: dict | None) -> str:
+    if p is None or p["n"] == 0:
+        return "-"
+    return "n < 2" if p["low"] is None else f"[{p['low']:+.2f}, {p['high']:+.2f}]"
+
+
+def _difference(p: dict | None) -> str:
+    if p is None or p["n"] == 0:
+        return "no common seeds" if p is not None else "-"
+    return (f"{p['mean']:+.2f} over {p['n']} seed{'s' if p['n'] != 1 else ''}, 95% bootstrap {_interval(p)}, "
+            f"sign test p = {p['p']:.3g}")
+
+
+def report_of_students_issue(report: dict) -> bool:
+    """Whether a report.json times issue 60's students only (then it is not Table 1's side by side)."""
+    variants = [m["variant"] for m in (REPORT_ROW.match(row["model"]) for row in report.get("rows", [])[1:]) if m]
+    return bool(variants) and all(v.startswith(STUDENTS_ISSUE) for v in variants)
+
+
+def students_side_by_side(workdirs: Sequence[Path], previous: dict) -> list[dict]:
+    """The issue-60 students' tagging speed against their teacher measured in one process: the
+    rows of each work folder's report.json (the tool's report stage), matched to that folder's
+    records by (variant, K, seed); the folder's teacher is the one its teacher record names. Those
+    already in docs/reproduction.json are kept (a rebuild without the work folder loses none)."""
+    entries = {}
+
+    def key(e):
+        return (e["teacher_sha256"], e["variant"], e.get("K"), e["seed"], e.get("pool"), e.get("crossfit_folds") or 0,
+                e.get("student"), e.get("dataset"))
+
+    for e in previous.get("students_side_by_side", []):
+        entries[key(e)] = e
+    for workdir in workdirs:
+        path, results = workdir / "report.json", workdir / "results.jsonl"
+        if not path.exists() or not results.exists():
+            continue
+        report = json.loads(path.read_text())
+        own = read_jsonl(results)
+        teachers = [r for r in own if r["variant"] == "teacher" and r.get("teacher_sha256")]
+        rows = report.get("rows") or []
+        if not teachers or not rows or not rows[0]["model"].startswith("teacher"):
+            continue
+        teacher = teachers[-1]
+        for row in rows[1:]:
+            match = REPORT_ROW.match(row["model"])
+            if match is None or not match["variant"].startswith(STUDENTS_ISSUE):
+                continue
+            k = int(match["k"]) if match["k"] else None
+            runs = [r for r in own if r["variant"] == match["variant"] and r.get("K") == k
+                    and r["seed"] == int(match["seed"])]
+            if not runs:
+                continue
+            r = runs[-1]
+            e = {"teacher_sha256": teacher["teacher_sha256"], "variant": r["variant"], "K": k, "seed": r["seed"],
+                 "pool": r.get("pool") or None, "crossfit_folds": r.get("crossfit_folds") or 0,
+                 "student": r.get("student"), "dataset": r.get("dataset"),
+                 "sentences_per_s": row["sentences_per_s"], "teacher_sentences_per_s": rows[0]["sentences_per_s"],
+                 "speedup": row["speedup"], "workdir": shown(workdir), "machine": report.get("machine"),
+                 "date": report.get("date")}
+            entries[key(e)] = e
+    return sorted(entries.values(), key=lambda e: tuple("" if v is None else str(v) for v in key(e)))
+
+
+def _row_key(r: dict) -> tuple:
+    return (r["variant"], r.get("K"), r.get("pool"), r.get("crossfit_folds") or 0)
+
+
+def _row_order(key: tuple) -> tuple:
+    from crfkit.training import VARIANTS
+
+    names = list(VARIANTS)
+    variant, k, pool, crossfit = key
+    return (names.index(variant) if variant in names else len(names), variant, k or 0, pool or "", crossfit)
+
+
+def student_rows(records: list[dict]) -> dict[tuple, dict]:
+    """Per (variant, K, pool, cross-fitting folds): test F1 over seeds (mean, sample sd, n), dev
+    F1, each seed's test F1 (the pairs), the records' mean tagging speed."""
+    grouped: dict[tuple, list[dict]] = {}
+    for r in records:
+        grouped.setdefault(_row_key(r), []).append(r)
+    rows = {}
+    for key in sorted(grouped, key=_row_order):
+        chosen = grouped[key]
+        test = [r["test_f1"] for r in chosen]
+        rows[key] = {"variant": key[0], "K": key[1], "pool": key[2], "crossfit_folds": key[3], "n": len(chosen),
+                     "distilled": any(r.get("distilled") for r in chosen),
+                     "pool_sentences": max((r.get("pool_sentences") or 0 for r in chosen), default=0) or None,
+                     "test_mean": round(statistics.fmean(test), 6),
+                     "test_std": round(statistics.stdev(test), 6) if len(test) > 1 else None,
+                     "dev_mean": round(statistics.fmean(r["dev_f1"] for r in chosen), 6),
+                     "by_seed": {r["seed"]: r["test_f1"] for r in chosen},
+                     "sentences_per_s": statistics.fmean(r["sentences_per_s"] for r in chosen)}
+    return rows
+
+
+def _find(rows: dict, variant: str, k=None, pool=None, crossfit=0) -> dict | None:
+    return rows.get((variant, k, pool, crossfit))
+
+
+def _speed(row: dict, teacher: str | None, teacher_record: dict | None, speeds: list[dict],
+           student: str, dataset) -> dict | None:
+    """A row's tagging speed against its teacher: side by side (report.json) where measured, else
+    the ratio of the records' own speeds (each run's, measured when it finished)."""
+    same = [e["speedup"] for e in speeds if e["teacher_sha256"] == teacher and e["student"] == student
+            and e["dataset"] == dataset and (e["variant"], e.get("K"), e.get("pool"), e.get("crossfit_folds") or 0)
+            == (row["variant"], row["K"], row["pool"], row["crossfit_folds"])]
+    if same:
+        return {"ratio": statistics.fmean(same), "n": len(same), "source": "side by side"}
+    if teacher_record is None or not teacher_record.get("sentences_per_s"):
+        return None
+    return {"ratio": row["sentences_per_s"] / teacher_record["sentences_per_s"], "n": row["n"], "source": "records"}
+
+
+def _speed_text(speed: dict | None) -> str:
+    if speed is None:
+        return "-"
+    return f"{speed['ratio']:.1f}x" + (" (records)" if speed["source"] == "records" else "")
+
+
+def _row_name(row: dict) -> str:
+    parts = [row["variant"]]
+    if row["K"] is not None:
+        parts.append(f"K = {row['K']}")
+    if row["pool"]:
+        parts.append(f"pool {row['pool']}")
+    if row["crossfit_folds"]:
+        parts.append(f"cross-fit {row['crossfit_folds']}")
+    return ", ".join(parts)
+
+
+def students_section(records: list[dict], speeds: list[dict], default_k: int = 5) -> tuple[list[str], dict]:
+    """The section of issue 60 (see the module's docstring): its lines and its data."""
+    issue = [r for r in records if r["variant"].startswith(STUDENTS_ISSUE)]
+    teachers = {r["teacher_sha256"]: r for r in records if r["variant"] == "teacher" and r.get("teacher_sha256")}
+    shared: dict[tuple, list[dict]] = {}   # (student, dataset): runs that use no teacher, every teacher's
+    distilled: dict[tuple, list[dict]] = {}   # (teacher, student, dataset): its students
+    for r in issue:
+        if r.get("distilled") is False or not r.get("teacher_sha256"):
+            shared.setdefault((r.get("student"), r.get("dataset")), []).append(r)
+        else:
+            distilled.setdefault((r["teacher_sha256"], r.get("student"), r.get("dataset")), []).append(r)
+    tables = sorted(distilled, key=lambda t: tuple(v or "" for v in t))
+    tables += [(None, student, dataset) for student, dataset in sorted(shared, key=lambda t: tuple(v or "" for v in t))
+               if not any(t[1:] == (student, dataset) for t in distilled)]
+
+    lines = ["## Students issue (issue 60)", "",
+             "Issue 60's student (variants g100*: 100-d cased GloVe beside GloVe 50d, character CNN; the "
+             "architecture as the records' `student` string), one table per teacher, student and dataset. "
+             "Every row is compared with the baseline g100 (the same student trained on gold labels alone; "
+             "it uses no teacher, so it serves every teacher's table of its student) over the seeds both "
+             "have: the mean paired difference of test F1, a 95% percentile bootstrap interval over seeds "
+             f"({BOOTSTRAP_RESAMPLES:,} resamples, numpy's generator seeded with {BOOTSTRAP_SEED}) and the "
+             "two-sided exact sign test's p (with 5 pairs its smallest value is 0.0625). Speed: the "
+             "student's sentences per second over the teacher's, measured side by side in one run "
+             "(the work folder's report.json) where that was done, else \"(records)\": the ratio of the "
+             "speeds each run recorded when it finished, while other runs may have shared the machine."]
+    folds = [r for r in records if r["variant"] == FOLD_TEACHER]
+    if folds:
+        tests = [r["test_f1"] for r in folds]
+        lines += ["", f"Cross-fitting fold teachers ({FOLD_TEACHER}; not students, in no table): {len(folds)} "
+                      f"record(s), test F1 {min(tests):.2f} to {max(tests):.2f}."]
+    data: dict = {"bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED, "confidence": CONFIDENCE},
+                  "tables": []}
+    target_lines: list[str] = []
+    for teacher, student, dataset in tables:
+        own = distilled.get((teacher, student, dataset), []) + shared.get((student, dataset), [])
+        rows = student_rows(own)
+        teacher_record = teachers.get(teacher) if teacher else None
+        encoder = encoder_name(teacher_record) if teacher_record else "?"
+        teacher_f1 = teacher_record["test_f1"] if teacher_record else None
+        base = _find(rows, STUDENTS_ISSUE)
+        if teacher is None:
+            title = "no teacher yet"
+        else:
+            title = f"teacher `{teacher[:12]}` ({encoder}" + (
+                f", test F1 {teacher_f1:.2f})" if teacher_f1 is not None else ", its record is not here)")
+        lines += ["", f"### {title}; student `{student or '?'}`; {dataset or 'dataset not recorded'}", "",
+                  "| variant | K | pool (sentences) | cross-fit | test F1 | dev F1 | vs g100: mean difference (pairs) "
+                  "| 95% bootstrap | sign test p | gap to teacher | speed vs teacher |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        table = {"teacher_sha256": teacher, "encoder": encoder if teacher else None, "teacher_test_f1": teacher_f1,
+                 "student": student, "dataset": dataset, "rows": [], "ordering": [], "targets": []}
+        for key, row in rows.items():
+            comparison = None if row is base else paired(row, base)
+            gap = None if teacher_f1 is None else round(teacher_f1 - row["test_mean"], 6)
+            speed = _speed(row, teacher, teacher_record, speeds, student, dataset) if teacher else None
+            pool = "-" if not row["pool"] else row["pool"] + (
+                f" ({row['pool_sentences']:,})" if row["pool_sentences"] else "")
+            if row is base:
+                against = ("the baseline", "", "")
+            elif comparison is None:
+                against = ("no baseline run", "-", "-")
+            elif comparison["n"] == 0:
+                against = ("no common seeds", "-", "-")
+            else:
+                against = (f"{comparison['mean']:+.2f} ({comparison['n']})", _interval(comparison),
+                           f"{comparison['p']:.3g}")
+            lines.append(f"| {row['variant']} | {row['K'] if row['K'] is not None else '-'} | {pool} | "
+                         f"{row['crossfit_folds'] or '-'} | {_f1(row)} | {row['dev_mean']:.2f} | {against[0]} | "
+                         f"{against[1]} | {against[2]} | {'-' if gap is None else f'{gap:.2f}'} | "
+                         f"{_speed_text(speed)} |")
+            table["rows"].append({**{k: v for k, v in row.items() if k != "by_seed"},
+                                  "test_f1_by_seed": {str(s): v for s, v in sorted(row["by_seed"].items())},
+                                  "vs_baseline": comparison, "gap_to_teacher": gap, "speed_vs_teacher": speed})
+        if teacher is not None:
+            ordering = ordering_lines(rows, default_k)
+            table["ordering"] = ordering
+            if ordering:
+                lines += ["", "The ordering SEQ > TOKEN-POS > the student alone (paired over seeds, K = "
+                          f"{default_k} for SEQ):", ""]
+                lines += [f"- {o['line']}" for o in ordering]
+            table["targets"] = students_targets(rows, base, teacher_f1, teacher, teacher_record, speeds, student,
+                                                dataset, ordering)
+            target_lines += ["", f"With the {encoder} teacher `{teacher[:12]}` and the student `{student or '?'}`:",
+                             ""] + [f"- {t['line']}" for t in table["targets"]]
+        data["tables"].append(table)
+    if target_lines:
+        lines += ["", "### Targets (issue 60)"] + target_lines
+    return lines, data
+
+
+def ordering_lines(rows: dict, default_k: int) -> list[dict]:
+    """Issue 60's ordering, without and with DA, for each pool and cross-fitting setting that
+    has SEQ or TOKEN-POS runs: SEQ against TOKEN-POS, TOKEN-POS against the student alone (g100,
+    or g100_da on the same pool: no cross-fitting, it reads no teacher output on the train text),
+    each paired over seeds; the chain holds when both hold."""
+    out: list[dict] = []
+    for form, seq_variant, pos_variant, alone_variant in ORDERING:
+        settings = sorted({(key[2], key[3]) for key in rows if key[0] in (seq_variant, pos_variant)},
+                          key=lambda s: (s[0] or "", s[1]))
+        for pool, crossfit in settings:
+            seq = _find(rows, seq_variant, default_k, pool, crossfit)
+            pos = _find(rows, pos_variant, None, pool, crossfit)
+            alone = _find(rows, alone_variant, None, pool, 0) or _find(rows, alone_variant, None, pool, crossfit)
+            where = ", ".join([form] + ([f"pool {pool}"] if pool else []) +
+                              ([f"cross-fit {crossfit}"] if crossfit else []))
+            steps = []
+            for (upper, upper_name), (lower, lower_name) in (((seq, "SEQ"), (pos, "TOKEN-POS")),
+                                                             ((pos, "TOKEN-POS"), (alone, "alone"))):
+                comparison = paired(upper, lower)
+                verdict = interval_verdict(comparison)
+                names = (f"{upper['variant'] if upper else '(not run)'} against "
+                         f"{lower['variant'] if lower else '(not run)'}")
+                steps.append(verdict)
+                out.append({"setting": where, "comparison": f"{upper_name} > {lower_name}", "paired": comparison,
+                            "verdict": verdict,
+                            "line": f"{upper_name} > {lower_name} ({where}; {names}): "
+                                    + (f"{_difference(comparison)}: " if comparison and comparison["n"] else "")
+                                    + verdict})
+            chain = ("holds" if all(v == "holds" for v in steps) else
+                     "does not hold" if "does not hold" in steps else
+                     "not run yet" if "not run yet" in steps else "not resolved")
+            out.append({"setting": where, "comparison": "SEQ > TOKEN-POS > alone", "paired": None, "verdict": chain,
+                        "line": f"SEQ > TOKEN-POS > alone ({where}): {chain}"})
+    return out
+
+
+def students_targets(rows: dict, base: dict | None, teacher_f1: float | None, teacher: str,
+                     teacher_record: dict | None, speeds: list[dict], student, dataset,
+                     ordering: list[dict]) -> list[dict]:
+    """Issue 60's targets for one teacher's table, each with its verdict from the records."""
+    best_row = max((r for r in rows.values() if r["distilled"]), key=lambda r: r["test_mean"], default=None)
+    if best_row is None:
+        return [{"target": "best", "verdict": None, "line": "no distilled student yet"}]
+    best = f"{_row_name(best_row)}: {_f1(best_row)}"
+    out: list[dict] = []
+    if teacher_f1 is None:
+        out.append({"target": "best", "verdict": None, "line": f"best distilled student ({best}): the teacher's "
+                                                               "record is not here, its gap is not judged"})
+    else:
+        gap = teacher_f1 - best_row["test_mean"]
+        met = best_row["test_mean"] >= 91.0 and gap <= 1.0
+        out.append({"target": "best", "verdict": "met" if met else "NOT met", "value": best_row["test_mean"],
+                    "gap": round(gap, 6),
+                    "line": f"best distilled student ({best}) at least 91.0 F1 and within 1.0 of its teacher "
+                            f"({teacher_f1:.2f}): gap {gap:.2f}, {'met' if met else 'NOT met'}"})
+    comparison = paired(best_row, base)
+    if comparison is None or comparison["n"] == 0:
+        out.append({"target": "baseline", "verdict": None,
+                    "line": "at least 1.0 F1 above the baseline g100 (same student, same seeds): "
+                            + ("no baseline run" if comparison is None else "no seeds in common") + ", not judged"})
+    else:
+        met = comparison["mean"] >= 1.0
+        sure = ("" if comparison["low"] is None else
+                "; the interval is above 1.0" if comparison["low"] >= 1.0 else
+                "; the interval is below 1.0" if comparison["high"] < 1.0 else "; the interval contains 1.0")
+        out.append({"target": "baseline", "verdict": "met" if met else "NOT met", "paired": comparison,
+                    "line": f"at least 1.0 F1 above the baseline g100 ({_f1(base)}; paired): "
+                            f"{_difference(comparison)}, {'met' if met else 'NOT met'}{sure}"})
+    speed = _speed(best_row, teacher, teacher_record, speeds, student, dataset)
+    if speed is None:
+        out.append({"target": "speed", "verdict": None, "line": "at least 20x the teacher's sentences per second: "
+                                                                "not measured"})
+    else:
+        met = speed["ratio"] >= 20
+        how = ("measured side by side in one run" if speed["source"] == "side by side" else
+               "from the records' sentences_per_s, each measured when its run finished, NOT side by side")
+        out.append({"target": "speed", "verdict": "met" if met else "NOT met", "speed": speed,
+                    "line": f"at least 20x the teacher's sentences per second: {speed['ratio']:.1f}x ({how}, "
+                            f"n = {speed['n']}), {'met' if met else 'NOT met'}"})
+    for o in ordering:
+        if o["comparison"] == "SEQ > TOKEN-POS > alone":
+            out.append({"target": "ordering", "verdict": o["verdict"], "setting": o["setting"],
+                        "line": f"the ordering {o['line']} (see above)"})
+    return out
 
 
 def main(argv=None) -> int:

@@ -155,3 +155,192 @@ def test_recorded_commands_lose_the_machine_paths(report):
             == "python -m crfkit.distill --train_file ../../data/a.conll --output_dir .")
     assert report.without_machine_paths("python -m crfkit.pipeline --full") == "python -m crfkit.pipeline --full"
     assert report.without_machine_paths(None) is None
+
+
+# ---------------------------------------------------------------------- the students issue (issue 60)
+STUDENT = "BiLSTM 1x(2x300), words 150-d frozen, cased, char CNN 50, casing 8, CRF"
+
+
+def new_record(variant, seed, test_f1, teacher=None, k=None, pool=None, crossfit=0, sentences_per_s=1500.0):
+    """A record as crfkit.tool.job writes it since issue 60 (distilled, student, dataset, pool, ...)."""
+    return {**record(variant, seed, test_f1, k=k, dev_f1=test_f1 + 4), "distilled": teacher is not None,
+            "teacher_sha256": teacher, "student": STUDENT, "dataset": "conll2003", "pool": pool,
+            "pool_sentences": 20000 if pool else 0, "crossfit_folds": crossfit,
+            "da_pool": {"news": 0, "augment": 0, "news_articles": 20000} if pool else None,
+            "sentences_per_s": sentences_per_s, "date": "2026-12-03T00:00:00", "dev": {"f1": 0.9}}
+
+
+def teacher_record(digest, test_f1, encoder):
+    return {**record("teacher", 0, test_f1, dev_f1=95.0), "teacher_sha256": digest, "sentences_per_s": 100.0,
+            "command": f"python -m crfkit.tool --teacher_model_name_or_path {encoder} --output_dir ."}
+
+
+def test_paired_interval_and_sign_test(report):
+    same = report.paired_interval([1.5] * 5)
+    assert (same["mean"], same["low"], same["high"], same["n"]) == (1.5, 1.5, 1.5, 5)
+    assert same["p"] == 0.0625   # 5 of 5 positive: 2 / 2**5
+    assert report.sign_test([-0.3] * 5) == 0.0625
+    assert report.sign_test([1, 1, 1, 1, -1]) == 0.375   # 2 * (1 + 5) / 32
+    assert report.sign_test([1, 1, -1, 1, -1]) == 1.0
+    assert report.sign_test([1, 1, 0]) == 0.5   # a tie is dropped: 2 of 2
+    assert report.sign_test([0, 0]) == 1.0 and report.sign_test([]) == 1.0
+    mixed = report.paired_interval([1.5, 1.5, -0.5, 1.5, -0.5])
+    # resampled means are 1.5 - 0.4 k (k negatives, binomial(5, 0.4)): 2.5% at k = 4, 97.5% at k = 0
+    assert (mixed["mean"], mixed["low"], mixed["high"]) == (0.7, -0.1, 1.5)
+    assert report.paired_interval([1.5, 1.5, -0.5, 1.5, -0.5]) == mixed   # seeded: the same every time
+    one = report.paired_interval([2.0])
+    assert one["low"] is None and one["high"] is None and one["mean"] == 2.0
+    assert report.interval_verdict(same) == "holds"
+    assert report.interval_verdict(report.paired_interval([-1.0, -2.0])) == "does not hold"
+    assert report.interval_verdict(mixed) == "not resolved (interval spans 0)"
+    assert report.interval_verdict(one) == "not resolved (n < 2)"
+    assert report.interval_verdict(report.paired_interval([])) == "not run yet"
+
+
+def students_workdirs(tmp_path):
+    """An MPNet teacher's work folder (its students, fold teachers and a report.json), a MiniLM
+    teacher's with one student, and the baseline g100 in a folder of its own (no teacher)."""
+    mpnet, minilm, old = "m" * 64, "n" * 64, "a" * 64
+    folders = {name: tmp_path / name for name in ("old", "mpnet", "minilm", "g100")}
+    for folder in folders.values():
+        folder.mkdir()
+    base = [89.0, 89.2, 89.4, 89.6, 89.8]
+    runs = {
+        "old": [dict(record("teacher", 0, 89.0), teacher_sha256=old), dict(record("te", 0, 85.0), teacher_sha256=old),
+                dict(record("te_seq", 0, 86.0, k=5), teacher_sha256=old)],
+        "g100": [new_record("g100", s, f1) for s, f1 in enumerate(base)],
+        "mpnet": ([teacher_record(mpnet, 92.0, "mpnet")]
+                  + [{**record("teacher_fold", 0, 91.0 + fold / 10), "fold": fold, "folds": 2, "distilled": False,
+                      "teacher_sha256": str(fold) * 64, "dataset": "conll2003"} for fold in range(2)]
+                  + [new_record("g100_token_pos", s, f1 + 0.5, mpnet, crossfit=2) for s, f1 in enumerate(base)]
+                  + [new_record("g100_seq", s, f1 + 0.5 + d, mpnet, k=5, crossfit=2)
+                     for s, (f1, d) in enumerate(zip(base, [1, 1, -1, 1, -1]))]
+                  + [new_record("g100_da_seq", s, f1 + 2.5, mpnet, k=5, pool="articles20000")
+                     for s, f1 in enumerate(base[:3])]
+                  + [new_record("g100_da_token_pos", s, f1 + 2.0, mpnet, pool="articles20000")
+                     for s, f1 in enumerate(base[:3])]
+                  + [new_record("g100_da", 0, 90.0, mpnet, pool="articles20000")]),
+        "minilm": [teacher_record(minilm, 89.0, "minilm")]
+                  + [new_record("g100_seq", s, f1 + 1.0, minilm, k=5) for s, f1 in enumerate(base[:2])]}
+    for name, records in runs.items():
+        (folders[name] / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = [{"model": "teacher (mpnet + CRF)", "test_f1": 92.0, "sentences_per_s": 120.0, "speedup": 1.0}]
+    rows += [{"model": f"BiLSTM+CRF g100_da_seq, K = 5, seed {s}", "test_f1": 91.5, "sentences_per_s": 3000.0,
+              "speedup": 25.0} for s in range(3)]
+    (folders["mpnet"] / "report.json").write_text(json.dumps({
+        "rows": rows, "machine": "test machine", "date": "d", "git": "abc", "command": "python -m crfkit.tool.report .",
+        "batch_size": 32, "throughput_sentences": 512}))
+    return [folders[name] for name in ("old", "mpnet", "minilm", "g100")], mpnet, minilm, old
+
+
+def test_students_section_paired_against_the_baseline(report, tmp_path):
+    workdirs, mpnet, minilm, old = students_workdirs(tmp_path)
+    text, data = report.build(workdirs, "te_da_seq", 5)
+    tables, section = text[:text.index("## Students issue (issue 60)")], text[text.index("## Students issue"):]
+    # the paper's tables keep to their teacher: issue 60's students and the fold teachers are in none of them
+    assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.00 (n = 1) |" in tables
+    assert "g100" not in tables.replace("g100/results.jsonl", "") and "teacher_fold" not in tables
+    assert "Cross-fitting fold teachers (teacher_fold; not students, in no table): 2 record(s)" in section
+    assert "Tagging speed, measured side by side" not in tables   # the MPNet report.json times g100 students only
+
+    mpnet_table = section[section.index(f"### teacher `{mpnet[:12]}` (mpnet, test F1 92.00); student `{STUDENT}`; "
+                                        "conll2003"):section.index(f"### teacher `{minilm[:12]}`")]
+    rows = [line for line in mpnet_table.splitlines() if line.startswith("| g100")]
+    assert rows == [
+        "| g100 | - | - | - | 89.40 ± 0.32 (n = 5) | 93.40 | the baseline |  |  | 2.60 | 15.0x (records) |",
+        "| g100_token_pos | - | - | 2 | 89.90 ± 0.32 (n = 5) | 93.90 | +0.50 (5) | [+0.50, +0.50] | 0.0625 | 2.10 "
+        "| 15.0x (records) |",
+        "| g100_seq | 5 | - | 2 | 90.10 ± 0.95 (n = 5) | 94.10 | +0.70 (5) | [-0.10, +1.50] | 1 | 1.90 "
+        "| 15.0x (records) |",
+        "| g100_da | - | articles20000 (20,000) | - | 90.00 (n = 1) | 94.00 | +1.00 (1) | n < 2 | 1 | 2.00 "
+        "| 15.0x (records) |",
+        "| g100_da_token_pos | - | articles20000 (20,000) | - | 91.20 ± 0.20 (n = 3) | 95.20 | +2.00 (3) "
+        "| [+2.00, +2.00] | 0.25 | 0.80 | 15.0x (records) |",
+        "| g100_da_seq | 5 | articles20000 (20,000) | - | 91.70 ± 0.20 (n = 3) | 95.70 | +2.50 (3) | [+2.50, +2.50] "
+        "| 0.25 | 0.30 | 25.0x |"]
+    assert ("- SEQ > TOKEN-POS (without DA, cross-fit 2; g100_seq against g100_token_pos): +0.20 over 5 seeds, "
+            "95% bootstrap [-0.60, +1.00], sign test p = 1: not resolved (interval spans 0)") in mpnet_table
+    assert ("- TOKEN-POS > alone (without DA, cross-fit 2; g100_token_pos against g100): +0.50 over 5 seeds, "
+            "95% bootstrap [+0.50, +0.50], sign test p = 0.0625: holds") in mpnet_table
+    assert "- SEQ > TOKEN-POS > alone (without DA, cross-fit 2): not resolved" in mpnet_table
+    assert ("- SEQ > TOKEN-POS (with DA, pool articles20000; g100_da_seq against g100_da_token_pos): +0.50 over 3 "
+            "seeds, 95% bootstrap [+0.50, +0.50], sign test p = 0.25: holds") in mpnet_table
+    assert ("- TOKEN-POS > alone (with DA, pool articles20000; g100_da_token_pos against g100_da): +1.00 over 1 seed, "
+            "95% bootstrap n < 2, sign test p = 1: not resolved (n < 2)") in mpnet_table
+
+    # the baseline, which no teacher shaped, serves the MiniLM teacher's table too
+    minilm_table = section[section.index(f"### teacher `{minilm[:12]}`"):section.index("### Targets (issue 60)")]
+    assert "| g100 | - | - | - | 89.40 ± 0.32 (n = 5) | 93.40 | the baseline |  |  | -0.40 |" in minilm_table
+    assert "| g100_seq | 5 | - | - | 90.10 ± 0.14 (n = 2) | 94.10 | +1.00 (2) | [+1.00, +1.00] | 0.5 |" in minilm_table
+    assert "g100_token_pos" not in minilm_table and "- SEQ > TOKEN-POS (without DA; g100_seq against (not run))" \
+        ": not run yet" in minilm_table
+
+    targets = section[section.index("### Targets (issue 60)"):]
+    assert ("- best distilled student (g100_da_seq, K = 5, pool articles20000: 91.70 ± 0.20 (n = 3)) at least 91.0 "
+            "F1 and within 1.0 of its teacher (92.00): gap 0.30, met") in targets
+    assert ("- at least 1.0 F1 above the baseline g100 (89.40 ± 0.32 (n = 5); paired): +2.50 over 3 seeds, 95% "
+            "bootstrap [+2.50, +2.50], sign test p = 0.25, met; the interval is above 1.0") in targets
+    assert ("- at least 20x the teacher's sentences per second: 25.0x (measured side by side in one run, n = 3), met"
+            in targets)
+    assert "- the ordering SEQ > TOKEN-POS > alone (with DA, pool articles20000): not resolved (see above)" in targets
+    minilm_targets = targets[targets.index(f"With the minilm teacher `{minilm[:12]}`"):]
+    assert "(g100_seq, K = 5: 90.10 ± 0.14 (n = 2)) at least 91.0 F1 and within 1.0 of its teacher (89.00): " \
+           "gap -1.10, NOT met" in minilm_targets
+    assert ("15.0x (from the records' sentences_per_s, each measured when its run finished, NOT side by side, n = 2), "
+            "NOT met") in minilm_targets
+
+    issue = data["students_issue"]
+    assert issue["bootstrap"] == {"resamples": 10_000, "seed": report.BOOTSTRAP_SEED, "confidence": 0.95}
+    first = issue["tables"][0]
+    assert first["teacher_sha256"] == mpnet and first["teacher_test_f1"] == 92.0
+    seq = next(r for r in first["rows"] if r["variant"] == "g100_seq")
+    assert seq["vs_baseline"]["seeds"] == [0, 1, 2, 3, 4] and seq["vs_baseline"]["low"] == -0.1
+    assert seq["test_f1_by_seed"] == {"0": 90.5, "1": 90.7, "2": 88.9, "3": 91.1, "4": 89.3}
+    # the records keep issue 60's fields (nothing lost), the old ones gain none
+    kept = next(r for r in data["records"] if r["variant"] == "g100_da_seq")
+    assert (kept["distilled"], kept["student"], kept["dataset"], kept["pool"], kept["pool_sentences"],
+            kept["crossfit_folds"]) == (True, STUDENT, "conll2003", "articles20000", 20000, 0)
+    baseline = next(r for r in data["records"] if r["variant"] == "g100")
+    assert baseline["distilled"] is False and baseline["teacher_sha256"] is None
+    assert "distilled" not in next(r for r in data["records"] if r["variant"] == "te")
+    assert len(data["records"]) == 3 + 5 + 1 + 2 + 5 + 5 + 3 + 3 + 1 + 1 + 2
+    assert [e["seed"] for e in data["students_side_by_side"]] == [0, 1, 2]
+
+    # rebuilt from docs/reproduction.json alone (the work folders gone), the section comes out the same
+    (tmp_path / "docs" / "reproduction.json").write_text(json.dumps(data))
+    again, _ = report.build([], "te_da_seq", 5)
+    assert again[again.index("## Students issue"):] == section
+
+
+def test_the_baseline_belongs_to_no_teacher(report, tmp_path):
+    """A baseline (distilled false) names no teacher because it uses none: it is kept (not taken
+    for a record of the main teacher's written before records named it) and compared with the
+    students of the teacher that has them; the main teacher of the paper's tables is counted over
+    those tables' own students only, so issue 60's runs never take them over."""
+    main, other = "a" * 64, "b" * 64
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    records = ([dict(record("teacher", 0, 89.0), teacher_sha256=main), dict(record("te", 0, 85.0), teacher_sha256=main),
+                teacher_record(other, 92.0, "mpnet")]
+               + [new_record("g100_seq", s, 90.0, other, k=5) for s in range(3)]
+               + [new_record("g100", s, 89.0) for s in range(3)])
+    (workdir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.main_teacher(records) == other   # by raw counts the g100 students would take the tables
+    text, data = report.build(workdir, "te_da_seq", 5)
+    assert "| teacher (MiniLM-L6 + CRF; the paper: BERT-base + CRF) | 89.00 (n = 1) |" in text
+    assert len([r for r in data["records"] if r["variant"] == "g100"]) == 3
+    assert "| g100_seq | 5 | - | - | 90.00 ± 0.00 (n = 3) | 94.00 | +1.00 (3) | [+1.00, +1.00] | 0.25 |" in text
+
+
+def test_no_students_section_without_issue_60_records(report, tmp_path):
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    (workdir / "results.jsonl").write_text(json.dumps(record("teacher", 0, 89.0)) + "\n")
+    text, data = report.build(workdir, "te_da_seq", 5)
+    assert "Students issue" not in text and "students_issue" not in data
+
+
+def test_encoder_name_from_the_tools_command(report):
+    assert report.encoder_name({"command": "python -m crfkit.tool --teacher_model_name_or_path mpnet"}) == "mpnet"
+    assert report.encoder_name({"command": "python -m crfkit.tool --teacher_model_name_or_path "
+                                           "../mpnet_xf/teacher/model"}) == "mpnet_xf"
