@@ -132,7 +132,7 @@ class HiddenStateMSE(_ProjectedHiddenLoss):
         return f"student_width={self.student_width}, teacher_width={self.teacher_width}"
 
 
-_DISTANCES = ("mse", "cosine", "keras_kld")
+_DISTANCES = ("mse", "cosine", "softmax_kl", "keras_kld")
 # Keras's backend epsilon, used by the released code's 'kullback_leibler_divergence' loss.
 _KERAS_EPSILON = 1e-7
 
@@ -149,6 +149,11 @@ class GeluProjectionLoss(_ProjectedHiddenLoss):
             'mse'        mean over features of the squared difference (default; the 'mse'
                          option of the multi-stage paper's released code)
             'cosine'     1 - cosine similarity
+            'softmax_kl' KL(softmax(z_l^t) || softmax(z~_s)), both softmaxes over the features:
+                         the paper's "KL divergence between the student and the teacher
+                         representations" read as a divergence between distributions (what
+                         crfkit's faithful run of the paper, g100_da_multistage_paper, uses);
+                         exactly 0 where z~_s equals z_l^t (or differs by a constant)
             'keras_kld'  sum over features of t * log(t / s) with t, s clipped to [1e-7, 1]:
                          what the paper's "KL divergence" is in its released (Keras) code.
                          Hidden states are not distributions; the clipping ignores every
@@ -183,6 +188,11 @@ class GeluProjectionLoss(_ProjectedHiddenLoss):
             return (projected - teacher).square().mean(-1)
         if self.distance == "cosine":
             return 1 - F.cosine_similarity(projected, teacher, dim=-1, eps=1e-8)
+        if self.distance == "softmax_kl":
+            # sum_f p_t[f] (log p_t[f] - log p_s[f]); F.kl_div(input=log p_s, target=log p_t)
+            teacher_log_probs = torch.log_softmax(teacher, dim=-1)
+            return F.kl_div(torch.log_softmax(projected, dim=-1), teacher_log_probs, reduction="none",
+                            log_target=True).sum(-1)
         target = teacher.clamp(_KERAS_EPSILON, 1)
         prediction = projected.clamp(_KERAS_EPSILON, 1)
         return (target * (target.log() - prediction.log())).sum(-1)

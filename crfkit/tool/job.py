@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from .._files import atomic_write
 from ..taggers import BiLSTMCRFTagger, TransformerCRFTagger, load_tagger
 from ..taggers.base import CONFIG_NAME, TAGGER_FORMAT
 from ..training import VARIANTS, ObjectiveConfig, Variant
+from ..training.objectives import hidden_projection_for
 from .arguments import ConfigurationError, DataArguments, DistillationArguments, resolved_configuration
 from .datasets import TaggingData
 from .records import (command_line, file_sha256, finished_record, git_commit, log, machine_description,
@@ -246,19 +248,31 @@ class DistillationJob:
             _barrier()
 
     # ------------------------------------------------------------------ stage 2
-    def label_transfer_set(self, with_hidden: bool = False):
+    def label_transfer_set(self, with_hidden: bool = False, layer: Optional[int] = None, general: bool = False):
         """The teacher-label cache over the transfer set. with_hidden: a second cache that also
-        holds the teacher's layer --teacher_hidden_layer per word, over the transfer set and then
-        the selection text (the hidden loss is selected on its validation loss)."""
+        holds the teacher's layer per word (layer: None for --teacher_hidden_layer, -1 for its last,
+        as Variant.teacher_hidden_layer), over the transfer set and then the selection text (the
+        hidden loss is selected on its validation loss). general: label with the teacher's encoder
+        as it was before fine-tuning (a fresh head; only its hidden layer means anything), the
+        adaptive-weight paper's first stage (ObjectiveConfig.teacher == "general")."""
         teacher = load_tagger(self.teacher_dir).eval()
-        layer = self.teacher_args.teacher_hidden_layer
+        if general:
+            torch.manual_seed(0)   # the untrained head's k best are stored too: the same ones every time
+            teacher = TransformerCRFTagger(self.data.labels, encoder=teacher.encoder_name,
+                                           scheme=self.data.scheme).eval()
+        if layer is None:
+            layer = self.teacher_args.teacher_hidden_layer
+        elif layer == -1:
+            layer = teacher.num_layers
         if with_hidden and layer > teacher.num_layers:
             raise ConfigurationError(f"--teacher_hidden_layer {layer}: the teacher ({self.encoder}) has layers "
                              f"0 (embeddings) .. {teacher.num_layers}")
         sentences = self.data.transfer + ([tuple(s.tokens) for s in self.data.selection] if with_hidden else [])
         weights = self.teacher_sha256()
+        if general:  # named by the encoder instead of the fine-tuned weights
+            weights = hashlib.sha256(f"general {teacher.encoder_name}".encode()).hexdigest()
         # named by K, corpus size and teacher, and described without paths, so a moved workdir reuses it
-        name = f"labels-k{self.cache_k}-n{len(sentences)}-{weights[:8]}"
+        name = f"labels-k{self.cache_k}-n{len(sentences)}-{'general-' if general else ''}{weights[:8]}"
         directory = os.path.join(self.workdir, name + (f"-hidden{layer}" if with_hidden else ""))
         log(f"label: teacher's {self.cache_k} best paths for {len(sentences)} sentences -> {directory}")
         pool = self.data.description["pool"]
@@ -278,7 +292,8 @@ class DistillationJob:
             teacher_output = functools.partial(teacher.teacher_output, hidden_layer=layer)
         return distill.label_corpus(teacher_output, sentences, directory, k=self.cache_k, batch_size=64,
                                     with_emissions=True, with_hidden=with_hidden, label_names=list(self.data.labels),
-                                    teacher_info={"encoder": teacher.encoder_name, "weights_sha256": weights},
+                                    teacher_info={"encoder": teacher.encoder_name, "weights_sha256": weights}
+                                    if not general else {"encoder": teacher.encoder_name, "general": True},
                                     corpus_info=corpus_info)
 
     def label_folds(self, cache):
@@ -361,7 +376,8 @@ class DistillationJob:
             student.load_word_vectors(vectors[0], torch.from_numpy(vectors[1]), freeze=True)
         return student
 
-    def train_student(self, cache, spec: RunSpec) -> Optional[dict]:
+    def train_student(self, cache, spec: RunSpec, general_cache=None) -> Optional[dict]:
+        """general_cache: the general encoder's hidden cache, for the stages that read it."""
         import transformers
 
         from ..training import RunClock, fit_tagger, fit_tagger_gradually, tagging_items
@@ -392,9 +408,9 @@ class DistillationJob:
             settings = dict(learning_rate=self.student_args.student_learning_rate, lr_scheduler_type="constant",
                             max_grad_norm=5.0)
         projection = None
-        if needs_hidden:  # GELU(W h + b) from the student's word features to the teacher's layer
+        if needs_hidden:  # GELU(W h + b) (or h W) from the student's word features to the teacher's layer
             width = student.word_features(student.featurize([["a"]])).shape[-1]
-            projection = distill.GeluProjectionLoss(width, cache[len(self.data.transfer)].hidden.shape[1])
+            projection = hidden_projection_for(objectives, width, cache[len(self.data.transfer)].hidden.shape[1])
 
         def make_args(directory):
             return self.stage_arguments(directory, num_train_epochs=self.student_args.student_epochs, seed=spec.seed,
@@ -410,16 +426,23 @@ class DistillationJob:
             saved = os.path.join(stage_out, "model")
             if os.path.isfile(os.path.join(saved, "config.json")):  # this stage finished earlier: never train it on
                 student = load_tagger(saved).train()
+                if projection is not None:   # nor lose what it taught the hidden projection
+                    _load_projection(projection, stage_out)
                 continue
+            stage_cache = general_cache if objective.teacher == "general" else cache
+            if stage_cache is None:
+                raise ConfigurationError(f"{spec.name}, stage {stage}: no label cache of the {objective.teacher} "
+                                         "teacher was made")
             if variant.gradual_unfreezing:
                 trainer = fit_tagger_gradually(student, items, dev_items, make_args, stage_out, objective=objective,
-                                               cache=cache, hidden_projection=projection, callbacks=[clock]) or trainer
+                                               cache=stage_cache, hidden_projection=projection,
+                                               callbacks=[clock]) or trainer
                 if is_main_process():
                     student.save_pretrained(saved)   # the stage's result: its last round's best
                 _barrier()
                 continue
-            trainer = fit_tagger(student, items, dev_items, make_args(stage_out), objective=objective, cache=cache,
-                                 hidden_projection=projection, callbacks=[clock])
+            trainer = fit_tagger(student, items, dev_items, make_args(stage_out), objective=objective,
+                                 cache=stage_cache, hidden_projection=projection, callbacks=[clock])
             student = trainer.model.tagger
         record = None
         if is_main_process():
@@ -494,24 +517,37 @@ class DistillationJob:
             return any(getattr(o, what) for o in self._variant(spec).objectives)
 
         needs_cache = any(needs(spec, "needs_teacher") or self._variant(spec).da for spec in self.runs)
-        needs_hidden = any(needs(spec, "needs_teacher_hidden") for spec in self.runs)
-        cache = hidden_cache = crossfit_cache = None
+        # the hidden caches: (layer, general) -> cache, layer as Variant.teacher_hidden_layer
+        hidden_keys = {}
+        for spec in self.runs:
+            if needs(spec, "needs_teacher_hidden"):
+                variant = self._variant(spec)
+                hidden_keys[(variant.teacher_hidden_layer, False)] = None
+                if any(o.teacher == "general" for o in variant.objectives):
+                    hidden_keys[(variant.teacher_hidden_layer, True)] = None
+        cache = crossfit_cache = None
+        hidden_caches: dict = {}
         if "label" in stages or "students" in stages:
             if needs_cache:
                 cache = self.label_transfer_set()
-            if needs_hidden:
+            if hidden_keys:
                 if crossfit:
                     raise ConfigurationError("--crossfit_folds does not cover the hidden loss (te_da_stagewise): "
                                              "run it without cross-fitting")
-                hidden_cache = self.label_transfer_set(with_hidden=True)
+                for layer, general in hidden_keys:
+                    hidden_caches[(layer, general)] = self.label_transfer_set(with_hidden=True, layer=layer,
+                                                                              general=general)
             if crossfit:
                 crossfit_cache = self.label_folds(cache)
         records = []
         if "students" in stages:
             for spec in self.runs:
-                chosen = hidden_cache if needs(spec, "needs_teacher_hidden") else (
-                    crossfit_cache if spec.crossfit else cache)
-                records.append(self.train_student(chosen, spec))
+                if needs(spec, "needs_teacher_hidden"):
+                    layer = self._variant(spec).teacher_hidden_layer
+                    records.append(self.train_student(hidden_caches[(layer, False)], spec,
+                                                      hidden_caches.get((layer, True))))
+                    continue
+                records.append(self.train_student(crossfit_cache if spec.crossfit else cache, spec))
         else:
             records = [finished_record(self.workdir, os.path.join(self.workdir, "students", spec.name))
                        for spec in self.runs]
@@ -520,6 +556,22 @@ class DistillationJob:
             write_report(self.workdir, self.teacher_dir, records, self.data.test,
                          batch_size=self.training.per_device_train_batch_size, command=self.command)
         return records
+
+
+def _load_projection(projection, stage_out: str) -> None:
+    """Load the hidden projection a finished stage saved (in stage_out, or in its last unfreezing
+    round), if it saved one."""
+    from safetensors.torch import load_model
+
+    from ..training.trainer import PROJECTION_FILE
+
+    rounds = sorted((int(name[len("unfreeze"):]), name) for name in os.listdir(stage_out)
+                    if name.startswith("unfreeze") and name[len("unfreeze"):].isdigit())
+    for directory in [os.path.join(stage_out, name) for _, name in reversed(rounds)] + [stage_out]:
+        path = os.path.join(directory, PROJECTION_FILE)
+        if os.path.isfile(path):
+            load_model(projection, path)
+            return
 
 
 def _relative(path: Optional[str], workdir: str) -> Optional[str]:

@@ -17,17 +17,23 @@ hidden states) are read from it. The losses (each a mean over the batch's senten
     token_pos  the same between the CRF marginals (posteriors) of teacher and student
     exact_kl   the exact KL(P_teacher || P_student) over all tag sequences (crfkit's own)
     logit_mse  squared distance between teacher and student emissions (Tang et al.)
-    hidden     the multi-stage paper's representation loss: MSE between GELU(W h_s + b), the
-               student's word features projected to the teacher's width, and a hidden layer of
-               the teacher (the projection is trained with the student)
+    hidden     a hidden layer of the teacher against the student's word features projected to
+               the teacher's width (the projection is trained with the student): the multi-stage
+               paper's L_RL, a distance (MSE, or the KL of softmaxes) to GELU(W h_s + b), or
+               the adaptive-weight paper's L_hidn = MSE(h_s W_h, H_t) (ObjectiveConfig's
+               hidden_projection and hidden_distance; hidden_projection_for builds the module)
 Weighting: "uncertainty" (learned, Kendall et al.), "equal" (sum), or "adaptive": the adaptive
 schedule theta_t of the adaptive-weight BERT NER distillation paper, theta_t times the sum of the
 distillation losses plus (1 - theta_t) times the hard loss (crfkit.distill.adaptive_theta and
 adaptive_kd_loss).
+An ObjectiveConfig is also one stage of a stage-wise Variant: which teacher it reads (the
+fine-tuned one, or the general encoder that was never fine-tuned, the adaptive-weight paper's first
+stage), whether it trains the frozen word table too (the multi-stage paper's last unfreezing
+round), and whether it trains on the gold-labelled sentences only (that paper's L_CE stage).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -35,13 +41,21 @@ import torch
 from torch import Tensor, nn
 
 from .. import distill
-from .._validation import check_choice, check_int, check_number
+from .._validation import check_bool, check_choice, check_int, check_number
 from ..distribution import LinearChainCRF
 
-__all__ = ["EMBEDDINGS", "LOSSES", "LOSS_TERMS", "LossTerm", "ObjectiveConfig", "StudentOutputs", "TaggingObjective",
-           "Variant", "VARIANTS", "WEIGHTINGS"]
+__all__ = ["EMBEDDINGS", "HIDDEN_DISTANCES", "HIDDEN_PROJECTIONS", "LOSSES", "LOSS_TERMS", "LossTerm",
+           "ObjectiveConfig", "StudentOutputs", "TEACHERS", "TaggingObjective", "Variant", "VARIANTS", "WEIGHTINGS",
+           "hidden_projection_for"]
 
 WEIGHTINGS = ("uncertainty", "equal", "adaptive")
+# the hidden loss's projection: the multi-stage paper's GELU(W h + b) (crfkit.distill.GeluProjectionLoss)
+# or the adaptive-weight paper's linear h W_h (crfkit.distill.HiddenStateMSE)
+HIDDEN_PROJECTIONS = ("gelu", "linear")
+HIDDEN_DISTANCES = ("mse", "cosine", "softmax_kl", "keras_kld")   # GeluProjectionLoss's distances
+# whose labels a stage reads: the fine-tuned teacher's, or the general (pretrained, never
+# fine-tuned) encoder's hidden layer (the adaptive-weight paper's first distillation stage)
+TEACHERS = ("fine-tuned", "general")
 
 
 @dataclass(frozen=True)
@@ -190,13 +204,30 @@ LOSSES = tuple(LOSS_TERMS)
 class ObjectiveConfig:
     """losses: names from LOSSES; weighting: one of WEIGHTINGS (ignored for a single loss);
     k: teacher paths for fuzzy / kbest_ce; temperature: of token_em / token_pos;
-    adaptive_bias: b of theta_t = max(1 - exp(t / steps + b) / e, 0)."""
+    adaptive_bias: b of theta_t = max(1 - exp(t / steps + b) / e, 0).
+
+    The hidden loss: hidden_projection, one of HIDDEN_PROJECTIONS ("gelu": GeluProjectionLoss,
+    "linear": HiddenStateMSE, whose distance is MSE); hidden_distance, GeluProjectionLoss's
+    distance (HIDDEN_DISTANCES). hidden_projection_for builds the module.
+
+    As a stage of a Variant: teacher, one of TEACHERS ("general": the hidden layer of the
+    encoder before fine-tuning, labelled into a cache of its own by the tool; only for the hidden
+    loss alone, the one thing an encoder without a trained head can teach); unfreeze_embeddings:
+    the stage trains the word table even when it is frozen by design (TE, GloVe): with gradual
+    unfreezing as the bottom layer, in the stage's last round, else for the whole stage, frozen
+    again afterwards (fit_tagger, fit_tagger_gradually); labelled_only: the stage trains on the
+    gold-labelled sentences alone, leaving out the DA pool's (fit_tagger)."""
 
     losses: tuple[str, ...] = ("hard",)
     weighting: str = "uncertainty"
     k: int = 5
     temperature: float = 1.0
     adaptive_bias: float = 0.0
+    hidden_projection: str = "gelu"
+    hidden_distance: str = "mse"
+    teacher: str = "fine-tuned"
+    unfreeze_embeddings: bool = False
+    labelled_only: bool = False
 
     def __post_init__(self):
         losses = tuple(self.losses)
@@ -212,6 +243,17 @@ class ObjectiveConfig:
                              "least one other loss")
         check_int("k", self.k, minimum=1, type_error=ValueError)
         check_number("temperature", self.temperature, minimum=0, open_minimum=True)
+        check_choice("hidden_projection", self.hidden_projection, HIDDEN_PROJECTIONS)
+        check_choice("hidden_distance", self.hidden_distance, HIDDEN_DISTANCES)
+        if self.hidden_projection == "linear" and self.hidden_distance != "mse":
+            raise ValueError("hidden_projection='linear' (the adaptive-weight paper's MSE(h W_h, H_t)) has the MSE "
+                             f"distance only, got hidden_distance={self.hidden_distance!r}")
+        check_choice("teacher", self.teacher, TEACHERS)
+        if self.teacher == "general" and losses != ("hidden",):
+            raise ValueError("teacher='general' (the encoder before fine-tuning, whose head is untrained) teaches "
+                             f"its hidden layer only: give losses=('hidden',), got {losses}")
+        check_bool("unfreeze_embeddings", self.unfreeze_embeddings)
+        check_bool("labelled_only", self.labelled_only)
 
     @property
     def terms(self) -> tuple[LossTerm, ...]:
@@ -269,7 +311,10 @@ class Variant:
     other, each to its best validation score (the stage-wise schedule of the multi-stage
     distillation paper); when given, they replace objective. gradual_unfreezing: within each
     stage, train the top layer alone, then the top two, and so on down to the input (that
-    paper's Algorithm 1), each round to its best validation score."""
+    paper's Algorithm 1), each round to its best validation score. teacher_hidden_layer: the
+    teacher layer the hidden loss distils, None for the tool's --teacher_hidden_layer, -1 for
+    the teacher's last layer (the adaptive-weight paper's uniform layer mapping of a one-layer
+    student, crfkit.distill.uniform_layer_map(1, N) == [N])."""
 
     embeddings: str
     da: bool
@@ -277,6 +322,7 @@ class Variant:
     transformer_layers: int = 0
     stages: tuple[ObjectiveConfig, ...] = ()
     gradual_unfreezing: bool = False
+    teacher_hidden_layer: Optional[int] = None
 
     @property
     def objectives(self) -> tuple[ObjectiveConfig, ...]:
@@ -293,12 +339,45 @@ class Variant:
         check_choice("embeddings", self.embeddings, EMBEDDINGS)
         if (self.embeddings == "pretrained") != (self.transformer_layers > 0):
             raise ValueError("embeddings='pretrained' goes with a transformer student (transformer_layers > 0)")
+        if self.teacher_hidden_layer is not None:
+            check_int("teacher_hidden_layer", self.teacher_hidden_layer, minimum=-1, type_error=ValueError)
+        if self.objectives[-1].teacher != "fine-tuned":
+            raise ValueError("the last stage must read the fine-tuned teacher: the general encoder only initialises "
+                             "the student")
+
+
+def hidden_projection_for(objectives: Sequence[ObjectiveConfig], student_width: int,
+                          teacher_width: int) -> Optional[nn.Module]:
+    """The module of the hidden loss for a run's objectives (one module, shared by every stage and
+    round that has the hidden loss, so that what one stage learns the next starts from):
+    crfkit.distill.GeluProjectionLoss(student_width, teacher_width, distance=hidden_distance) for
+    hidden_projection="gelu", crfkit.distill.HiddenStateMSE(student_width, teacher_width) (no bias:
+    the adaptive-weight paper's formula (18) has none) for "linear". None when no objective has the
+    hidden loss. The objectives with it must agree on hidden_projection and hidden_distance."""
+    kinds = {(o.hidden_projection, o.hidden_distance) for o in objectives if o.needs_teacher_hidden}
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise ValueError(f"the stages with the hidden loss share one projection: they must agree on "
+                         f"(hidden_projection, hidden_distance), got {sorted(kinds)}")
+    (projection, distance), = kinds
+    if projection == "linear":
+        return distill.HiddenStateMSE(student_width, teacher_width)
+    return distill.GeluProjectionLoss(student_width, teacher_width, distance=distance)
 
 
 def _seq(*extra: str, drop: tuple[str, ...] = (), weighting: str = "uncertainty") -> ObjectiveConfig:
     losses = tuple(name for name in ("hard", "fuzzy", "kbest_ce") if name not in drop) + extra
     return ObjectiveConfig(losses=losses, weighting=weighting)
 
+
+# the adaptive-weight paper's two-stage scheme (its Fig. 6): the general encoder's last layer, then formula (15)
+_ADAPTIVE_PAPER = (ObjectiveConfig(("hidden",), hidden_projection="linear", teacher="general"),
+                   ObjectiveConfig(("hard", "token_em", "hidden"), weighting="adaptive", hidden_projection="linear"))
+# the multi-stage paper's Algorithm 1 (D4.2): L_RL, L_LL, L_CE, the word table in each stage's last round
+_MULTISTAGE_PAPER = (ObjectiveConfig(("hidden",), hidden_distance="softmax_kl", unfreeze_embeddings=True),
+                     ObjectiveConfig(("logit_mse",), unfreeze_embeddings=True),
+                     ObjectiveConfig(("hard",), unfreeze_embeddings=True, labelled_only=True))
 
 VARIANTS: dict[str, Variant] = {
     "vanilla": Variant("random", da=False),
@@ -340,6 +419,19 @@ VARIANTS: dict[str, Variant] = {
     "te_da_stagewise": Variant("teacher", da=True, stages=(ObjectiveConfig(("hidden",)),
                                                            ObjectiveConfig(("logit_mse",)),
                                                            ObjectiveConfig()), gradual_unfreezing=True),
+    # the adaptive-weight paper run faithfully (docs/METHODS.md 5.1; needs no --teacher_hidden_layer):
+    # stage 1 distils the general encoder (never fine-tuned) alone, L_hidn = MSE(h W_h, H_t) between the
+    # BiLSTM's outputs and its last layer (the uniform layer map of a one-layer student); stage 2 the
+    # fine-tuned teacher by formula (15), theta_t (L_soft + L_hidn) + (1 - theta_t) L_hard, L_soft the
+    # cross entropy to softmax(teacher emissions), theta_t over the stage's steps (b = 0)
+    "g100_da_adaptive_paper": Variant("glove100", da=True, stages=_ADAPTIVE_PAPER, teacher_hidden_layer=-1),
+    "te_da_adaptive_paper": Variant("teacher", da=True, stages=_ADAPTIVE_PAPER, teacher_hidden_layer=-1),
+    # the multi-stage paper's best schedule (D4.2) run faithfully (docs/METHODS.md 5.2): L_RL (the KL
+    # between softmaxes of GELU(W h + b) and the teacher's layer --teacher_hidden_layer, 6 or 7 of 12
+    # in the paper), then L_LL (logit MSE), then L_CE on the gold sentences alone; in every stage
+    # gradual unfreezing whose last round unfreezes the (frozen) word table
+    "g100_da_multistage_paper": Variant("glove100", da=True, stages=_MULTISTAGE_PAPER, gradual_unfreezing=True),
+    "te_da_multistage_paper": Variant("teacher", da=True, stages=_MULTISTAGE_PAPER, gradual_unfreezing=True),
     # a small transformer student: the pretrained encoder's first 2 layers (of MiniLM's 6)
     "bp2": Variant("pretrained", da=False, transformer_layers=2),
     "bp2_seq": Variant("pretrained", da=False, objective=_seq(), transformer_layers=2),

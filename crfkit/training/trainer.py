@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -39,7 +39,7 @@ from .objectives import ObjectiveConfig, TaggingObjective
 transformers = require("transformers", "pip install transformers accelerate")
 
 __all__ = ["DistillationTrainer", "RunClock", "TaggerTrainer", "TaggerTrainingArguments", "fit_tagger",
-           "fit_tagger_gradually", "init_distributed"]
+           "fit_tagger_gradually", "frozen_word_table", "init_distributed"]
 
 MODEL_DIR = "model"
 PROJECTION_FILE = "hidden_projection.safetensors"
@@ -178,12 +178,17 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
     hidden_projection.safetensors. With the hidden loss alone, selection and early stopping use
     the validation loss instead of F1, so dev_items need cache ids (the teacher labels the
     validation text too; its gold tags are not used).
+    objective.labelled_only: train on the items with gold tags alone (the DA pool's are left out).
+    objective.unfreeze_embeddings: a word table frozen by design (TE, GloVe) trains in this run
+    too, and is frozen again when it ends (the saved tagger still says frozen).
     Checked before training starts: output_dir can be written (PermissionError,
     NotADirectoryError), and every gold sentence's tags are the tagger's labels in a sequence its
     CRF allows (ValueError naming the item; crfkit.training.check_gold_tags).
     Returns the trainer, its model holding the best weights (trainer.model.tagger).
     """
     train_items, dev_items = list(train_items), list(dev_items)
+    if objective.labelled_only:   # e.g. the multi-stage paper's L_CE stage, on the labelled data D_l
+        train_items = [item for item in train_items if item["tags"] is not None]
     for name, items, use in (("train_items", train_items, "train on"), ("dev_items", dev_items, "select on")):
         if not items:
             raise ValueError(f"{name} is empty: fit_tagger needs at least one sentence to {use}")
@@ -223,7 +228,14 @@ def fit_tagger(tagger, train_items: Sequence[dict], dev_items: Sequence[dict], a
     )
     checkpoint = transformers.trainer_utils.get_last_checkpoint(args.output_dir) if (
         resume and os.path.isdir(args.output_dir)) else None
-    trainer.train(resume_from_checkpoint=checkpoint)
+    table = frozen_word_table(tagger) if objective.unfreeze_embeddings else None
+    try:
+        if table is not None:
+            table.requires_grad_(True)   # before train() builds the optimizer from the trainable parameters
+        trainer.train(resume_from_checkpoint=checkpoint)
+    finally:
+        if table is not None:
+            table.requires_grad_(False)
     if is_main_process():
         trainer.model.tagger.save_pretrained(os.path.join(args.output_dir, MODEL_DIR))
         if model.hidden_projection is not None:
@@ -247,8 +259,10 @@ def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequenc
     make_args(directory) -> the TaggerTrainingArguments of one round (output_dir = directory);
     rounds go to output_dir/unfreeze1, unfreeze2, ...; a finished round is loaded, not retrained,
     so a killed run resumes in the round it stopped in. Parameters frozen by design (a TE table)
-    stay frozen; every other requires_grad flag is restored at the end. callbacks: as fit_tagger's,
-    for every round.
+    stay frozen, unless objective.unfreeze_embeddings: then the frozen word table is the bottom
+    layer, unfrozen in the last round alone (the multi-stage paper's "when the last layer (word
+    embeddings) is unfrozen, the entire network is trained end-to-end"). Every requires_grad flag
+    is restored at the end. callbacks: as fit_tagger's, for every round.
     Returns the last round's trainer (None when every round had finished before).
     """
     from safetensors.torch import load_model
@@ -257,10 +271,15 @@ def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequenc
 
     hidden_alone = objective.needs_teacher_hidden and not objective.trains_emissions
     layers = [(name, params) for name, params in tagger.layer_groups() if not (hidden_alone and name == "output")]
+    table = frozen_word_table(tagger) if objective.unfreeze_embeddings else None
+    if table is not None:
+        layers.insert(0, ("word embeddings", [table]))
+    round_objective = replace(objective, unfreeze_embeddings=False)   # the schedule decides, not each round
     if objective.needs_teacher_hidden:
         if hidden_projection is None:
             raise ValueError("the hidden loss needs hidden_projection")
-        layers.append(("hidden projection", list(hidden_projection.parameters())))
+        if any(True for _ in hidden_projection.parameters()):   # an identity HiddenStateMSE has none
+            layers.append(("hidden projection", list(hidden_projection.parameters())))
     modules = [tagger] + ([hidden_projection] if hidden_projection is not None else [])
     schedule = distill.GradualUnfreezing(layers, [p for module in modules for p in module.parameters()])
     trainer = None
@@ -273,9 +292,17 @@ def fit_tagger_gradually(tagger, train_items: Sequence[dict], dev_items: Sequenc
                 if objective.needs_teacher_hidden:
                     load_model(hidden_projection, os.path.join(out, PROJECTION_FILE))
                 continue
-            trainer = fit_tagger(tagger, train_items, dev_items, make_args(out), objective=objective, cache=cache,
-                                 hidden_projection=hidden_projection, callbacks=callbacks)
+            trainer = fit_tagger(tagger, train_items, dev_items, make_args(out), objective=round_objective,
+                                 cache=cache, hidden_projection=hidden_projection, callbacks=callbacks)
     return trainer
+
+
+def frozen_word_table(tagger) -> Optional[nn.Parameter]:
+    """The tagger's word table when it is frozen by design (a BiLSTMCRFTagger's TE or GloVe table,
+    frozen_embeddings), else None (a table that trains anyway, or a tagger without one)."""
+    if not getattr(tagger, "frozen_embeddings", False):
+        return None
+    return tagger.word_embedding.weight
 
 
 def init_distributed() -> None:
