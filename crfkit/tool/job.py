@@ -45,6 +45,10 @@ CONFIG_FILE = "config.json"
 # file order) keep the student's file at about 80 MB; NeuroNER's table already covers every
 # CoNLL word, so these serve the DA pool's and a user's other words.
 GLOVE100_EXTRA_WORDS = 100_000
+# the teacher's columns in the "glove100_te" table: its piece table reduced by SVD (as the
+# multi-stage paper reduces mBERT's), so that the file stays near the glove100 student's size
+# (MPNet's 768 columns over ~130k words would be 400 MB) and the teacher's part is not 5x the rest
+GLOVE100_TE_DIM = 100
 
 
 @dataclass(frozen=True)
@@ -339,7 +343,10 @@ class DistillationJob:
         "glove100": cased words, looked up lower-cased when missing (NeuroNER's rule): the train
             words, NeuroNER's 28,983 and GloVe's GLOVE100_EXTRA_WORDS most frequent; each row is
             its NeuroNER 100-d vector beside its GloVe 50-d one (150 wide, zeros where a table
-            lacks the word), frozen. Uses no teacher."""
+            lacks the word), frozen. Uses no teacher.
+        "glove100_te": the glove100 table with GLOVE100_TE_DIM more columns: each word's teacher
+            vector (crfkit.distill.teacher_word_vectors of its lower-cased form: the mean of its
+            pieces, zeros where the teacher has none) in the teacher's table reduced by SVD."""
         from ..packaged import glove_vectors, neuroner_vectors
         from ..taggers.vectors import read_word2vec_text
 
@@ -347,14 +354,16 @@ class DistillationJob:
         settings = dict(scheme=self.data.scheme, hidden_size=self.student_args.student_hidden,
                         num_layers=self.student_args.student_layers, dropout=self.student_args.student_dropout,
                         char_cnn=self.student_args.student_char_cnn)
-        if embeddings == "glove100":
+        if embeddings in ("glove100", "glove100_te"):
             neuroner, glove = neuroner_vectors(), glove_vectors()
             glove = (glove[0][:GLOVE100_EXTRA_WORDS], glove[1][:GLOVE100_EXTRA_WORDS])
             words = BiLSTMCRFTagger.build_vocabulary(train, extra_words=neuroner[0] + glove[0], lowercase=False)
-            student = BiLSTMCRFTagger(self.data.labels, words, embedding_dim=neuroner[1].shape[1] + glove[1].shape[1],
+            tables = [(neuroner[0], torch.from_numpy(neuroner[1]), False), (glove[0], torch.from_numpy(glove[1]), True)]
+            if embeddings == "glove100_te":
+                tables.append(self._teacher_word_table(words, GLOVE100_TE_DIM))
+            student = BiLSTMCRFTagger(self.data.labels, words, embedding_dim=sum(t[1].shape[1] for t in tables),
                                       lowercase=False, lowercase_fallback=True, **settings)
-            student.load_word_vector_tables([(neuroner[0], torch.from_numpy(neuroner[1]), False),
-                                             (glove[0], torch.from_numpy(glove[1]), True)], freeze=True)
+            student.load_word_vector_tables(tables, freeze=True)
             return student
         teacher = load_tagger(self.teacher_dir)
         width = teacher.encoder.get_input_embeddings().weight.shape[1]
@@ -375,6 +384,16 @@ class DistillationJob:
         elif embeddings == "glove":
             student.load_word_vectors(vectors[0], torch.from_numpy(vectors[1]), freeze=True)
         return student
+
+    def _teacher_word_table(self, words, dim: int) -> tuple[list[str], torch.Tensor, bool]:
+        """(lower-cased words, their teacher vectors (N, dim), uncased) for load_word_vector_tables:
+        the teacher's piece table reduced to dim columns by SVD, a word's vector the mean of its
+        pieces (zeros for a word with the teacher's unknown piece)."""
+        teacher = load_tagger(self.teacher_dir)
+        table = distill.svd_reduce(teacher.encoder.get_input_embeddings().weight.detach().float(), dim)
+        lowered = sorted({w.lower() for w in words})
+        vectors, _, _ = distill.teacher_word_vectors(lowered, table, teacher.tokenizer)
+        return lowered, vectors, True
 
     def train_student(self, cache, spec: RunSpec, general_cache=None) -> Optional[dict]:
         """general_cache: the general encoder's hidden cache, for the stages that read it."""

@@ -296,7 +296,7 @@ class ObjectiveConfig:
         return asdict(self)
 
 
-EMBEDDINGS = ("random", "teacher", "glove", "glove100", "pretrained")
+EMBEDDINGS = ("random", "teacher", "glove", "glove100", "glove100_te", "pretrained")
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,8 @@ class Variant:
     """A row of the multi-grained distillation paper's tables: the student's word embeddings
     ("random": trained from scratch; "teacher": TE, the teacher's table, frozen; "glove": GloVe
     vectors, frozen, the baseline without a teacher; "glove100": NeuroNER's cased 100-d GloVe
-    table beside GloVe 50d, frozen, crfkit.tool.job.DistillationJob.build_student), whether
+    table beside GloVe 50d, frozen, crfkit.tool.job.DistillationJob.build_student; "glove100_te":
+    that table with the teacher's beside it, reduced by SVD), whether
     teacher-labelled unlabelled text is pooled in (da), and the objective. transformer_layers > 0 makes the student a
     TransformerCRFTagger of the pretrained encoder's first layers instead of a BiLSTM (the
     paper's appendix; embeddings is then "pretrained"). stages: objectives trained one after the
@@ -333,7 +334,7 @@ class Variant:
     def distilled(self) -> bool:
         """Whether the run uses anything of a teacher: its embedding table, its labels of the DA
         pool, or any loss on its outputs. False for the baselines trained on gold labels alone."""
-        return self.embeddings == "teacher" or self.da or any(o.needs_teacher for o in self.objectives)
+        return self.embeddings in ("teacher", "glove100_te") or self.da or any(o.needs_teacher for o in self.objectives)
 
     def __post_init__(self):
         check_choice("embeddings", self.embeddings, EMBEDDINGS)
@@ -407,6 +408,10 @@ VARIANTS: dict[str, Variant] = {
     "g100_da_token_pos": Variant("glove100", da=True, objective=ObjectiveConfig(("hard", "token_pos"))),
     "g100_da_seq": Variant("glove100", da=True, objective=_seq()),
     "g100_da_exact_kl": Variant("glove100", da=True, objective=ObjectiveConfig(("hard", "exact_kl"))),
+    # the same student with the teacher's table beside its GloVe columns (TE beside, not alone)
+    "g100te": Variant("glove100_te", da=False),
+    "g100te_seq": Variant("glove100_te", da=False, objective=_seq()),
+    "g100te_da_seq": Variant("glove100_te", da=True, objective=_seq()),
     # the loss combinations of the paper's Table 2 (with DA, as there)
     "te_da_seq_token_pos": Variant("teacher", da=True, objective=_seq("token_pos")),
     "te_da_seq_no_fuzzy": Variant("teacher", da=True, objective=_seq(drop=("fuzzy",))),
