@@ -56,7 +56,7 @@ TIE_TOL = dict(rtol=1e-6, atol=1e-5)  # k-best rows this close (a few float32 ul
 # ---- cases and inputs ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
-    """One cell of the grid: an op at one shape (k only for "kbest")."""
+    """One cell of the grid: an op at one shape (K only for "kbest", its k, and "sample", its n)."""
 
     op: str
     B: int
@@ -163,6 +163,14 @@ def _kbest(x: Inputs, backend: str):
         return best.paths, best.scores, best.log_probs  # the harness's order, the peers' (benchmarks/peers)
 
 
+def _sample(x: Inputs, backend: str):
+    # A generator seeded alike on each call: every backend draws the same noise in the same order.
+    with crfkit.use_backend(backend), torch.no_grad():
+        drawn = crfkit.sample(x.emissions, x.transitions, x.k, x.lengths, x.start, x.end,
+                              generator=torch.Generator().manual_seed(0))
+        return drawn.paths, drawn.log_probs
+
+
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: dict) -> Optional[str]:
     """None if close, else a one-line description of the worst difference."""
     if got.shape != want.shape:
@@ -261,6 +269,23 @@ def _check_kbest(got, want, x: Inputs) -> Optional[str]:
     return _close("k-best scores of the returned paths", rescored[found], scores[found], SCORE_TOL)
 
 
+# Rows (sentence, draw) of the compiled kernel that may differ from the reference's for the same
+# noise: the kernel computes in double, the float32 reference rounds its forward scores and logits
+# to float32, which decides a near tie differently about once in 10^5 draws (crfkit/sampling.py).
+SAMPLE_ROWS_DIFFERING = 1e-3
+
+
+def _check_sample(got, want, x: Inputs) -> Optional[str]:
+    (paths, log_probs), (ref_paths, ref_log_probs) = got, want
+    if paths.shape != ref_paths.shape:
+        return f"paths have shape {tuple(paths.shape)}, reference {tuple(ref_paths.shape)}"
+    same = (paths == ref_paths).all(2)
+    share = 1 - float(same.float().mean())
+    if share > SAMPLE_ROWS_DIFFERING:
+        return f"{share:.2%} of the rows differ from the reference's for the same generator"
+    return _close("log-probabilities of the rows both drew", log_probs[same], ref_log_probs[same], SCORE_TOL)
+
+
 @dataclass(frozen=True)
 class Op:
     """run(inputs, backend) calls the public function under that backend and returns a tuple
@@ -282,7 +307,13 @@ OPS: Dict[str, Op] = {
     "kbest": Op(_kbest, _check_kbest,
                 "crfkit.kbest_viterbi with k = K (paths, scores and log-probs, which include a log Z), "
                 "under torch.no_grad"),
+    "sample": Op(_sample, _check_sample,
+                 "crfkit.sample with replacement, n = K draws per sentence (paths and log-probs, which "
+                 "include a sequence_score and a log Z), generator seeded alike per call, under torch.no_grad: "
+                 "the compiled backend's C++ kernel on the CPU against the reference's PyTorch path"),
 }
+# The ops whose cells have a K: k-best (k = K) and sampling (n = K draws).
+WITH_K = ("kbest", "sample")
 
 
 # ---- the grid ---------------------------------------------------------------------------------
@@ -306,7 +337,7 @@ def grid(full: bool = False, limit: Optional[int] = None, ops: Optional[Sequence
     cases = []
     for B, L, T in shapes:
         for op in OPS:
-            if op == "kbest":
+            if op in WITH_K:
                 cases.extend(Case(op, B, L, T, k) for k in ks)
             else:
                 cases.append(Case(op, B, L, T))

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from . import backends, sampling
-from ._validation import check_int
+from ._validation import check_bool, check_int
 from .reference import log_likelihood_from_scores
 from ._arguments import (Layout, apply_mask_and_allowed, check_k, check_tensor, is_compiling, prepare,
                          prepare_tags)
@@ -253,18 +253,29 @@ def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Optional[Ten
     emissions' device for every random number, so that a seeded generator repeats the samples.
     log_probs are differentiable (sequence_score - log_partition); rows that hold no sequence
     have log_prob -inf (with replacement: only where the sentence allows no sequence; a length-0
-    sentence's rows are then its one empty sequence, log_prob 0). Runs in PyTorch on every
-    backend and device (crfkit/sampling.py).
+    sentence's rows are then its one empty sequence, log_prob 0).
+
+    Where it runs: with replacement, the backend's sample_with_replacement, which in the compiled
+    backend on the CPU is a C++ kernel (csrc/cpu/sampling.cpp; per-example transitions too) and
+    everywhere else, i.e. the numba and reference backends and CUDA (no kernel there yet), the
+    PyTorch path of crfkit/sampling.py. Both draw their noise from `generator` in one order, so a
+    generator seeded alike gives the same paths on each (float64: bit for bit; float32: up to the
+    PyTorch path's float32 rounding, which the kernel, computing in double, does not do; see
+    crfkit/sampling.py). Without replacement, always the PyTorch path.
     """
     check_int("n", n, minimum=1)
+    replacement = check_bool("replacement", replacement)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     backend, args, layout = _prepared(emissions, transitions, lengths, start, end, mask, allowed)
     emissions, transitions, lengths, start, end = args
     if generator is not None and generator.device.type != emissions.device.type:
         raise ValueError(f"generator is on {generator.device} but emissions is on {emissions.device}")
-    paths = sampling.sample(emissions, transitions, n, lengths, start, end, replacement=replacement,
-                            generator=generator)
+    if replacement:
+        paths = backend.sample_with_replacement(emissions, transitions, n, lengths, start, end, generator)
+    else:
+        paths = sampling.sample(emissions, transitions, n, lengths, start, end, replacement=False,
+                                generator=generator)
     missing = sampling.missing_rows(paths, lengths, replacement)
     scores = backend.sequence_score(emissions, transitions, paths.clamp(min=0), lengths, start, end)
     log_probs = log_likelihood_from_scores(scores, backend.log_partition(*args))

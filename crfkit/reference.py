@@ -306,6 +306,29 @@ def sequence_score(emissions, transitions, tags, lengths=None, start=None, end=N
     return scores.squeeze(1) if squeeze else scores
 
 
+def gumbel_noise(shape, like: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Standard Gumbel noise -log(-log(U)) of `shape`, U uniform in [tiny, 1) (so the noise is
+    finite), in the dtype and on the device of `like`, from `generator` (torch's default when
+    None). torch.rand draws its elements one after the other on the CPU, so one call of shape
+    (L, *rest) gives what L calls of shape rest give in turn: the compiled sampling kernel's noise
+    (all positions at once) is then the PyTorch sampler's (one position at a time), bit for bit.
+    (torch.rand is several times faster than exponential_ on the CPU.)"""
+    u = torch.rand(shape, dtype=like.dtype, device=like.device, generator=generator)
+    return u.clamp_(min=torch.finfo(like.dtype).tiny).log_().neg_().log_().neg_()
+
+
+def sample_with_replacement(emissions, transitions, n: int, lengths=None, start=None, end=None,
+                            generator: Optional[torch.Generator] = None) -> Tensor:
+    """n exact samples per sentence, with replacement: paths (B, n, L) int64, -1 at padded
+    positions and in every row of a sentence with no allowed sequence (forward filtering,
+    backward sampling by the Gumbel-max trick, in PyTorch: crfkit/sampling.py, which also draws
+    without replacement). Every random number comes from `generator`. Not differentiable."""
+    from .sampling import sample  # (crfkit.sampling builds on this module's forward scores)
+
+    lengths, start, end = _defaults(emissions, lengths, start, end)
+    return sample(emissions, transitions, n, lengths, start, end, replacement=True, generator=generator)
+
+
 def gradients_by_autograd(fn, inputs, grad_output: Tensor):
     """Gradients of <fn(emissions, transitions, lengths, start, end), grad_output> for
     inputs = (emissions, transitions, lengths, start, end), by autograd over fn (a function of

@@ -42,6 +42,17 @@ samples with one Python loop over positions; runs on any device; no autograd gra
 randomness comes from `generator` (torch's default generator when None), so a generator seeded
 alike on the same device gives the same samples.
 
+crfkit.sample (crfkit.functional) runs replacement=True through the backend's
+sample_with_replacement: in the compiled backend on the CPU that is a C++ kernel
+(csrc/cpu/sampling.cpp, torch.ops.crfkit.sample_with_replacement) which does this module's
+forward filtering, backward sampling in one pass per sentence, with the forward scores in double.
+It takes the Gumbel noise of every position at once, (L, B, n, T) in the order drawn here
+(position L - 1 first; reference.gumbel_noise), so a generator seeded alike gives the same paths
+on both: bit for bit in float64 (up to ties within an ulp of alpha's rounding), and in float32
+those of this path run in float64 on the upcast inputs and noise (the kernel does not round
+alpha and the logits to float32). sample(..., noise=...) takes that noise instead of drawing it.
+Everywhere else (the numba and reference backends, CUDA) crfkit.sample runs this module.
+
 Shapes and conventions follow crfkit.functional: emissions (B, L, T); transitions (T, T), or per
 example (B, Lt, T, T) with Lt in {1, L}; start, end (T,) or (B, T); lengths (B,) int64 in [0, L];
 -inf forbids a tag, a transition, a first or last tag, which are then never sampled. Returned
@@ -66,7 +77,7 @@ import torch
 from torch import Tensor
 
 from ._validation import check_bool, check_int
-from .reference import forward_log_scores, safe_logsumexp, transitions_at
+from .reference import forward_log_scores, gumbel_noise, safe_logsumexp, transitions_at
 
 NEG_INF = float("-inf")
 
@@ -74,7 +85,8 @@ __all__ = ["sample", "missing_rows"]
 
 
 def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Tensor, start: Tensor, end: Tensor, *,
-           replacement: bool = True, generator: Optional[torch.Generator] = None) -> Tensor:
+           replacement: bool = True, generator: Optional[torch.Generator] = None,
+           noise: Optional[Tensor] = None) -> Tensor:
     """n tag sequences per sentence drawn exactly from the CRF: paths (B, n, L) int64.
 
     emissions (B, L, T) float32 / float64; transitions (T, T) or (B, Lt, T, T), Lt in {1, L};
@@ -90,17 +102,28 @@ def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Tensor, star
     module docstring and missing_rows). Forbidden (-inf) tags and transitions are never sampled.
     Not differentiable (the paths are integers; the caller scores them). All random numbers come
     from `generator`, which must be on the emissions' device.
+    noise (replacement=True only): the standard Gumbels to use instead of drawing them, shape
+    (L, B, n, T) in the emissions' dtype, noise[k] for position L - 1 - k (what this function
+    draws from `generator`, in that order; the compiled kernel's argument of the same name).
     Cost O(B L T^2) + O(B n L T).
     """
     n = check_int("n", n, minimum=1)
     replacement = check_bool("replacement", replacement)
+    if noise is not None:
+        if not replacement:
+            raise ValueError("noise is taken with replacement=True only")
+        B, L, T = emissions.shape
+        if tuple(noise.shape) != (L, B, n, T) or noise.dtype != emissions.dtype or noise.device != emissions.device:
+            raise ValueError(f"noise must be (seq_len, batch, n, num_tags) = {(L, B, n, T)} of dtype "
+                             f"{emissions.dtype} on {emissions.device}, got {tuple(noise.shape)} of {noise.dtype} "
+                             f"on {noise.device}")
     with torch.no_grad():
         B, L, T = emissions.shape
         if L == 0 or B == 0:
             return torch.full((B, n, L), -1, dtype=torch.long, device=emissions.device)
         alpha = forward_log_scores(emissions, transitions, lengths, start)
         if replacement:
-            return _with_replacement(alpha, transitions, n, lengths, end, generator)
+            return _with_replacement(alpha, transitions, n, lengths, end, generator, noise)
         return _without_replacement(alpha, transitions, n, lengths, end, generator)
 
 
@@ -120,13 +143,6 @@ def missing_rows(paths: Tensor, lengths: Tensor, replacement: bool = True) -> Te
         later = torch.arange(n, device=paths.device) > 0
         missing = missing | ((lengths == 0).unsqueeze(1) & later)
     return missing
-
-
-def _gumbel(shape, like: Tensor, generator: Optional[torch.Generator]) -> Tensor:
-    """Standard Gumbel noise -log(-log(U)), U uniform in [tiny, 1) (so the noise is finite), in
-    the dtype of `like` (torch.rand is several times faster than exponential_ on the CPU)."""
-    u = torch.rand(shape, dtype=like.dtype, device=like.device, generator=generator)
-    return u.clamp_(min=torch.finfo(like.dtype).tiny).log_().neg_().log_().neg_()
 
 
 def _into(transitions: Tensor, tags: Tensor) -> Tensor:
@@ -150,7 +166,7 @@ def _last_logits(alpha: Tensor, i: int, end: Tensor) -> Tensor:
     return alpha[:, i] + end
 
 
-def _with_replacement(alpha, transitions, n, lengths, end, generator) -> Tensor:
+def _with_replacement(alpha, transitions, n, lengths, end, generator, noise=None) -> Tensor:
     B, L, T = alpha.shape
     paths = torch.full((B, n, L), -1, dtype=torch.long, device=alpha.device)
     tags = torch.zeros((B, n), dtype=torch.long, device=alpha.device)  # the tag at position i + 1
@@ -163,7 +179,9 @@ def _with_replacement(alpha, transitions, n, lengths, end, generator) -> Tensor:
             logits = logits.expand(B, n, T)
         # Gumbel-max: the argmax of logits + noise is a draw from softmax(logits); a -inf logit
         # stays -inf and is never the argmax of a row with a finite logit.
-        chosen = (logits + _gumbel((B, n, T), alpha, generator)).argmax(2)
+        # (csrc/cpu/sampling.cpp does this arithmetic, in double: keep the two in step.)
+        gumbels = gumbel_noise((B, n, T), alpha, generator) if noise is None else noise[L - 1 - i]
+        chosen = (logits + gumbels).argmax(2)
         active = (i < lengths).unsqueeze(1)
         tags = torch.where(active, chosen, tags)
         paths[:, :, i] = torch.where(active, chosen, -1)
@@ -194,7 +212,7 @@ def _conditional_gumbels(child_phi: Tensor, parent_key: Tensor, generator) -> Te
     gets v = +inf, hence -inf; a dead beam (key = Z = -inf) has only impossible children and is
     given key = Z = 0 so that no -inf - -inf appears.
     """
-    g = child_phi + _gumbel(child_phi.shape, child_phi, generator)
+    g = child_phi + gumbel_noise(child_phi.shape, child_phi, generator)
     z = g.amax(2, keepdim=True)
     dead = z == NEG_INF
     z = z.masked_fill(dead, 0)

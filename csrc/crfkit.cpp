@@ -64,7 +64,7 @@ PyMODINIT_FUNC PyInit__C(void) {
 
 STABLE_TORCH_LIBRARY(crfkit, m) {
   // Every op takes its arguments in the order of crfkit.functional: emissions, transitions, then
-  // k or tags where the op has one, then lengths, start, end. Backward ops take the upstream
+  // k, tags or noise where the op has one, then lengths, start, end. Backward ops take the upstream
   // gradient first and return the gradients of emissions, transitions, start and end.
   m.def("log_partition(Tensor emissions, Tensor transitions, Tensor lengths, Tensor start, "
         "Tensor end) -> Tensor");
@@ -106,4 +106,12 @@ STABLE_TORCH_LIBRARY(crfkit, m) {
         "Tensor start, Tensor end) -> Tensor");
   m.def("sequence_score_backward(Tensor grad_scores, Tensor emissions, Tensor tags, "
         "Tensor lengths) -> (Tensor, Tensor, Tensor, Tensor)");
+  // n tag sequences per sentence drawn exactly, with replacement (forward filtering, backward
+  // sampling): paths (B, n, L) int64, -1 at padded positions and in every row of a sentence with
+  // no allowed sequence. noise (L, B, n, T): standard Gumbels in the emissions' dtype, drawn by
+  // the caller (the op takes no generator); noise[k] serves position L - 1 - k, the right-to-left
+  // order of crfkit/sampling.py (csrc/cpu/sampling.cpp). CPU only; not differentiable (integer
+  // paths: the front end scores them with sequence_score and log_partition).
+  m.def("sample_with_replacement(Tensor emissions, Tensor transitions, Tensor noise, Tensor lengths, "
+        "Tensor start, Tensor end) -> Tensor");
 }

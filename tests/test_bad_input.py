@@ -16,6 +16,8 @@ OPS = {
     "kbest_viterbi": lambda em, tr, **kw: crfkit.kbest_viterbi(em, tr, 3, **kw),
     "sequence_score": lambda em, tr, **kw: crfkit.sequence_score(em, tr, torch.zeros(2, 4, dtype=torch.long), **kw),
     "expected_transition_counts": lambda em, tr, **kw: crfkit.expected_transition_counts(em, tr, **kw),
+    # (a generator of its own: two calls with the same arguments give the same samples)
+    "sample": lambda em, tr, **kw: crfkit.sample(em, tr, 3, generator=torch.Generator().manual_seed(0), **kw),
 }
 
 

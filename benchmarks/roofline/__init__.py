@@ -16,6 +16,10 @@ Work an op must do, per real position (N = sum of lengths; padding is never touc
     kbest, minimal         T^2 + T (K - 1) max-plus updates (each tag's best predecessor, a
                            Viterbi step, and the K - 1 further entries of its list) + log Z's
                            work; equal to the count above at K = 1
+    sample (K = n draws)   log Z's work (the forward filtering) + n T max-plus updates (each
+                           draw's perturbed logits and their argmax), + per padded position
+                           2 n T logarithms, counted as exponentials (the Gumbels -log(-log U)
+                           the caller draws), and n T float32 noise values written and read
 The k-best count is that of the sorted-list merge (the algorithm the project's issue names);
 crfkit's pruned merge skips most of it on typical scores (it merges only the lists that can
 still reach a tag's K best), so a k-best fraction can pass 100%. The minimal count is what any
@@ -123,6 +127,9 @@ def work(op: str, tokens: int, B: int, L: int, T: int, K: Optional[int] = None) 
     if op == "kbest":
         return dict(fma=tokens * T * T, exp=tokens * T, max_plus=K * tokens * T * T,
                     bytes=emissions_in + 8 * B * K * L)
+    if op == "sample":  # K = n draws; the front end also scores them (not counted)
+        return dict(fma=tokens * T * T, exp=tokens * T + 2 * B * L * K * T, max_plus=K * tokens * T,
+                    bytes=emissions_in + 8 * B * L * K * T + 8 * B * K * L)
     if op == "kbest_minimal":
         return dict(fma=tokens * T * T, exp=tokens * T, max_plus=tokens * (T * T + T * (K - 1)),
                     bytes=emissions_in + 8 * B * K * L)

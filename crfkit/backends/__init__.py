@@ -34,8 +34,9 @@ import sys
 import threading
 import types
 import warnings
-from typing import Dict, Literal, Protocol, Tuple, runtime_checkable
+from typing import Dict, Literal, Optional, Protocol, Tuple, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from .. import _extension, reference
@@ -54,9 +55,9 @@ class CRFBackend(Protocol):
     dtype and on their device (start / end zeros when the caller gave none); lengths (B,)
     contiguous int64, in [0, L] unless the device type is in VALUES_CHECKED_ON_DEVICE. The
     order is the one of crfkit.functional and of the compiled ops' schemas
-    (crfkit/backends/op_table.py): emissions, transitions, then k or tags, then lengths, start,
-    end; decoders return scores before paths. Every result that holds scores is differentiable
-    in emissions, transitions, start and end.
+    (crfkit/backends/op_table.py): emissions, transitions, then k, n or tags, then lengths, start,
+    end (sample_with_replacement: its generator last); decoders return scores before paths. Every
+    result that holds scores is differentiable in emissions, transitions, start and end.
     """
 
     PER_EXAMPLE_DEVICES: Tuple[str, ...]
@@ -111,6 +112,17 @@ class CRFBackend(Protocol):
         """sequence_score(emissions, transitions, tags, lengths, start, end) -> (B, N) for
         tags (B, N, L) int64 contiguous (always 3-dimensional here; values at real positions
         in [0, T) unless the device type is in VALUES_CHECKED_ON_DEVICE)."""
+        ...
+
+    def sample_with_replacement(self, emissions: Tensor, transitions: Tensor, n: int, lengths: Tensor,
+                                start: Tensor, end: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+        """sample_with_replacement(emissions, transitions, n, lengths, start, end, generator) ->
+        paths (B, n, L) int64: n exact, independent samples per sentence (forward filtering,
+        backward sampling), -1 at padded positions and in every row of a sentence with no allowed
+        sequence; every random number from generator (torch's default when None), drawn in the
+        order of crfkit/sampling.py, so that one seeded generator gives the same paths on every
+        backend (crfkit/sampling.py says to what precision). Not differentiable (the front end
+        scores the paths)."""
         ...
 
 

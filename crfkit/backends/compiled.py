@@ -409,4 +409,24 @@ def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
     return _call(ops.sequence_score, False, emissions, transitions, tags, lengths, start, end)
 
 
+def sample_with_replacement(emissions, transitions, n, lengths, start, end, generator=None) -> Tensor:
+    # The kernel where the device has one (the CPU: csrc/cpu/sampling.cpp; it takes per-example
+    # transitions too); elsewhere (CUDA, the emulator's CPU tensors) the PyTorch path. The kernel
+    # takes the Gumbels of every position at once, drawn here in the order in which the PyTorch
+    # path draws them one position at a time (reference.gumbel_noise), so that a generator
+    # seeded alike gives both the same samples. It registers no autograd formula: the paths are
+    # integers, and the front end's log-probabilities (sequence_score - log_partition) are
+    # differentiable through those ops.
+    if not _has_kernel("sample_with_replacement", emissions):
+        if lengths.device.type in VALUES_CHECKED_ON_DEVICE:  # no kernel checks them in this call
+            from .._arguments import check_length_values  # (imported here: see expected_transition_counts)
+
+            check_length_values(lengths, emissions.shape[1])
+        return reference.sample_with_replacement(emissions, transitions, n, lengths, start, end, generator)
+    B, L, T = emissions.shape
+    with torch.no_grad():
+        noise = reference.gumbel_noise((L, B, n, T), emissions, generator)
+    return _call(ops.sample_with_replacement, False, emissions, transitions, noise, lengths, start, end)
+
+
 _register_autograd()

@@ -308,6 +308,8 @@ PER_EXAMPLE_DEVICES: tuple = ()
 
 # No numba kernel for the per-sentence transition counts: autograd through the reference's log Z.
 expected_transition_counts = reference.expected_transition_counts
+# No numba kernel for sampling: the PyTorch forward filtering, backward sampling (crfkit/sampling.py).
+sample_with_replacement = reference.sample_with_replacement
 
 
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:

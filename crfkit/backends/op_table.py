@@ -12,14 +12,15 @@ needs of each op beyond its schema (its fake), and the users of the list derive 
   namespace, and its compare tool runs every op of example_arguments();
 - tests/test_parity.py and tests/test_cuda.py run torch.library.opcheck over example_arguments().
 
-Argument order, the same in every schema and in crfkit.functional: emissions, transitions, then k
-or tags where the op has one, then lengths, start, end. Backward ops take the upstream gradient
+Argument order, the same in every schema and in crfkit.functional: emissions, transitions, then k,
+tags or noise where the op has one, then lengths, start, end. Backward ops take the upstream gradient
 first and return the gradients of (emissions, transitions, start, end). Decoders return
 (scores, paths), values first as torch.topk does.
 
 Shapes: emissions (B, L, T); transitions (T, T) as [from, to], or per example (B, Lt, T, T) with
 start, end (B, T) (the CPU kernels: csrc/cpu/per_example.cpp); start, end (T,); lengths (B,)
-int64; tags (B, N, L) int64.
+int64; tags (B, N, L) int64; noise (L, B, n, T) standard Gumbels (sample_with_replacement, which
+has CPU kernels only: Op.cuda).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from torch import Tensor
 
 class Op(NamedTuple):
     fake: Callable  # shapes and dtypes of the outputs, from the arguments' (torch.library.register_fake)
+    cuda: bool = True  # whether csrc/cuda has a kernel for it (the emulator and tests/test_cuda.py run those)
 
 
 def _grads_like(emissions: Tensor, transitions=None, start=None, end=None):
@@ -102,6 +104,11 @@ OPS: Dict[str, Op] = {
         lambda emissions, transitions, tags, lengths, start, end: emissions.new_empty(tags.shape[:2])),
     "sequence_score_backward": Op(
         lambda grad_scores, emissions, tags, lengths: _grads_like(emissions)),
+    # Paths (B, n, L) drawn with replacement for the Gumbels noise (L, B, n, T); CPU only, not
+    # differentiable (csrc/cpu/sampling.cpp).
+    "sample_with_replacement": Op(
+        lambda emissions, transitions, noise, lengths, start, end: emissions.new_empty(
+            (emissions.shape[0], noise.shape[2], emissions.shape[1]), dtype=torch.long), cuda=False),
 }
 
 
@@ -190,6 +197,10 @@ def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tens
     B, _, T = grad_marginals.shape
     grad_counts = torch.linspace(-1.0, 2.0, B * T * T, dtype=grad_marginals.dtype,
                                  device=grad_marginals.device).reshape(B, T, T)
+    # Standard Gumbels (L, B, 3, T) for sample_with_replacement, from a generator of their own.
+    L = emissions.shape[1]
+    uniform = torch.rand((L, B, 3, T), dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    noise = (-(-uniform.clamp(min=1e-300).log()).log()).to(emissions.dtype).to(emissions.device)
     arguments = {
         "log_partition": crf,
         "marginals": plain,
@@ -204,6 +215,7 @@ def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tens
         "kbest_viterbi_with_log_probs": (plain[0], plain[1], k, lengths, plain[3], plain[4]),
         "sequence_score": (emissions, transitions, tags, lengths, start, end),
         "sequence_score_backward": (grad_scores, plain[0], tags, lengths),
+        "sample_with_replacement": (plain[0], plain[1], noise, lengths, plain[3], plain[4]),
     }
     assert arguments.keys() == OPS.keys(), "example_arguments must call every op of OPS"
     return arguments

@@ -62,7 +62,10 @@
   X(sequence_score_backward,                                                                       \
     std::tuple<Tensor, Tensor, Tensor, Tensor>(                                    \
         const Tensor& grad_scores, const Tensor& emissions, const Tensor& tags,        \
-        const Tensor& lengths))
+        const Tensor& lengths))                                                                    \
+  X(sample_with_replacement,                                                                       \
+    Tensor(const Tensor& emissions, const Tensor& transitions, const Tensor& noise,                \
+           const Tensor& lengths, const Tensor& start, const Tensor& end))
 
 // Declares <op>_cpu in the enclosing namespace: CRFKIT_CPU_KERNELS(CRFKIT_DECLARE_CPU_KERNEL).
 #define CRFKIT_DECLARE_CPU_KERNEL(op, ...) std::type_identity_t<__VA_ARGS__> op##_cpu;

@@ -1,0 +1,371 @@
+"""The C++ CPU kernel of sampling with replacement (csrc/cpu/sampling.cpp,
+torch.ops.crfkit.sample_with_replacement) against the PyTorch path (crfkit/sampling.py) and
+against brute-force enumeration.
+
+- Parity: given the same Gumbel noise, the kernel's paths are the PyTorch path's, bit for bit in
+  float64; in float32 they are the PyTorch path's run in float64 on the (exactly) upcast inputs
+  and noise, since the kernel computes in double (the float32 PyTorch path rounds alpha and the
+  logits to float32: a draw whose two best perturbed logits lie within that rounding may differ,
+  which the test bounds). Ragged lengths with 0 and 1, -inf transitions, start and end, a sentence
+  with no allowed sequence, shared and per-example transitions (per sentence and per position).
+- The front end: crfkit.sample on the compiled backend runs the kernel on the CPU, and a generator
+  seeded alike gives the samples of the reference backend (the noise is drawn in one order).
+- Frequencies: the kernel's draws against the exact probabilities by the chi-square bound of
+  tests/test_sampling.py (which also shows that it rejects a wrong distribution).
+- Bad input: a clear error naming the argument.
+
+Every test skips where the compiled extension is not built.
+"""
+import math
+
+import pytest
+import torch
+
+import crfkit
+from crfkit import reference, sampling
+from test_sampling import (N, check_frequencies, check_rows, chi2_test, enumerate_sentence, row_counts, tiny_crf,
+                           transitions_ignored, uniform_over_allowed)
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")]
+
+
+def kernel(emissions, transitions, noise, lengths, start, end):
+    return torch.ops.crfkit.sample_with_replacement(emissions, transitions, noise, lengths, start, end)
+
+
+def compiled_sample(crf, n, seed):
+    """The compiled backend's sample_with_replacement (the kernel, noise from the generator)."""
+    from crfkit.backends import compiled
+
+    emissions, transitions, lengths, start, end = crf
+    return compiled.sample_with_replacement(emissions, transitions, n, lengths, start, end,
+                                            torch.Generator().manual_seed(seed))
+
+
+def noise_for(emissions, n, seed):
+    B, L, T = emissions.shape
+    return reference.gumbel_noise((L, B, n, T), emissions, torch.Generator().manual_seed(seed))
+
+
+def ragged_crf(form, dtype, seed=0):
+    """A batch with lengths 7, 0, 1, 3, 7, 2, 6, 1; -inf transitions, a forbidden first and last tag,
+    a forbidden emission; sentence 4 has no allowed sequence (every tag forbidden at position 3).
+    form: "shared" ((T, T), start / end (T,)), "sentence" ((B, 1, T, T)) or "position"
+    ((B, L, T, T)); per example with start / end (B, T)."""
+    g = torch.Generator().manual_seed(seed)
+    B, L, T = 8, 7, 5
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * 1.5
+
+    lengths = torch.tensor([7, 0, 1, 3, 7, 2, 6, 1])
+    emissions = draw(B, L, T)
+    if form == "shared":
+        transitions, start, end = draw(T, T), draw(T), draw(T)
+    else:
+        transitions, start, end = draw(B, 1 if form == "sentence" else L, T, T), draw(B, T), draw(B, T)
+    transitions[..., 0, 2] = -math.inf
+    transitions[..., 3, :2] = -math.inf
+    start[..., 4] = -math.inf
+    end[..., 1] = -math.inf
+    emissions[0, 2, 0] = -math.inf
+    emissions[4, 3] = -math.inf
+    return [x.to(dtype) if x.is_floating_point() else x for x in (emissions, transitions, lengths, start, end)]
+
+
+FORMS = ["shared", "sentence", "position"]
+
+
+# ---- parity with the PyTorch path ---------------------------------------------------------------
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_float64_paths_equal_the_pytorch_path_given_the_same_noise(form, seed):
+    emissions, transitions, lengths, start, end = ragged_crf(form, torch.float64, seed)
+    n = 300
+    noise = noise_for(emissions, n, seed + 10)
+    got = kernel(emissions, transitions, noise, lengths, start, end)
+    want = sampling.sample(emissions, transitions, n, lengths, start, end, noise=noise)
+    assert got.dtype == torch.int64 and got.shape == want.shape == (8, n, 7)
+    assert torch.equal(got, want)
+    assert (got[1] == -1).all() and (got[4] == -1).all()  # the empty sentence; no allowed sequence
+    assert (got[2, :, 1:] == -1).all() and (got[2, :, 0] >= 0).all()  # length 1
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_paths_equal_the_pytorch_path_in_float64_on_the_same_noise(form, seed):
+    crf32 = ragged_crf(form, torch.float32, seed)
+    n = 300
+    noise = noise_for(crf32[0], n, seed + 20)
+    got = kernel(crf32[0], crf32[1], noise, *crf32[2:])
+    crf64 = [x.double() if x.is_floating_point() else x for x in crf32]
+    want = sampling.sample(crf64[0], crf64[1], n, *crf64[2:], noise=noise.double())
+    assert torch.equal(got, want)
+    # The float32 PyTorch path itself: the same rows but where its float32 rounding of alpha and
+    # of the logits decides a near tie (about one draw in 10^5 here).
+    same_dtype = sampling.sample(crf32[0], crf32[1], n, *crf32[2:], noise=noise)
+    differing_rows = int((same_dtype != got).any(2).sum())
+    assert differing_rows <= 0.002 * got.shape[0] * n, differing_rows
+
+
+def test_the_kernel_reads_only_the_noise_of_real_positions():
+    emissions, transitions, lengths, start, end = ragged_crf("shared", torch.float64)
+    noise = noise_for(emissions, 20, 3)
+    B, L = lengths.shape[0], emissions.shape[1]
+    changed = noise.clone()
+    for b in range(B):  # position i of sentence b takes noise[L - 1 - i, b]
+        for i in range(int(lengths[b]), L):
+            changed[L - 1 - i, b] = float("nan")
+    assert torch.equal(kernel(emissions, transitions, changed, lengths, start, end),
+                       kernel(emissions, transitions, noise, lengths, start, end))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_do_not_change_the_paths(threads):
+    emissions, transitions, lengths, start, end = ragged_crf("position", torch.float32, 4)
+    noise = noise_for(emissions, 50, 4)
+    one = kernel(emissions, transitions, noise, lengths, start, end)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(kernel(emissions, transitions, noise, lengths, start, end), one)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_strided_and_expanded_arguments():
+    emissions, transitions, lengths, start, end = ragged_crf("shared", torch.float64, 5)
+    noise = noise_for(emissions, 30, 5)
+    want = kernel(emissions, transitions, noise, lengths, start, end)
+    em_t = emissions.transpose(0, 1).contiguous().transpose(0, 1)
+    tr_t = transitions.t().contiguous().t()
+    noise_t = noise.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
+    assert not (em_t.is_contiguous() or tr_t.is_contiguous() or noise_t.is_contiguous())
+    assert torch.equal(kernel(em_t, tr_t, noise_t, lengths, start, end), want)
+    # Shared transitions expanded per example give the shared kernel's paths.
+    B, _, T = emissions.shape
+    per_example = kernel(emissions, transitions.expand(B, 1, T, T), noise, lengths, start.expand(B, T),
+                         end.expand(B, T))
+    assert torch.equal(per_example, want)
+
+
+@pytest.mark.parametrize("B,L,n", [(0, 4, 3), (3, 0, 3), (0, 0, 2), (3, 4, 0)])
+def test_empty_shapes(B, L, n):
+    T = 3
+    emissions = torch.zeros(B, L, T, dtype=torch.float64)
+    zeros = torch.zeros(T, dtype=torch.float64)
+    noise = torch.zeros(L, B, n, T, dtype=torch.float64)
+    paths = kernel(emissions, torch.zeros(T, T, dtype=torch.float64), noise, torch.full((B,), L), zeros, zeros)
+    assert paths.shape == (B, n, L) and paths.dtype == torch.int64 and (paths == -1).all()
+
+
+def test_one_tag():
+    emissions = torch.randn(3, 2, 1, dtype=torch.float64)
+    zeros = torch.zeros(1, dtype=torch.float64)
+    paths = kernel(emissions, torch.zeros(1, 1, dtype=torch.float64), noise_for(emissions, 4, 0),
+                   torch.tensor([2, 1, 0]), zeros, zeros)
+    assert paths.tolist() == [[[0, 0]] * 4, [[0, -1]] * 4, [[-1, -1]] * 4]
+
+
+def test_opcheck_and_torch_compile():
+    emissions, transitions, lengths, start, end = ragged_crf("sentence", torch.float32, 6)
+    noise = noise_for(emissions, 4, 6)
+    args = (emissions, transitions, noise, lengths, start, end)
+    torch.library.opcheck(torch.ops.crfkit.sample_with_replacement, args)
+    torch._dynamo.reset()
+    try:
+        compiled_fn = torch.compile(lambda *a: torch.ops.crfkit.sample_with_replacement(*a), fullgraph=True)
+        assert torch.equal(compiled_fn(*args), kernel(*args))
+    finally:
+        torch._dynamo.reset()
+
+
+# ---- the front end: crfkit.sample ---------------------------------------------------------------
+def test_noise_drawn_at_once_is_the_noise_drawn_per_position():
+    # What makes the kernel's samples the PyTorch path's for one generator: torch.rand draws its
+    # elements in order on the CPU, so (L, B, n, T) at once is L draws of (B, n, T) in turn.
+    like = torch.zeros(1, dtype=torch.float32)
+    for dtype in (torch.float32, torch.float64):
+        like = like.to(dtype)
+        at_once = reference.gumbel_noise((6, 3, 5, 7), like, torch.Generator().manual_seed(9))
+        g = torch.Generator().manual_seed(9)
+        in_turn = torch.stack([reference.gumbel_noise((3, 5, 7), like, g) for _ in range(6)])
+        assert torch.equal(at_once, in_turn)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_crfkit_sample_gives_the_reference_backends_samples(form, dtype):
+    emissions, transitions, lengths, start, end = ragged_crf(form, dtype, 7)
+    results = {}
+    for backend in ("compiled", "reference"):
+        g = torch.Generator().manual_seed(11)
+        with crfkit.use_backend(backend):
+            results[backend] = crfkit.sample(emissions, transitions, 200, lengths, start, end, generator=g)
+        results[backend + " state"] = g.get_state()
+    got, want = results["compiled"], results["reference"]
+    assert torch.equal(results["compiled state"], results["reference state"])  # as many numbers drawn
+    if dtype == torch.float64:
+        assert torch.equal(got.paths, want.paths)
+        torch.testing.assert_close(got.log_probs, want.log_probs)
+    else:  # (see test_float32_paths_equal_the_pytorch_path_in_float64_on_the_same_noise)
+        same = (got.paths == want.paths).all(2)
+        assert float(same.float().mean()) > 0.998
+        torch.testing.assert_close(got.log_probs[same], want.log_probs[same], rtol=1e-5, atol=1e-5)
+    assert (got.log_probs[4] == -math.inf).all() and (got.log_probs[1] == 0).all()
+
+
+def test_crfkit_sample_takes_the_kernel_on_the_cpu_and_the_pytorch_path_elsewhere(monkeypatch):
+    calls = []
+    pytorch_path = reference.sample_with_replacement
+
+    def watched(*args, **kwargs):
+        calls.append(1)
+        return pytorch_path(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "sample_with_replacement", watched)
+    emissions, transitions, lengths, start, end = ragged_crf("position", torch.float64, 8)
+    with crfkit.use_backend("compiled"):
+        crfkit.sample(emissions, transitions, 5, lengths, start, end)
+        assert calls == []  # the kernel
+        em = emissions.clone().requires_grad_()
+        drawn = crfkit.sample(em, transitions, 5, lengths, start, end)
+        assert calls == []  # also when the log-probabilities are differentiable
+        drawn.log_probs[drawn.log_probs > -math.inf].sum().backward()
+        assert torch.isfinite(em.grad).all()
+        # Without a kernel for the device (as on CUDA): the PyTorch path.
+        from crfkit.backends import compiled
+
+        monkeypatch.setitem(compiled._KERNELS, ("sample_with_replacement", "CPU"), False)
+        crfkit.sample(emissions, transitions, 5, lengths, start, end)
+        assert calls == [1]
+        monkeypatch.setitem(compiled._KERNELS, ("sample_with_replacement", "CPU"), True)
+        crfkit.sample(emissions, transitions, 5, lengths, start, end, replacement=False)
+        assert calls == [1]  # without replacement: crfkit/sampling.py directly
+
+
+def test_the_numba_backend_falls_back_to_the_pytorch_path():
+    if "numba" not in crfkit.backends.available():
+        pytest.skip("numba is not installed")
+    from crfkit.backends import numba_backend
+
+    assert numba_backend.sample_with_replacement is reference.sample_with_replacement
+
+
+def test_mask_and_allowed_reach_the_kernel():
+    crf = tiny_crf(3, [4, 4], 6, forbid=False)
+    emissions, transitions, _, start, end = crf
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    allowed = torch.ones(2, 4, 3, dtype=torch.bool)
+    allowed[:, :, 2] = False
+    with crfkit.use_backend("compiled"):
+        paths = crfkit.sample(emissions, transitions, 500, start=start, end=end, mask=mask, allowed=allowed,
+                              generator=torch.Generator().manual_seed(1)).paths
+    assert (paths[0, :, 1] == -1).all()
+    real = paths[mask.unsqueeze(1).expand_as(paths)]
+    assert ((real == 0) | (real == 1)).all()
+
+
+# ---- frequencies against brute force -------------------------------------------------------------
+@pytest.mark.parametrize("T,lengths,seed", [(2, [3, 0, 1, 2], 1), (3, [3, 1, 0, 2], 2), (3, [2, 2, 1], 3),
+                                            (2, [1], 4)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_frequencies_match_brute_force(T, lengths, seed, dtype):
+    crf = tiny_crf(T, lengths, seed, dtype)
+    paths = compiled_sample(crf, N, seed)
+    assert paths.shape == (len(lengths), N, max(lengths)) and paths.dtype == torch.int64
+    check_rows(paths, crf)
+    check_frequencies(paths, crf, wrong=uniform_over_allowed(crf))
+
+
+def test_frequencies_reject_a_distribution_without_transitions():
+    crf = tiny_crf(3, [3, 2], 5)
+    paths = compiled_sample(crf, N, 5)
+    check_frequencies(paths, crf, wrong=transitions_ignored(crf))
+
+
+@pytest.mark.parametrize("per_example", ["sentence", "position"])
+def test_frequencies_with_per_example_transitions(per_example):
+    crf = tiny_crf(3, [3, 2, 1, 0], 6, per_example=per_example)
+    paths = compiled_sample(crf, N, 6)
+    check_rows(paths, crf)
+    check_frequencies(paths, crf, wrong=uniform_over_allowed(crf))
+    # Sentence 0 drawn with sentence 1's parameters would be another distribution: the kernel
+    # reads each example's own transitions, start and end.
+    emissions, transitions, lengths, start, end = crf
+    swapped = [x[[1, 0, 2, 3]] for x in (transitions, start, end)]
+    other = dict(enumerate_sentence((emissions, swapped[0], lengths, swapped[1], swapped[2]), 0))
+    statistic, critical = chi2_test(row_counts(paths[0], 3), other)
+    assert statistic > critical
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+def small_crf():
+    """2 sentences of lengths 4 and 2, 4 positions, 3 tags, float64."""
+    g = torch.Generator().manual_seed(9)
+    emissions, transitions = torch.randn(2, 4, 3, generator=g, dtype=torch.float64), torch.randn(3, 3, generator=g,
+                                                                                               dtype=torch.float64)
+    start, end = torch.randn(3, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)
+    return emissions, transitions, torch.tensor([4, 2]), start, end
+
+
+def _bad_calls():
+    # (No device case: on a CPU-only machine the other device is "meta", whose dispatch key takes a
+    # call with any meta argument to the fake implementation, not to this kernel.)
+    emissions, transitions, lengths, start, end = small_crf()
+    noise = noise_for(emissions, 2, 9)
+    inf_noise = noise.clone()
+    inf_noise[0, 0, 1, 0] = float("inf")  # position 3 of sentence 0 (length 4)
+    per_example = transitions.expand(2, 1, 3, 3)
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    return {
+        "noise rank": ((emissions, transitions, noise[0], lengths, start, end),
+                       r"noise must be \(seq_len, batch, num_samples, num_tags\) = \(4, 2, n, 3\), got \[2, 2, 3\]"),
+        "noise positions": ((emissions, transitions, noise[1:], lengths, start, end),
+                            r"noise must be \(seq_len, batch, num_samples, num_tags\)"),
+        "noise tags": ((emissions, transitions, noise[..., :2], lengths, start, end),
+                       r"noise must be .* got \[4, 2, 2, 2\]"),
+        "noise dtype": ((emissions, transitions, noise.float(), lengths, start, end),
+                        r"noise must have the dtype of emissions"),
+        "noise +inf": ((emissions, transitions, inf_noise, lengths, start, end),
+                       r"noise\[:, 0\] contains NaN or \+-inf within the sentence's length"),
+        "emissions dtype": ((emissions.long(), transitions.long(), noise.long(), lengths, start.long(), end.long()),
+                            r"float32 or float64 emissions"),
+        "emissions rank": ((emissions[0], transitions, noise, lengths, start, end),
+                           r"emissions must be \(batch, seq_len, num_tags\)"),
+        "emissions NaN": ((emissions.index_put((torch.tensor(0), torch.tensor(1), torch.tensor(2)),
+                                               nan), transitions, noise, lengths, start, end),
+                          r"emissions\[0\] contains NaN or \+inf within its length"),
+        "transitions shape": ((emissions, transitions[:2], noise, lengths, start, end),
+                              r"transitions must be \(num_tags, num_tags\)"),
+        "transitions dtype": ((emissions, transitions.float(), noise, lengths, start, end),
+                              r"transitions, start and end must have the dtype of emissions"),
+        "transitions NaN": ((emissions, transitions.index_put((torch.tensor(0), torch.tensor(1)),
+                                                              nan), noise, lengths, start, end),
+                            r"transitions contains NaN or \+inf"),
+        "per-example start": ((emissions, per_example, noise, lengths, start, end.expand(2, 3)),
+                              r"start must be \(batch, num_tags\) = \(2, 3\)"),
+        "per-example transitions": ((emissions, transitions.expand(2, 3, 3, 3), noise, lengths, start.expand(2, 3),
+                                     end.expand(2, 3)), r"transitions must be .* per example"),
+        "lengths dtype": ((emissions, transitions, noise, lengths.int(), start, end), r"lengths must be int64"),
+        "lengths value": ((emissions, transitions, noise, torch.tensor([5, 0]), start, end),
+                          r"lengths\[0\] = 5 is outside \[0, seq_len = 4\]"),
+        "end shape": ((emissions, transitions, noise, lengths, start, end[:2]), r"end must be \(num_tags,\)"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()) if "compiled" in crfkit.backends.available() else [])
+def test_bad_arguments_raise_naming_them(case):
+    args, message = _bad_calls()[case]
+    with pytest.raises(ValueError, match=message):
+        kernel(*args)
+
+
+def test_nan_noise_at_padded_positions_is_not_read():
+    emissions, transitions, _, start, end = small_crf()
+    noise = noise_for(emissions, 2, 9)
+    lengths = torch.tensor([4, 0])
+    noise[:, 1] = float("nan")  # sentence 1 has no real position
+    paths = kernel(emissions, transitions, noise, lengths, start, end)
+    assert (paths[1] == -1).all() and (paths[0] >= 0).all()
