@@ -255,13 +255,14 @@ def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Optional[Ten
     have log_prob -inf (with replacement: only where the sentence allows no sequence; a length-0
     sentence's rows are then its one empty sequence, log_prob 0).
 
-    Where it runs: with replacement, the backend's sample_with_replacement, which in the compiled
-    backend on the CPU is a C++ kernel (csrc/cpu/sampling.cpp; per-example transitions too) and
-    everywhere else, i.e. the numba and reference backends and CUDA (no kernel there yet), the
-    PyTorch path of crfkit/sampling.py. Both draw their noise from `generator` in one order, so a
+    Where it runs: the backend's sample_with_replacement (replacement=True) or
+    sample_without_replacement (replacement=False), which in the compiled backend on the CPU are
+    C++ kernels (csrc/cpu/sampling.cpp; per-example transitions too) and everywhere else, i.e.
+    the numba and reference backends and CUDA (no kernel there yet), the PyTorch path of
+    crfkit/sampling.py. Both draw their noise from `generator` in one order and amount, so a
     generator seeded alike gives the same paths on each (float64: bit for bit; float32: up to the
-    PyTorch path's float32 rounding, which the kernel, computing in double, does not do; see
-    crfkit/sampling.py). Without replacement, always the PyTorch path.
+    PyTorch path's float32 rounding, which the kernels, computing in double, do not do; see
+    crfkit/sampling.py).
     """
     check_int("n", n, minimum=1)
     replacement = check_bool("replacement", replacement)
@@ -274,8 +275,7 @@ def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Optional[Ten
     if replacement:
         paths = backend.sample_with_replacement(emissions, transitions, n, lengths, start, end, generator)
     else:
-        paths = sampling.sample(emissions, transitions, n, lengths, start, end, replacement=False,
-                                generator=generator)
+        paths = backend.sample_without_replacement(emissions, transitions, n, lengths, start, end, generator)
     missing = sampling.missing_rows(paths, lengths, replacement)
     scores = backend.sequence_score(emissions, transitions, paths.clamp(min=0), lengths, start, end)
     log_probs = log_likelihood_from_scores(scores, backend.log_partition(*args))

@@ -329,6 +329,19 @@ def sample_with_replacement(emissions, transitions, n: int, lengths=None, start=
     return sample(emissions, transitions, n, lengths, start, end, replacement=True, generator=generator)
 
 
+def sample_without_replacement(emissions, transitions, n: int, lengths=None, start=None, end=None,
+                               generator: Optional[torch.Generator] = None) -> Tensor:
+    """n distinct sequences per sentence, an exact sample without replacement in the order of
+    sequential drawing: paths (B, n, L) int64, -1 at padded positions and in the rows after the
+    last allowed sequence (stochastic beam search, the Gumbel-top-k trick over the CRF's
+    right-to-left factorisation, in PyTorch: crfkit/sampling.py). Every random number comes from
+    `generator`. Not differentiable."""
+    from .sampling import sample  # (crfkit.sampling builds on this module's forward scores)
+
+    lengths, start, end = _defaults(emissions, lengths, start, end)
+    return sample(emissions, transitions, n, lengths, start, end, replacement=False, generator=generator)
+
+
 def gradients_by_autograd(fn, inputs, grad_output: Tensor):
     """Gradients of <fn(emissions, transitions, lengths, start, end), grad_output> for
     inputs = (emissions, transitions, lengths, start, end), by autograd over fn (a function of

@@ -43,15 +43,21 @@ randomness comes from `generator` (torch's default generator when None), so a ge
 alike on the same device gives the same samples.
 
 crfkit.sample (crfkit.functional) runs replacement=True through the backend's
-sample_with_replacement: in the compiled backend on the CPU that is a C++ kernel
-(csrc/cpu/sampling.cpp, torch.ops.crfkit.sample_with_replacement) which does this module's
-forward filtering, backward sampling in one pass per sentence, with the forward scores in double.
-It takes the Gumbel noise of every position at once, (L, B, n, T) in the order drawn here
-(position L - 1 first; reference.gumbel_noise), so a generator seeded alike gives the same paths
-on both: bit for bit in float64 (up to ties within an ulp of alpha's rounding), and in float32
-those of this path run in float64 on the upcast inputs and noise (the kernel does not round
-alpha and the logits to float32). sample(..., noise=...) takes that noise instead of drawing it.
-Everywhere else (the numba and reference backends, CUDA) crfkit.sample runs this module.
+sample_with_replacement and replacement=False through its sample_without_replacement: in the
+compiled backend on the CPU those are C++ kernels (csrc/cpu/sampling.cpp,
+torch.ops.crfkit.sample_with_replacement and sample_without_replacement) which do this module's
+arithmetic in one pass per sentence, in double. Both take the Gumbel noise of every position at
+once, (L, B, n, T) in the order drawn here (position L - 1 first; reference.gumbel_noise): with
+replacement the noise of each row's logits; without replacement the unconditioned Gumbels of
+each beam's T children, which this module draws for every beam (live or not) before it
+conditions them on the parent's value (_conditional_gumbels), so that the conditioning is a
+function of that noise, which the kernel applies itself. So a generator seeded alike gives the
+same paths on both: bit for bit in float64 (up to two values within an ulp or so of each other:
+alpha's rounding, and without replacement the last bit of exp / log, which torch vectorises and
+the kernel takes from the C library), and in float32 those of this path run in float64 on the
+upcast inputs and noise (the kernels do not round alpha, the logits and the keys to float32).
+sample(..., noise=...) takes that noise instead of drawing it. Everywhere else (the numba and
+reference backends, CUDA) crfkit.sample runs this module.
 
 Shapes and conventions follow crfkit.functional: emissions (B, L, T); transitions (T, T), or per
 example (B, Lt, T, T) with Lt in {1, L}; start, end (T,) or (B, T); lengths (B,) int64 in [0, L];
@@ -102,16 +108,16 @@ def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Tensor, star
     module docstring and missing_rows). Forbidden (-inf) tags and transitions are never sampled.
     Not differentiable (the paths are integers; the caller scores them). All random numbers come
     from `generator`, which must be on the emissions' device.
-    noise (replacement=True only): the standard Gumbels to use instead of drawing them, shape
-    (L, B, n, T) in the emissions' dtype, noise[k] for position L - 1 - k (what this function
-    draws from `generator`, in that order; the compiled kernel's argument of the same name).
+    noise: the standard Gumbels to use instead of drawing them, shape (L, B, n, T) in the
+    emissions' dtype, noise[k] for position L - 1 - k (what this function draws from
+    `generator`, in that order; the compiled kernels' argument of the same name). With
+    replacement noise[k][b, j] perturbs row j's logits; without, the children of beam j (the
+    j-th largest perturbed value so far) before they are conditioned on its value.
     Cost O(B L T^2) + O(B n L T).
     """
     n = check_int("n", n, minimum=1)
     replacement = check_bool("replacement", replacement)
     if noise is not None:
-        if not replacement:
-            raise ValueError("noise is taken with replacement=True only")
         B, L, T = emissions.shape
         if tuple(noise.shape) != (L, B, n, T) or noise.dtype != emissions.dtype or noise.device != emissions.device:
             raise ValueError(f"noise must be (seq_len, batch, n, num_tags) = {(L, B, n, T)} of dtype "
@@ -124,7 +130,7 @@ def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Tensor, star
         alpha = forward_log_scores(emissions, transitions, lengths, start)
         if replacement:
             return _with_replacement(alpha, transitions, n, lengths, end, generator, noise)
-        return _without_replacement(alpha, transitions, n, lengths, end, generator)
+        return _without_replacement(alpha, transitions, n, lengths, end, generator, noise)
 
 
 def missing_rows(paths: Tensor, lengths: Tensor, replacement: bool = True) -> Tensor:
@@ -197,13 +203,14 @@ def _log1mexp(a: Tensor) -> Tensor:
     return torch.where(a > -0.6931471805599453, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
 
 
-def _conditional_gumbels(child_phi: Tensor, parent_key: Tensor, generator) -> Tensor:
+def _conditional_gumbels(child_phi: Tensor, parent_key: Tensor, generator, gumbels: Optional[Tensor] = None) -> Tensor:
     """Perturbed log-probabilities of the children of each beam, conditioned on their maximum
     being the parent's (Kool et al. 2019, eq. (10), in the numerically stable form of their
     appendix).
 
     child_phi (B, n, T): log-probability of each extended partial sequence (-inf: impossible);
-    parent_key (B, n): the parent's perturbed log-probability (-inf: a dead beam). Returns
+    parent_key (B, n): the parent's perturbed log-probability (-inf: a dead beam); gumbels
+    (B, n, T): the standard Gumbels to use (drawn from generator when None). Returns
     (B, n, T), -inf exactly where child_phi is -inf, with no NaN on the way.
 
     With G_c = phi_c + Gumbel(0) and Z = max_c G_c, the conditioned value is
@@ -212,7 +219,10 @@ def _conditional_gumbels(child_phi: Tensor, parent_key: Tensor, generator) -> Te
     gets v = +inf, hence -inf; a dead beam (key = Z = -inf) has only impossible children and is
     given key = Z = 0 so that no -inf - -inf appears.
     """
-    g = child_phi + gumbel_noise(child_phi.shape, child_phi, generator)
+    # (csrc/cpu/sampling.cpp does this arithmetic, in double, for the same gumbels: keep the two in step.)
+    if gumbels is None:
+        gumbels = gumbel_noise(child_phi.shape, child_phi, generator)
+    g = child_phi + gumbels
     z = g.amax(2, keepdim=True)
     dead = z == NEG_INF
     z = z.masked_fill(dead, 0)
@@ -222,7 +232,7 @@ def _conditional_gumbels(child_phi: Tensor, parent_key: Tensor, generator) -> Te
     return key - torch.nn.functional.softplus(v, threshold=40)
 
 
-def _without_replacement(alpha, transitions, n, lengths, end, generator) -> Tensor:
+def _without_replacement(alpha, transitions, n, lengths, end, generator, noise=None) -> Tensor:
     B, L, T = alpha.shape
     device = alpha.device
     # Beams: n partial sequences (y_i .. y_{m-1}) per sentence of length m. Before a sentence starts (and
@@ -244,7 +254,7 @@ def _without_replacement(alpha, transitions, n, lengths, end, generator) -> Tens
             into = table.gather(1, tags.unsqueeze(2).expand(B, n, T))
             cond = torch.where((lengths == i + 1).view(B, 1, 1), cond, into)
         child_phi = phi.unsqueeze(2) + cond
-        child_key = _conditional_gumbels(child_phi, key, generator)
+        child_key = _conditional_gumbels(child_phi, key, generator, None if noise is None else noise[L - 1 - i])
         top_key, code = child_key.view(B, n * T).topk(n, dim=1)  # sorted, largest first
         active = (i < lengths).unsqueeze(1)
         phi = torch.where(active, child_phi.view(B, n * T).gather(1, code), phi)

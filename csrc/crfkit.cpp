@@ -114,4 +114,11 @@ STABLE_TORCH_LIBRARY(crfkit, m) {
   // paths: the front end scores them with sequence_score and log_partition).
   m.def("sample_with_replacement(Tensor emissions, Tensor transitions, Tensor noise, Tensor lengths, "
         "Tensor start, Tensor end) -> Tensor");
+  // n DISTINCT tag sequences per sentence, an exact sample without replacement (stochastic beam
+  // search, the Gumbel-top-k trick): paths (B, n, L) int64, the rows in the order of sequential
+  // drawing, -1 at padded positions and in the rows after the last allowed sequence. noise as
+  // sample_with_replacement's: the (L, B, n, T) standard Gumbels the PyTorch path perturbs each
+  // beam's children with (crfkit/sampling.py). CPU only; not differentiable.
+  m.def("sample_without_replacement(Tensor emissions, Tensor transitions, Tensor noise, Tensor lengths, "
+        "Tensor start, Tensor end) -> Tensor");
 }

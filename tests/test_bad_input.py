@@ -18,6 +18,8 @@ OPS = {
     "expected_transition_counts": lambda em, tr, **kw: crfkit.expected_transition_counts(em, tr, **kw),
     # (a generator of its own: two calls with the same arguments give the same samples)
     "sample": lambda em, tr, **kw: crfkit.sample(em, tr, 3, generator=torch.Generator().manual_seed(0), **kw),
+    "sample_without_replacement": lambda em, tr, **kw: crfkit.sample(
+        em, tr, 3, replacement=False, generator=torch.Generator().manual_seed(0), **kw),
 }
 
 

@@ -1,6 +1,7 @@
-"""The benchmarks' correctness check of a Viterbi result (benchmarks/cases.py), which decides
-whether a peer is timed or reported WRONG: a different path of the same exact score is right,
-a different path of a lower score is not."""
+"""The benchmarks' correctness checks (benchmarks/cases.py), which decide whether a peer is timed
+or reported WRONG: for Viterbi a different path of the same exact score is right, a different
+path of a lower score is not; without replacement a few sentences may order their rows
+differently (the float32 reference's rounding), more may not."""
 import sys
 from pathlib import Path
 
@@ -39,3 +40,23 @@ def test_a_wrong_score_is_reported_first():
     x, want = _two_sentences(0.0)
     got = (want[0], torch.tensor([2.0, 1.5]))
     assert "viterbi score" in cases._check_viterbi(got, want, x)
+
+
+def test_the_without_replacement_check_counts_sentences():
+    # (B, n, L) = (40, 3, 2): one sentence whose rows differ passes (a near tie decided in float32
+    # by the reference, in double by the kernel); three (7.5% of the sentences) do not.
+    x, _ = _two_sentences(0.0)
+    paths = torch.zeros(40, 3, 2, dtype=torch.long)
+    paths[:, 1, 1] = 1
+    paths[:, 2] = -1
+    log_probs = torch.full((40, 3), -1.0)
+    want = (paths, log_probs)
+    one = paths.clone()
+    one[5, [0, 1]] = one[5, [1, 0]]
+    assert cases._check_sample_without((one, log_probs), want, x) is None
+    three = paths.clone()
+    three[:3, [0, 1]] = three[:3, [1, 0]]
+    assert "7.50% of the sentences" in cases._check_sample_without((three, log_probs), want, x)
+    wrong_log_probs = log_probs.clone()
+    wrong_log_probs[9, 0] = 0.0
+    assert "log-probabilities" in cases._check_sample_without((one, wrong_log_probs), want, x)

@@ -162,7 +162,8 @@ def test_functional_calls_the_backend_contract_without_probing():
 
 # ---- the backend contract ----------------------------------------------------------------------
 CONTRACT_FUNCTIONS = {"log_partition", "marginals", "expected_transition_counts", "marginals_and_transition_counts",
-                      "viterbi", "kbest_viterbi", "sequence_score", "sample_with_replacement"}
+                      "viterbi", "kbest_viterbi", "sequence_score", "sample_with_replacement",
+                      "sample_without_replacement"}
 CONTRACT_ATTRIBUTES = {"PER_EXAMPLE_DEVICES", "VALUES_CHECKED_ON_DEVICE"}
 
 

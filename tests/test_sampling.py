@@ -6,6 +6,10 @@ shows that the bound rejects a wrong distribution, so it can fail). With replace
 must follow P(y); without replacement the n rows must be distinct, allowed, and distributed as n
 sequential draws without replacement (Plackett-Luce): the ordered rows, each sequence's inclusion
 probability and the first row are checked against probabilities enumerated from P.
+
+The without-replacement tests and the edge cases run twice (the `sampler` fixture): on the PyTorch
+path and on the compiled backend's C++ CPU kernels (csrc/cpu/sampling.cpp), which draw their noise
+from the same generator; tests/test_sampling_kernel*.py compare the two row for row.
 """
 import functools
 import itertools
@@ -188,6 +192,30 @@ def generator(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def kernel_sample(emissions, transitions, n, lengths, start, end, *, replacement=True, generator=None):
+    """crfkit.sampling.sample's signature, through the compiled backend's samplers: the C++ CPU
+    kernels (csrc/cpu/sampling.cpp), with the noise drawn from generator in the same order."""
+    from crfkit.backends import compiled
+
+    name = "sample_with_replacement" if replacement else "sample_without_replacement"
+    assert compiled._has_kernel(name, emissions)
+    return getattr(compiled, name)(emissions, transitions, n, lengths, start, end, generator)
+
+
+@pytest.fixture(params=["pytorch", "kernel"])
+def sampler(request):
+    """The sampler under test: the PyTorch path (crfkit.sampling.sample) or the C++ kernels
+    (skipped where the compiled extension is not built). The without-replacement tests below run
+    on both: the exact Plackett-Luce orders and inclusion probabilities hold for each."""
+    if request.param == "pytorch":
+        return sample
+    import crfkit
+
+    if "compiled" not in crfkit.backends.available():
+        pytest.skip("extension not built")
+    return kernel_sample
+
+
 # ---- with replacement ---------------------------------------------------------------------------
 @pytest.mark.parametrize("T,lengths,seed", [(2, [3, 0, 1, 2], 1), (3, [3, 1, 0, 2], 2), (3, [2, 2, 1], 3),
                                             (2, [1], 4)])
@@ -282,11 +310,11 @@ WITHOUT_CRFS = [(3, [3, 2, 1], 11), (2, [3, 1, 2], 12), (3, [2], 13)]
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("T,lengths,seed", WITHOUT_CRFS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_without_replacement_matches_sequential_draws(T, lengths, seed, n, dtype):
+def test_without_replacement_matches_sequential_draws(T, lengths, seed, n, dtype, sampler):
     copies = 10000
     crf = tiny_crf(T, lengths, seed, dtype)
-    paths = sample(*repeated(crf, copies)[:2], n, *repeated(crf, copies)[2:], replacement=False,
-                   generator=generator(seed + n))
+    paths = sampler(*repeated(crf, copies)[:2], n, *repeated(crf, copies)[2:], replacement=False,
+                    generator=generator(seed + n))
     assert paths.shape == (len(lengths) * copies, n, max(lengths))
     for b, n_b in enumerate(lengths):
         probs = dict(enumerate_sentence(crf, b))
@@ -326,7 +354,7 @@ def test_without_replacement_matches_sequential_draws(T, lengths, seed, n, dtype
             assert statistic > critical
 
 
-def test_inclusion_check_rejects_sampling_with_replacement():
+def test_inclusion_check_rejects_sampling_with_replacement(sampler):
     # n draws WITH replacement include each sequence with probability 1 - (1 - p)^n, not the
     # Plackett-Luce inclusion: with distinct rows forced, the bound still tells them apart.
     crf = tiny_crf(3, [2], 21, forbid=False)
@@ -334,8 +362,8 @@ def test_inclusion_check_rejects_sampling_with_replacement():
     n, copies = 3, 20000
     with_replacement = 1 - (1 - torch.tensor(list(probs.values()))) ** n
     wrong = dict(zip(probs, with_replacement.tolist()))
-    paths = sample(*repeated(crf, copies)[:2], n, *repeated(crf, copies)[2:], replacement=False,
-                   generator=generator(21))
+    paths = sampler(*repeated(crf, copies)[:2], n, *repeated(crf, copies)[2:], replacement=False,
+                    generator=generator(21))
     included = {}
     for draw in paths[:, :, :2].tolist():
         for seq in map(tuple, draw):
@@ -344,13 +372,13 @@ def test_inclusion_check_rejects_sampling_with_replacement():
     assert inclusion_z(included, wrong, copies) > z_bound(len(probs))
 
 
-def test_without_replacement_on_longer_sentences():
+def test_without_replacement_on_longer_sentences(sampler):
     # 5 and 4 positions (up to 3**5 sequences, most of them pruned at every position by a beam of
     # n = 2): the ordered pairs and each sequence's inclusion against Plackett-Luce.
     copies = 20000
     crf = tiny_crf(3, [5, 4], 81)
     big = repeated(crf, copies)
-    paths = sample(*big[:2], 2, *big[2:], replacement=False, generator=generator(81))
+    paths = sampler(*big[:2], 2, *big[2:], replacement=False, generator=generator(81))
     for b, n_b in enumerate([5, 4]):
         probs = dict(enumerate_sentence(crf, b))
         assert len(probs) > 20
@@ -367,12 +395,12 @@ def test_without_replacement_on_longer_sentences():
 
 
 @pytest.mark.parametrize("per_example", [None, "sentence", "position"])
-def test_without_replacement_returns_every_allowed_sequence_when_n_is_large(per_example):
+def test_without_replacement_returns_every_allowed_sequence_when_n_is_large(per_example, sampler):
     # (d) n >= the number of allowed sequences: all of them, distinct, then -1 rows.
     crf = tiny_crf(3, [3, 2, 1, 0], 31, per_example=per_example)
     enumerations = [enumerate_sentence(crf, b) for b in range(4)]
     n = max(len(e) for e in enumerations) + 2
-    paths = sample(*crf[:2], n, *crf[2:], replacement=False, generator=generator(31))
+    paths = sampler(*crf[:2], n, *crf[2:], replacement=False, generator=generator(31))
     for b, seqs in enumerate(enumerations):
         n_b = int(crf[2][b])
         m = len(seqs) if n_b else 1  # a length-0 sentence: the empty sequence, row 0
@@ -383,11 +411,11 @@ def test_without_replacement_returns_every_allowed_sequence_when_n_is_large(per_
 
 
 @pytest.mark.parametrize("per_example", ["sentence", "position"])
-def test_without_replacement_per_example_transitions(per_example):
+def test_without_replacement_per_example_transitions(per_example, sampler):
     copies = 8000
     crf = tiny_crf(3, [3, 2], 41, per_example=per_example)
     big = repeated(crf, copies)
-    paths = sample(*big[:2], 2, *big[2:], replacement=False, generator=generator(41))
+    paths = sampler(*big[:2], 2, *big[2:], replacement=False, generator=generator(41))
     for b, n_b in enumerate([3, 2]):
         probs = dict(enumerate_sentence(crf, b))
         rows = paths[b * copies:(b + 1) * copies, :, :n_b]
@@ -401,14 +429,14 @@ def test_without_replacement_per_example_transitions(per_example):
 
 # ---- edge cases ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("replacement", [True, False])
-def test_determinism_with_a_generator(replacement):
+def test_determinism_with_a_generator(replacement, sampler):
     crf = tiny_crf(3, [3, 0, 2, 1], 51)
-    first = sample(*crf[:2], 50, *crf[2:], replacement=replacement, generator=generator(7))
+    first = sampler(*crf[:2], 50, *crf[2:], replacement=replacement, generator=generator(7))
     state = torch.get_rng_state()
-    again = sample(*crf[:2], 50, *crf[2:], replacement=replacement, generator=generator(7))
+    again = sampler(*crf[:2], 50, *crf[2:], replacement=replacement, generator=generator(7))
     assert torch.equal(torch.get_rng_state(), state)  # every random number came from the generator
     assert torch.equal(first, again)
-    other = sample(*crf[:2], 50, *crf[2:], replacement=replacement, generator=generator(8))
+    other = sampler(*crf[:2], 50, *crf[2:], replacement=replacement, generator=generator(8))
     assert not torch.equal(first, other)
 
 
@@ -443,7 +471,7 @@ def test_the_nan_watch_sees_nan():
 
 @pytest.mark.parametrize("replacement", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_forbidden_scores_all_forbidden_and_empty_sentences(replacement, dtype):
+def test_forbidden_scores_all_forbidden_and_empty_sentences(replacement, dtype, sampler):
     T, L = 3, 4
     g = torch.Generator().manual_seed(61)
     emissions = torch.randn(6, L, T, generator=g, dtype=dtype)
@@ -459,8 +487,8 @@ def test_forbidden_scores_all_forbidden_and_empty_sentences(replacement, dtype):
     lengths = torch.tensor([4, 3, 1, 0, 3, 2])
     n = 40
     with NaNWatch() as watch:
-        paths = sample(emissions, transitions, n, lengths, start, end, replacement=replacement,
-                       generator=generator(61))
+        paths = sampler(emissions, transitions, n, lengths, start, end, replacement=replacement,
+                        generator=generator(61))
     assert watch.calls == []  # no NaN in any intermediate result
     crf = (emissions, transitions, lengths, start, end)
     check_rows(paths, crf)
@@ -480,23 +508,23 @@ def test_forbidden_scores_all_forbidden_and_empty_sentences(replacement, dtype):
     assert (log_probs[3, 0] == 0).all()
 
 
-def test_only_one_tag_and_single_sequences():
+def test_only_one_tag_and_single_sequences(sampler):
     emissions = torch.randn(3, 2, 1, dtype=torch.float64)
     transitions = torch.zeros(1, 1, dtype=torch.float64)
     zeros = torch.zeros(1, dtype=torch.float64)
     lengths = torch.tensor([2, 1, 0])
-    paths = sample(emissions, transitions, 5, lengths, zeros, zeros, generator=generator(0))
+    paths = sampler(emissions, transitions, 5, lengths, zeros, zeros, generator=generator(0))
     assert paths.tolist() == [[[0, 0]] * 5, [[0, -1]] * 5, [[-1, -1]] * 5]
-    paths = sample(emissions, transitions, 5, lengths, zeros, zeros, replacement=False, generator=generator(0))
+    paths = sampler(emissions, transitions, 5, lengths, zeros, zeros, replacement=False, generator=generator(0))
     assert paths[:, 0].tolist() == [[0, 0], [0, -1], [-1, -1]] and (paths[:, 1:] == -1).all()
 
 
 @pytest.mark.parametrize("replacement", [True, False])
-def test_empty_shapes(replacement):
+def test_empty_shapes(replacement, sampler):
     zeros = torch.zeros(3, dtype=torch.float64)
     for B, L in ((0, 4), (2, 0), (0, 0)):
-        paths = sample(torch.zeros(B, L, 3, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64), 4,
-                       torch.full((B,), L), zeros, zeros, replacement=replacement)
+        paths = sampler(torch.zeros(B, L, 3, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64), 4,
+                        torch.full((B,), L), zeros, zeros, replacement=replacement)
         assert paths.shape == (B, 4, L) and paths.dtype == torch.int64
         assert (paths == -1).all()
 

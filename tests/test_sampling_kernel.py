@@ -242,7 +242,7 @@ def test_crfkit_sample_takes_the_kernel_on_the_cpu_and_the_pytorch_path_elsewher
         assert calls == [1]
         monkeypatch.setitem(compiled._KERNELS, ("sample_with_replacement", "CPU"), True)
         crfkit.sample(emissions, transitions, 5, lengths, start, end, replacement=False)
-        assert calls == [1]  # without replacement: crfkit/sampling.py directly
+        assert calls == [1]  # without replacement: not this sampler (tests/test_sampling_kernel_without_replacement.py)
 
 
 def test_the_numba_backend_falls_back_to_the_pytorch_path():

@@ -20,6 +20,9 @@ Work an op must do, per real position (N = sum of lengths; padding is never touc
                            draw's perturbed logits and their argmax), + per padded position
                            2 n T logarithms, counted as exponentials (the Gumbels -log(-log U)
                            the caller draws), and n T float32 noise values written and read
+    sample_without (K = n) the same, + 4 n exponentials per real position (the truncated Gumbels
+                           of the n children that make the next beams: log1mexp and softplus;
+                           the kernel skips the other children's)
 The k-best count is that of the sorted-list merge (the algorithm the project's issue names);
 crfkit's pruned merge skips most of it on typical scores (it merges only the lists that can
 still reach a tag's K best), so a k-best fraction can pass 100%. The minimal count is what any
@@ -129,6 +132,9 @@ def work(op: str, tokens: int, B: int, L: int, T: int, K: Optional[int] = None) 
                     bytes=emissions_in + 8 * B * K * L)
     if op == "sample":  # K = n draws; the front end also scores them (not counted)
         return dict(fma=tokens * T * T, exp=tokens * T + 2 * B * L * K * T, max_plus=K * tokens * T,
+                    bytes=emissions_in + 8 * B * L * K * T + 8 * B * K * L)
+    if op == "sample_without":  # K = n rows, stochastic beam search
+        return dict(fma=tokens * T * T, exp=tokens * T + 2 * B * L * K * T + 4 * K * tokens, max_plus=K * tokens * T,
                     bytes=emissions_in + 8 * B * L * K * T + 8 * B * K * L)
     if op == "kbest_minimal":
         return dict(fma=tokens * T * T, exp=tokens * T, max_plus=tokens * (T * T + T * (K - 1)),

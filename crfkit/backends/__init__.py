@@ -56,7 +56,7 @@ class CRFBackend(Protocol):
     contiguous int64, in [0, L] unless the device type is in VALUES_CHECKED_ON_DEVICE. The
     order is the one of crfkit.functional and of the compiled ops' schemas
     (crfkit/backends/op_table.py): emissions, transitions, then k, n or tags, then lengths, start,
-    end (sample_with_replacement: its generator last); decoders return scores before paths. Every
+    end (the samplers: their generator last); decoders return scores before paths. Every
     result that holds scores is differentiable in emissions, transitions, start and end.
     """
 
@@ -123,6 +123,16 @@ class CRFBackend(Protocol):
         order of crfkit/sampling.py, so that one seeded generator gives the same paths on every
         backend (crfkit/sampling.py says to what precision). Not differentiable (the front end
         scores the paths)."""
+        ...
+
+    def sample_without_replacement(self, emissions: Tensor, transitions: Tensor, n: int, lengths: Tensor,
+                                   start: Tensor, end: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+        """sample_without_replacement(emissions, transitions, n, lengths, start, end, generator) ->
+        paths (B, n, L) int64: n distinct sequences per sentence, an exact sample without
+        replacement, the rows in the order of sequential drawing (stochastic beam search), -1 at
+        padded positions and in the rows after the last allowed sequence (a length-0 sentence:
+        its empty sequence in row 0, then nothing); random numbers from generator in the order of
+        crfkit/sampling.py, as sample_with_replacement's. Not differentiable."""
         ...
 
 

@@ -429,4 +429,22 @@ def sample_with_replacement(emissions, transitions, n, lengths, start, end, gene
     return _call(ops.sample_with_replacement, False, emissions, transitions, noise, lengths, start, end)
 
 
+def sample_without_replacement(emissions, transitions, n, lengths, start, end, generator=None) -> Tensor:
+    # As sample_with_replacement: the kernel on the CPU (csrc/cpu/sampling.cpp, stochastic beam
+    # search; per-example transitions too), the PyTorch path elsewhere. The PyTorch path draws a
+    # (B, n, T) block of standard Gumbels per position, one for every child of every beam, before
+    # it conditions them on the parents' values: the kernel takes those blocks, all positions at
+    # once, and conditions them itself, so a generator seeded alike gives both the same rows.
+    if not _has_kernel("sample_without_replacement", emissions):
+        if lengths.device.type in VALUES_CHECKED_ON_DEVICE:  # no kernel checks them in this call
+            from .._arguments import check_length_values  # (imported here: see expected_transition_counts)
+
+            check_length_values(lengths, emissions.shape[1])
+        return reference.sample_without_replacement(emissions, transitions, n, lengths, start, end, generator)
+    B, L, T = emissions.shape
+    with torch.no_grad():
+        noise = reference.gumbel_noise((L, B, n, T), emissions, generator)
+    return _call(ops.sample_without_replacement, False, emissions, transitions, noise, lengths, start, end)
+
+
 _register_autograd()

@@ -310,6 +310,7 @@ PER_EXAMPLE_DEVICES: tuple = ()
 expected_transition_counts = reference.expected_transition_counts
 # No numba kernel for sampling: the PyTorch forward filtering, backward sampling (crfkit/sampling.py).
 sample_with_replacement = reference.sample_with_replacement
+sample_without_replacement = reference.sample_without_replacement  # (stochastic beam search, the same module)
 
 
 def log_partition(emissions: Tensor, transitions: Tensor, lengths: Tensor, start: Tensor, end: Tensor) -> Tensor:

@@ -19,8 +19,8 @@ first and return the gradients of (emissions, transitions, start, end). Decoders
 
 Shapes: emissions (B, L, T); transitions (T, T) as [from, to], or per example (B, Lt, T, T) with
 start, end (B, T) (the CPU kernels: csrc/cpu/per_example.cpp); start, end (T,); lengths (B,)
-int64; tags (B, N, L) int64; noise (L, B, n, T) standard Gumbels (sample_with_replacement, which
-has CPU kernels only: Op.cuda).
+int64; tags (B, N, L) int64; noise (L, B, n, T) standard Gumbels (sample_with_replacement and
+sample_without_replacement, which have CPU kernels only: Op.cuda).
 """
 from __future__ import annotations
 
@@ -107,6 +107,11 @@ OPS: Dict[str, Op] = {
     # Paths (B, n, L) drawn with replacement for the Gumbels noise (L, B, n, T); CPU only, not
     # differentiable (csrc/cpu/sampling.cpp).
     "sample_with_replacement": Op(
+        lambda emissions, transitions, noise, lengths, start, end: emissions.new_empty(
+            (emissions.shape[0], noise.shape[2], emissions.shape[1]), dtype=torch.long), cuda=False),
+    # Paths (B, n, L) of n distinct sequences (stochastic beam search) for the same noise; CPU only,
+    # not differentiable (csrc/cpu/sampling.cpp).
+    "sample_without_replacement": Op(
         lambda emissions, transitions, noise, lengths, start, end: emissions.new_empty(
             (emissions.shape[0], noise.shape[2], emissions.shape[1]), dtype=torch.long), cuda=False),
 }
@@ -197,7 +202,7 @@ def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tens
     B, _, T = grad_marginals.shape
     grad_counts = torch.linspace(-1.0, 2.0, B * T * T, dtype=grad_marginals.dtype,
                                  device=grad_marginals.device).reshape(B, T, T)
-    # Standard Gumbels (L, B, 3, T) for sample_with_replacement, from a generator of their own.
+    # Standard Gumbels (L, B, 3, T) for the sampling ops, from a generator of their own.
     L = emissions.shape[1]
     uniform = torch.rand((L, B, 3, T), dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     noise = (-(-uniform.clamp(min=1e-300).log()).log()).to(emissions.dtype).to(emissions.device)
@@ -216,6 +221,7 @@ def example_arguments(ops, emissions: Tensor, transitions: Tensor, lengths: Tens
         "sequence_score": (emissions, transitions, tags, lengths, start, end),
         "sequence_score_backward": (grad_scores, plain[0], tags, lengths),
         "sample_with_replacement": (plain[0], plain[1], noise, lengths, plain[3], plain[4]),
+        "sample_without_replacement": (plain[0], plain[1], noise, lengths, plain[3], plain[4]),
     }
     assert arguments.keys() == OPS.keys(), "example_arguments must call every op of OPS"
     return arguments

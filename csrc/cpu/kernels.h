@@ -65,6 +65,9 @@
         const Tensor& lengths))                                                                    \
   X(sample_with_replacement,                                                                       \
     Tensor(const Tensor& emissions, const Tensor& transitions, const Tensor& noise,                \
+           const Tensor& lengths, const Tensor& start, const Tensor& end))                \
+  X(sample_without_replacement,                                                                    \
+    Tensor(const Tensor& emissions, const Tensor& transitions, const Tensor& noise,                \
            const Tensor& lengths, const Tensor& start, const Tensor& end))
 
 // Declares <op>_cpu in the enclosing namespace: CRFKIT_CPU_KERNELS(CRFKIT_DECLARE_CPU_KERNEL).
