@@ -205,8 +205,9 @@ def kernel_sample(emissions, transitions, n, lengths, start, end, *, replacement
 @pytest.fixture(params=["pytorch", "kernel"])
 def sampler(request):
     """The sampler under test: the PyTorch path (crfkit.sampling.sample) or the C++ kernels
-    (skipped where the compiled extension is not built). The without-replacement tests below run
-    on both: the exact Plackett-Luce orders and inclusion probabilities hold for each."""
+    (skipped where the compiled extension is not built). The frequency tests with replacement and
+    the without-replacement tests below run on both: the chi-square bounds, the exact
+    Plackett-Luce orders and inclusion probabilities hold for each."""
     if request.param == "pytorch":
         return sample
     import crfkit
@@ -220,31 +221,31 @@ def sampler(request):
 @pytest.mark.parametrize("T,lengths,seed", [(2, [3, 0, 1, 2], 1), (3, [3, 1, 0, 2], 2), (3, [2, 2, 1], 3),
                                             (2, [1], 4)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_with_replacement_frequencies_match_brute_force(T, lengths, seed, dtype):
+def test_with_replacement_frequencies_match_brute_force(T, lengths, seed, dtype, sampler):
     crf = tiny_crf(T, lengths, seed, dtype)
-    paths = sample(*crf[:2], N, *crf[2:], generator=generator(seed))
+    paths = sampler(*crf[:2], N, *crf[2:], generator=generator(seed))
     assert paths.shape == (len(lengths), N, max(lengths)) and paths.dtype == torch.int64
     check_rows(paths, crf)
     check_frequencies(paths, crf, wrong=uniform_over_allowed(crf))
 
 
-def test_chi_square_rejects_a_sampler_that_ignores_transitions():
+def test_chi_square_rejects_a_sampler_that_ignores_transitions(sampler):
     # The test can fail: the same draws are rejected against P without its transition scores,
     # and draws made with the transitions zeroed are rejected against P.
     crf = tiny_crf(3, [3, 2], 5)
-    paths = sample(*crf[:2], N, *crf[2:], generator=generator(5))
+    paths = sampler(*crf[:2], N, *crf[2:], generator=generator(5))
     check_frequencies(paths, crf, wrong=transitions_ignored(crf))
     emissions, transitions, lengths, start, end = crf
     flat = torch.where(transitions == -math.inf, transitions, torch.zeros_like(transitions))
-    wrong_paths = sample(emissions, flat, N, lengths, start, end, generator=generator(5))
+    wrong_paths = sampler(emissions, flat, N, lengths, start, end, generator=generator(5))
     statistic, critical = chi2_test(row_counts(wrong_paths[0], 3), dict(enumerate_sentence(crf, 0)))
     assert statistic > critical
 
 
 @pytest.mark.parametrize("per_example", ["sentence", "position"])
-def test_per_example_transitions_start_and_end(per_example):
+def test_per_example_transitions_start_and_end(per_example, sampler):
     crf = tiny_crf(3, [3, 2, 1, 0], 6, per_example=per_example)
-    paths = sample(*crf[:2], N, *crf[2:], generator=generator(6))
+    paths = sampler(*crf[:2], N, *crf[2:], generator=generator(6))
     check_rows(paths, crf)
     check_frequencies(paths, crf, wrong=uniform_over_allowed(crf))
     # Sentence 0 with sentence 1's parameters is another distribution: the sampler does read

@@ -23,8 +23,7 @@ import torch
 
 import crfkit
 from crfkit import reference, sampling
-from test_sampling import (N, check_frequencies, check_rows, chi2_test, enumerate_sentence, row_counts, tiny_crf,
-                           transitions_ignored, uniform_over_allowed)
+from test_sampling import tiny_crf
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif("compiled" not in crfkit.backends.available(), reason="extension not built")]
@@ -32,15 +31,6 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 
 def kernel(emissions, transitions, noise, lengths, start, end):
     return torch.ops.crfkit.sample_with_replacement(emissions, transitions, noise, lengths, start, end)
-
-
-def compiled_sample(crf, n, seed):
-    """The compiled backend's sample_with_replacement (the kernel, noise from the generator)."""
-    from crfkit.backends import compiled
-
-    emissions, transitions, lengths, start, end = crf
-    return compiled.sample_with_replacement(emissions, transitions, n, lengths, start, end,
-                                            torch.Generator().manual_seed(seed))
 
 
 def noise_for(emissions, n, seed):
@@ -267,37 +257,8 @@ def test_mask_and_allowed_reach_the_kernel():
     assert ((real == 0) | (real == 1)).all()
 
 
-# ---- frequencies against brute force -------------------------------------------------------------
-@pytest.mark.parametrize("T,lengths,seed", [(2, [3, 0, 1, 2], 1), (3, [3, 1, 0, 2], 2), (3, [2, 2, 1], 3),
-                                            (2, [1], 4)])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_frequencies_match_brute_force(T, lengths, seed, dtype):
-    crf = tiny_crf(T, lengths, seed, dtype)
-    paths = compiled_sample(crf, N, seed)
-    assert paths.shape == (len(lengths), N, max(lengths)) and paths.dtype == torch.int64
-    check_rows(paths, crf)
-    check_frequencies(paths, crf, wrong=uniform_over_allowed(crf))
-
-
-def test_frequencies_reject_a_distribution_without_transitions():
-    crf = tiny_crf(3, [3, 2], 5)
-    paths = compiled_sample(crf, N, 5)
-    check_frequencies(paths, crf, wrong=transitions_ignored(crf))
-
-
-@pytest.mark.parametrize("per_example", ["sentence", "position"])
-def test_frequencies_with_per_example_transitions(per_example):
-    crf = tiny_crf(3, [3, 2, 1, 0], 6, per_example=per_example)
-    paths = compiled_sample(crf, N, 6)
-    check_rows(paths, crf)
-    check_frequencies(paths, crf, wrong=uniform_over_allowed(crf))
-    # Sentence 0 drawn with sentence 1's parameters would be another distribution: the kernel
-    # reads each example's own transitions, start and end.
-    emissions, transitions, lengths, start, end = crf
-    swapped = [x[[1, 0, 2, 3]] for x in (transitions, start, end)]
-    other = dict(enumerate_sentence((emissions, swapped[0], lengths, swapped[1], swapped[2]), 0))
-    statistic, critical = chi2_test(row_counts(paths[0], 3), other)
-    assert statistic > critical
+# ---- frequencies against brute force: tests/test_sampling.py runs its chi-square tests with
+# replacement through the kernel too (its `sampler` fixture)
 
 
 # ---- bad input ----------------------------------------------------------------------------------

@@ -409,42 +409,36 @@ def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
     return _call(ops.sequence_score, False, emissions, transitions, tags, lengths, start, end)
 
 
-def sample_with_replacement(emissions, transitions, n, lengths, start, end, generator=None) -> Tensor:
-    # The kernel where the device has one (the CPU: csrc/cpu/sampling.cpp; it takes per-example
-    # transitions too); elsewhere (CUDA, the emulator's CPU tensors) the PyTorch path. The kernel
-    # takes the Gumbels of every position at once, drawn here in the order in which the PyTorch
-    # path draws them one position at a time (reference.gumbel_noise), so that a generator
-    # seeded alike gives both the same samples. It registers no autograd formula: the paths are
-    # integers, and the front end's log-probabilities (sequence_score - log_partition) are
-    # differentiable through those ops.
-    if not _has_kernel("sample_with_replacement", emissions):
+def _sample(op_name: str, fallback, emissions, transitions, n, lengths, start, end, generator) -> Tensor:
+    """Both samplers: the kernel where the device has one (the CPU: csrc/cpu/sampling.cpp; it
+    takes per-example transitions too), elsewhere (CUDA, the emulator's CPU tensors) the PyTorch
+    path, `fallback`. The kernel takes the standard Gumbels of every position at once, (L, B, n,
+    T), drawn here in the order in which the PyTorch path draws its (B, n, T) block per position
+    (reference.gumbel_noise), so a generator seeded alike gives both the same samples; without
+    replacement the kernel conditions those blocks on the parents' values itself, as the PyTorch
+    path does. No autograd formula: the paths are integers, and the front end's log-probabilities
+    (sequence_score - log_partition) are differentiable through those ops."""
+    if not _has_kernel(op_name, emissions):
         if lengths.device.type in VALUES_CHECKED_ON_DEVICE:  # no kernel checks them in this call
             from .._arguments import check_length_values  # (imported here: see expected_transition_counts)
 
             check_length_values(lengths, emissions.shape[1])
-        return reference.sample_with_replacement(emissions, transitions, n, lengths, start, end, generator)
+        return fallback(emissions, transitions, n, lengths, start, end, generator)
     B, L, T = emissions.shape
     with torch.no_grad():
         noise = reference.gumbel_noise((L, B, n, T), emissions, generator)
-    return _call(ops.sample_with_replacement, False, emissions, transitions, noise, lengths, start, end)
+    return _call(getattr(ops, op_name), False, emissions, transitions, noise, lengths, start, end)
+
+
+def sample_with_replacement(emissions, transitions, n, lengths, start, end, generator=None) -> Tensor:
+    return _sample("sample_with_replacement", reference.sample_with_replacement, emissions, transitions, n,
+                   lengths, start, end, generator)
 
 
 def sample_without_replacement(emissions, transitions, n, lengths, start, end, generator=None) -> Tensor:
-    # As sample_with_replacement: the kernel on the CPU (csrc/cpu/sampling.cpp, stochastic beam
-    # search; per-example transitions too), the PyTorch path elsewhere. The PyTorch path draws a
-    # (B, n, T) block of standard Gumbels per position, one for every child of every beam, before
-    # it conditions them on the parents' values: the kernel takes those blocks, all positions at
-    # once, and conditions them itself, so a generator seeded alike gives both the same rows.
-    if not _has_kernel("sample_without_replacement", emissions):
-        if lengths.device.type in VALUES_CHECKED_ON_DEVICE:  # no kernel checks them in this call
-            from .._arguments import check_length_values  # (imported here: see expected_transition_counts)
-
-            check_length_values(lengths, emissions.shape[1])
-        return reference.sample_without_replacement(emissions, transitions, n, lengths, start, end, generator)
-    B, L, T = emissions.shape
-    with torch.no_grad():
-        noise = reference.gumbel_noise((L, B, n, T), emissions, generator)
-    return _call(ops.sample_without_replacement, False, emissions, transitions, noise, lengths, start, end)
+    # stochastic beam search in the kernel
+    return _sample("sample_without_replacement", reference.sample_without_replacement, emissions, transitions, n,
+                   lengths, start, end, generator)
 
 
 _register_autograd()
