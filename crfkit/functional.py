@@ -256,13 +256,15 @@ def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Optional[Ten
     sentence's rows are then its one empty sequence, log_prob 0).
 
     Where it runs: the backend's sample_with_replacement (replacement=True) or
-    sample_without_replacement (replacement=False), which in the compiled backend on the CPU are
-    C++ kernels (csrc/cpu/sampling.cpp; per-example transitions too) and everywhere else, i.e.
-    the numba and reference backends and CUDA (no kernel there yet), the PyTorch path of
-    crfkit/sampling.py. Both draw their noise from `generator` in one order and amount, so a
-    generator seeded alike gives the same paths on each (float64: bit for bit; float32: up to the
-    PyTorch path's float32 rounding, which the kernels, computing in double, do not do; see
-    crfkit/sampling.py).
+    sample_without_replacement (replacement=False), which in the compiled backend are C++ kernels
+    on the CPU (csrc/cpu/sampling.cpp; per-example transitions too) and CUDA kernels on a GPU
+    (csrc/cuda/sampling.cu; shared transitions), and everywhere else, i.e. the numba and reference
+    backends and per-example transitions on CUDA, the PyTorch path of crfkit/sampling.py. Both
+    draw their noise from `generator` in one order and amount, so on the CPU a generator seeded
+    alike gives the same paths on each (float64: bit for bit; float32: up to the PyTorch path's
+    float32 rounding, which the kernels, computing in double, do not do; see crfkit/sampling.py).
+    On CUDA, whose generator does not split one draw into several alike, the kernel's samples
+    differ from the PyTorch path's (each exact, and repeatable with its seed).
     """
     check_int("n", n, minimum=1)
     replacement = check_bool("replacement", replacement)

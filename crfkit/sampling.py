@@ -44,9 +44,10 @@ alike on the same device gives the same samples.
 
 crfkit.sample (crfkit.functional) runs replacement=True through the backend's
 sample_with_replacement and replacement=False through its sample_without_replacement: in the
-compiled backend on the CPU those are C++ kernels (csrc/cpu/sampling.cpp,
-torch.ops.crfkit.sample_with_replacement and sample_without_replacement) which do this module's
-arithmetic in one pass per sentence, in double. Both take the Gumbel noise of every position at
+compiled backend those are C++ kernels on the CPU (csrc/cpu/sampling.cpp,
+torch.ops.crfkit.sample_with_replacement and sample_without_replacement) and CUDA kernels for
+shared transitions (csrc/cuda/sampling.cu, checked in the CPU emulator, not yet timed on a GPU),
+which do this module's arithmetic in one pass per sentence, in double. Both take the Gumbel noise of every position at
 once, (L, B, n, T) in the order drawn here (position L - 1 first; reference.gumbel_noise): with
 replacement the noise of each row's logits; without replacement the unconditioned Gumbels of
 each beam's T children, which this module draws for every beam (live or not) before it
@@ -57,7 +58,7 @@ alpha's rounding, and without replacement the last bit of exp / log, which torch
 the kernel takes from the C library), and in float32 those of this path run in float64 on the
 upcast inputs and noise (the kernels do not round alpha, the logits and the keys to float32).
 sample(..., noise=...) takes that noise instead of drawing it. Everywhere else (the numba and
-reference backends, CUDA) crfkit.sample runs this module.
+reference backends, per-example transitions on CUDA) crfkit.sample runs this module.
 
 Shapes and conventions follow crfkit.functional: emissions (B, L, T); transitions (T, T), or per
 example (B, Lt, T, T) with Lt in {1, L}; start, end (T,) or (B, T); lengths (B,) int64 in [0, L];

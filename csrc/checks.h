@@ -175,6 +175,19 @@ inline void raise_if_bad_emissions(const std::vector<char>& bad_sentence) {
   }
 }
 
+// noise (seq_len, batch, num_samples, num_tags) of the emissions' dtype and device: the standard
+// Gumbels of the samplers (csrc/cpu/sampling.cpp, csrc/cuda/sampling.cu).
+inline void check_noise_argument(const Tensor& noise, const Tensor& emissions) {
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  CRFKIT_CHECK_VALUE(noise.dim() == 4 && noise.size(0) == L && noise.size(1) == B && noise.size(3) == T,
+                     "crfkit: noise must be (seq_len, batch, num_samples, num_tags) = (", L, ", ", B, ", n, ", T,
+                     "), got ", noise.sizes());
+  CRFKIT_CHECK_TYPE(noise.scalar_type() == emissions.scalar_type(), "crfkit: noise must have the dtype of emissions (",
+                    emissions.scalar_type(), "), got ", noise.scalar_type());
+  CRFKIT_CHECK(noise.device() == emissions.device(), "crfkit: noise must be on the device of emissions (",
+               emissions.device(), "), got ", noise.device());
+}
+
 // The CRF arguments of a CPU op, dense and checked. The raw ops accept any strides (expanded
 // tensors included): `.as_contiguous()` copies only where needed, and the kernels index dense memory.
 struct CrfArgs {

@@ -569,7 +569,7 @@ def test_opcheck_every_op():
     namespace = "crfkit_emu" if EMULATED else "crfkit"
     with on_device():  # the autograd formulas call the backward ops of the same kernels
         for name, args in cases.items():
-            if not op_table.OPS[name].cuda:  # a CPU-only op (sample_with_replacement)
+            if not op_table.OPS[name].cuda:  # a CPU-only op
                 continue
             assert op_table.has_kernel(namespace, name, "CPU" if EMULATED else "CUDA"), name
             torch.library.opcheck(getattr(ops, name), args)
@@ -617,6 +617,10 @@ RAW = {
         torch.ones_like(em), em, tr, ln, s, e),
     "expected_transition_counts_backward": lambda em, tr, ln, s, e: device_ops().expected_transition_counts_backward(
         torch.ones(em.shape[0], em.shape[2], em.shape[2], dtype=em.dtype, device=em.device), em, tr, ln, s, e),
+    "sample_with_replacement": lambda em, tr, ln, s, e: device_ops().sample_with_replacement(
+        em, tr, _noise(em, 3), ln, s, e),
+    "sample_without_replacement": lambda em, tr, ln, s, e: device_ops().sample_without_replacement(
+        em, tr, _noise(em, 3), ln, s, e),
 }
 BAD_VALUES = [
     # (description, mutate(em, tr, ln, s, e), message pattern)
@@ -629,6 +633,14 @@ BAD_VALUES = [
     ("+inf start", lambda em, tr, ln, s, e: (em, tr, ln, _put(s, 1, math.inf), e), r"start contains NaN or \+inf"),
     ("NaN end", lambda em, tr, ln, s, e: (em, tr, ln, s, _put(e, 2, math.nan)), r"end contains NaN or \+inf"),
 ]
+
+
+def _noise(em, n, seed=0):
+    """Standard Gumbels (L, B, n, T) for the samplers, drawn on the CPU (the same on every device)."""
+    B, L, T = em.shape
+    like = torch.empty((), dtype=em.dtype)
+    g = torch.Generator().manual_seed(seed)
+    return crfkit.reference.gumbel_noise((L, B, n, T), like, g).to(em.device)
 
 
 def _good():
@@ -922,3 +934,95 @@ def test_mask_allowed_and_per_example_transitions_match_cpu():
     real = paths >= 0
     assert bool(allowed.unsqueeze(1).expand(6, 50, 9, 5).gather(3, paths.clamp(min=0).unsqueeze(3)).squeeze(3)[real]
                 .all())
+
+
+# ---- sampling (csrc/cuda/sampling.cu against csrc/cpu/sampling.cpp, the same noise) ------------
+SAMPLERS = ("sample_with_replacement", "sample_without_replacement")
+SAMPLE_SHAPES = [(1, 1, 1, 1), (3, 4, 1, 5), (5, 6, 2, 3), (6, 3, 2, 20), (7, 9, 5, 1), (7, 9, 5, 40),
+                 (4, 12, 9, 15), (3, 20, 37, 7)]
+
+
+def _samples_on_both(op, inputs, n, seed=0):
+    noise = _noise(inputs[0], n, seed)
+    em, tr, ln, s, e = inputs
+    want = getattr(torch.ops.crfkit, op)(em, tr, noise, ln, s, e)
+    got = getattr(device_ops(), op)(*to(DEVICE, (em, tr)), noise.to(DEVICE), *to(DEVICE, (ln, s, e))).cpu()
+    return got, want
+
+
+@pytest.mark.parametrize("op", SAMPLERS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T,n", SAMPLE_SHAPES)
+@pytest.mark.parametrize("scores", ["random", "forbidden"])
+def test_samplers_match_cpu(op, dtype, B, L, T, n, scores):
+    inputs = random_crf(B, L, T, dtype=dtype, scale=2.0)
+    if scores == "forbidden":
+        inputs = forbid(inputs, seed=B * L + T)
+    for seed in (0, 1):
+        got, want = _samples_on_both(op, inputs, n, seed)
+        assert got.shape == (B, n, L) and got.dtype == torch.long
+        assert torch.equal(got, want), (seed, (got != want).nonzero()[:5].tolist())
+
+
+@pytest.mark.parametrize("op", SAMPLERS)
+def test_samplers_on_sentences_with_no_allowed_sequence_and_empty_ones(op):
+    em, tr, ln, s, e = random_crf(5, 6, 4, seed=3)
+    ln = torch.tensor([6, 0, 4, 1, 6])
+    e = e.clone()
+    em = em.clone()
+    em[2, 3] = -math.inf  # sentence 2: every sequence forbidden
+    got, want = _samples_on_both(op, (em, tr, ln, s, e), 6)
+    assert torch.equal(got, want)
+    assert (got[1] == -1).all() and (got[2] == -1).all()  # empty, and all forbidden: no row holds a sequence
+    assert (got[3, :, 1:] == -1).all()
+    if op == "sample_with_replacement":
+        assert (got[3, :, 0] >= 0).all()
+    else:  # 4 sequences of length 1: rows 4 and 5 hold none
+        assert (got[3, :4, 0].sort().values == torch.arange(4)).all() and (got[3, 4:] == -1).all()
+
+
+@pytest.mark.parametrize("op", SAMPLERS)
+def test_samplers_on_batches_larger_than_the_persistent_grid(op):
+    inputs = random_crf(40 if SMALL else 3000, 7, 5, seed=11)
+    got, want = _samples_on_both(op, inputs, 4)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("op", SAMPLERS)
+def test_samplers_check_their_noise(op):
+    em, tr, ln, s, e = _good()  # lengths 4 and 2
+    raw = getattr(device_ops(), op)
+    noise = _noise(em, 3)
+    with pytest.raises(ValueError, match=r"noise\[:, 1\] contains NaN or \+-inf"):
+        raw(em, tr, _put(noise, (3, 1, 2, 0), -math.inf), ln, s, e)  # position L - 1 - 3 = 0 of sentence 1
+    clean = raw(em, tr, noise, ln, s, e)
+    assert torch.equal(raw(em, tr, _put(noise, (0, 1, 2, 0), math.nan), ln, s, e), clean)  # beyond its length
+    with pytest.raises(ValueError, match=r"noise must be \(seq_len, batch, num_samples, num_tags\)"):
+        raw(em, tr, noise[:, :, :, :2], ln, s, e)
+    with pytest.raises(ValueError, match="noise must have the dtype of emissions"):
+        raw(em, tr, noise.double(), ln, s, e)
+
+
+@pytest.mark.parametrize("replacement", [True, False])
+def test_public_sample_runs_the_device_kernel(replacement):
+    from crfkit.backends import compiled
+
+    em, tr, ln, s, e = to(DEVICE, random_crf(6, 8, 5, seed=21))
+    with on_device():
+        assert compiled._has_kernel("sample_with_replacement" if replacement else "sample_without_replacement", em)
+        generator = torch.Generator(device=DEVICE).manual_seed(3)
+        samples = crfkit.sample(em, tr, 12, ln, s, e, replacement=replacement, generator=generator)
+        again = crfkit.sample(em, tr, 12, ln, s, e, replacement=replacement,
+                              generator=torch.Generator(device=DEVICE).manual_seed(3))
+    assert torch.equal(samples.paths, again.paths)  # seeded: repeatable
+    paths, log_probs = samples.paths.cpu(), samples.log_probs.cpu()
+    cpu = [x.cpu() for x in (em, tr, ln, s, e)]
+    want = crfkit.sequence_score(cpu[0], cpu[1], paths.clamp(min=0), cpu[2], cpu[3], cpu[4]) \
+        - crfkit.log_partition(*cpu).unsqueeze(1)
+    missing = crfkit.sampling.missing_rows(paths, cpu[2], replacement)  # rows beyond the sentence's sequences
+    assert bool(missing.any()) != replacement and bool((log_probs[missing] == -math.inf).all())
+    torch.testing.assert_close(log_probs[~missing], want[~missing], **TOL[torch.float64])
+    if not replacement:  # distinct rows per sentence
+        for b in range(6):
+            rows = {tuple(r[: int(cpu[2][b])].tolist()) for r in paths[b]}
+            assert len(rows) == min(12, 5 ** int(cpu[2][b])) or int(cpu[2][b]) == 0

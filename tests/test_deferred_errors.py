@@ -43,13 +43,14 @@ CLEAR = de._CLEAR
 
 
 @pytest.mark.parametrize("words, pattern", [
-    ([3, 0, CLEAR, CLEAR, CLEAR, 1], r"lengths\[3\] was outside \[0, seq_len\]"),  # lengths first
-    ([CLEAR, 7, CLEAR, CLEAR, CLEAR, CLEAR], r"transitions contained NaN or \+inf"),
-    ([CLEAR, CLEAR, 0, CLEAR, CLEAR, CLEAR], r"start contained NaN or \+inf"),
-    ([CLEAR, CLEAR, CLEAR, 2, CLEAR, CLEAR], r"end contained NaN or \+inf"),
-    ([CLEAR, CLEAR, CLEAR, CLEAR, 41, CLEAR],
+    ([3, 0, CLEAR, CLEAR, CLEAR, 1, 0], r"lengths\[3\] was outside \[0, seq_len\]"),  # lengths first
+    ([CLEAR, 7, CLEAR, CLEAR, CLEAR, CLEAR, CLEAR], r"transitions contained NaN or \+inf"),
+    ([CLEAR, CLEAR, 0, CLEAR, CLEAR, CLEAR, CLEAR], r"start contained NaN or \+inf"),
+    ([CLEAR, CLEAR, CLEAR, 2, CLEAR, CLEAR, CLEAR], r"end contained NaN or \+inf"),
+    ([CLEAR, CLEAR, CLEAR, CLEAR, 41, CLEAR, CLEAR],
      r"a tag was not a tag index in \[0, num_tags\) \(flat index 41 of tags\)"),
-    ([CLEAR, CLEAR, CLEAR, CLEAR, CLEAR, 5], r"emissions\[5\] contained NaN or \+inf within its length"),
+    ([CLEAR, CLEAR, CLEAR, CLEAR, CLEAR, 5, 2], r"emissions\[5\] contained NaN or \+inf within its length"),
+    ([CLEAR, CLEAR, CLEAR, CLEAR, CLEAR, CLEAR, 2], r"noise\[:, 2\] contained NaN or \+-inf"),
 ])
 def test_the_first_recorded_error_is_named(words, pattern):
     message = de._message(words, 0)

@@ -224,7 +224,7 @@ def test_crfkit_sample_takes_the_kernel_on_the_cpu_and_the_pytorch_path_elsewher
         assert calls == []  # also when the log-probabilities are differentiable
         drawn.log_probs[drawn.log_probs > -math.inf].sum().backward()
         assert torch.isfinite(em.grad).all()
-        # Without a kernel for the device (as on CUDA): the PyTorch path.
+        # Without a kernel for the device (a build without it): the PyTorch path.
         from crfkit.backends import compiled
 
         monkeypatch.setitem(compiled._KERNELS, ("sample_with_replacement", "CPU"), False)

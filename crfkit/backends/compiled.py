@@ -410,14 +410,15 @@ def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
 
 
 def _sample(op_name: str, fallback, emissions, transitions, n, lengths, start, end, generator) -> Tensor:
-    """Both samplers: the kernel where the device has one (the CPU: csrc/cpu/sampling.cpp; it
-    takes per-example transitions too), elsewhere (CUDA, the emulator's CPU tensors) the PyTorch
-    path, `fallback`. The kernel takes the standard Gumbels of every position at once, (L, B, n,
-    T), drawn here in the order in which the PyTorch path draws its (B, n, T) block per position
-    (reference.gumbel_noise), so a generator seeded alike gives both the same samples; without
-    replacement the kernel conditions those blocks on the parents' values itself, as the PyTorch
-    path does. No autograd formula: the paths are integers, and the front end's log-probabilities
-    (sequence_score - log_partition) are differentiable through those ops."""
+    """Both samplers: the device's kernel (csrc/cpu/sampling.cpp, which takes per-example
+    transitions too; csrc/cuda/sampling.cu, shared ones: per-example CUDA calls reach the
+    reference backend first, backends.for_transitions), else the PyTorch path, `fallback`. The
+    kernel takes the standard Gumbels of every position at once, (L, B, n, T), drawn here in the
+    order in which the PyTorch path draws its (B, n, T) block per position
+    (reference.gumbel_noise), so on the CPU a generator seeded alike gives both the same samples;
+    without replacement the kernel conditions those blocks on the parents' values itself, as the
+    PyTorch path does. No autograd formula: the paths are integers, and the front end's
+    log-probabilities (sequence_score - log_partition) are differentiable through those ops."""
     if not _has_kernel(op_name, emissions):
         if lengths.device.type in VALUES_CHECKED_ON_DEVICE:  # no kernel checks them in this call
             from .._arguments import check_length_values  # (imported here: see expected_transition_counts)

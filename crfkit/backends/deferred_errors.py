@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 from typing import List, Literal
 
-_WORDS = 6  # csrc/cuda/common.cuh: kNumStatusWords
+_WORDS = 7  # csrc/cuda/common.cuh: kNumStatusWords
 _CLEAR = 2**63 - 1  # kStatusClear
 
 _libraries: List[ctypes.CDLL] = []
@@ -98,6 +98,9 @@ def _message(words: List[int], device: int) -> str:
         found.append(f"a tag was not a tag index in [0, num_tags) (flat index {words[4]} of tags)")
     if words[5] != _CLEAR:
         found.append(f"emissions[{words[5]}] contained NaN or +inf within its length (use -inf to forbid a tag)")
+    if words[6] != _CLEAR:
+        found.append(f"noise[:, {words[6]}] contained NaN or +-inf within the sentence's length (the samplers' "
+                     "standard Gumbels)")
     return (f"crfkit: a CUDA op on {where} since the last check_errors() was given bad input: {found[0]}; "
             "its results are meaningless")
 

@@ -20,7 +20,7 @@ first and return the gradients of (emissions, transitions, start, end). Decoders
 Shapes: emissions (B, L, T); transitions (T, T) as [from, to], or per example (B, Lt, T, T) with
 start, end (B, T) (the CPU kernels: csrc/cpu/per_example.cpp); start, end (T,); lengths (B,)
 int64; tags (B, N, L) int64; noise (L, B, n, T) standard Gumbels (sample_with_replacement and
-sample_without_replacement, which have CPU kernels only: Op.cuda).
+sample_without_replacement; their CUDA kernels take shared (T, T) transitions only).
 """
 from __future__ import annotations
 
@@ -104,16 +104,16 @@ OPS: Dict[str, Op] = {
         lambda emissions, transitions, tags, lengths, start, end: emissions.new_empty(tags.shape[:2])),
     "sequence_score_backward": Op(
         lambda grad_scores, emissions, tags, lengths: _grads_like(emissions)),
-    # Paths (B, n, L) drawn with replacement for the Gumbels noise (L, B, n, T); CPU only, not
-    # differentiable (csrc/cpu/sampling.cpp).
+    # Paths (B, n, L) drawn with replacement for the Gumbels noise (L, B, n, T); not differentiable
+    # (csrc/cpu/sampling.cpp, csrc/cuda/sampling.cu).
     "sample_with_replacement": Op(
         lambda emissions, transitions, noise, lengths, start, end: emissions.new_empty(
-            (emissions.shape[0], noise.shape[2], emissions.shape[1]), dtype=torch.long), cuda=False),
-    # Paths (B, n, L) of n distinct sequences (stochastic beam search) for the same noise; CPU only,
-    # not differentiable (csrc/cpu/sampling.cpp).
+            (emissions.shape[0], noise.shape[2], emissions.shape[1]), dtype=torch.long)),
+    # Paths (B, n, L) of n distinct sequences (stochastic beam search) for the same noise; not
+    # differentiable (csrc/cpu/sampling.cpp, csrc/cuda/sampling.cu).
     "sample_without_replacement": Op(
         lambda emissions, transitions, noise, lengths, start, end: emissions.new_empty(
-            (emissions.shape[0], noise.shape[2], emissions.shape[1]), dtype=torch.long), cuda=False),
+            (emissions.shape[0], noise.shape[2], emissions.shape[1]), dtype=torch.long)),
 }
 
 

@@ -94,18 +94,6 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// noise (seq_len, batch, num_samples, num_tags) of the emissions' dtype and device.
-void check_noise_argument(const Tensor& noise, const Tensor& emissions) {
-  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
-  CRFKIT_CHECK_VALUE(noise.dim() == 4 && noise.size(0) == L && noise.size(1) == B && noise.size(3) == T,
-                     "crfkit: noise must be (seq_len, batch, num_samples, num_tags) = (", L, ", ", B, ", n, ", T,
-                     "), got ", noise.sizes());
-  CRFKIT_CHECK_TYPE(noise.scalar_type() == emissions.scalar_type(), "crfkit: noise must have the dtype of emissions (",
-                    emissions.scalar_type(), "), got ", noise.scalar_type());
-  CRFKIT_CHECK(noise.device() == emissions.device(), "crfkit: noise must be on the device of emissions (",
-               emissions.device(), "), got ", noise.device());
-}
-
 // Whether x[0 .. count) holds NaN or +-inf (on the bits, as checks.h's has_nan_or_posinf: the
 // exponent all ones).
 template <typename scalar_t>

@@ -199,6 +199,8 @@ void Status::raise_if_bad(const Tensor& lengths, int64_t max_len, const Tensor& 
   }
   CRFKIT_CHECK_VALUE(word[kBadEmissions] == kStatusClear, "crfkit: emissions[", word[kBadEmissions],
                      "] contains NaN or +inf within its length (use -inf to forbid a tag)");
+  CRFKIT_CHECK_VALUE(word[kBadNoise] == kStatusClear, "crfkit: noise[:, ", word[kBadNoise],
+                     "] contains NaN or +-inf within the sentence's length (noise holds standard Gumbels)");
 }
 
 }  // namespace cuda

@@ -76,7 +76,8 @@ enum StatusWord : int {
   kBadEnd = 3,
   kBadTag = 4,          // flat index (b * N + j) * L + i of a tag outside [0, T)
   kBadEmissions = 5,    // sentence index b with NaN / +inf emissions within its length
-  kNumStatusWords = 6,
+  kBadNoise = 6,        // sentence index b with non-finite sampler noise within its length
+  kNumStatusWords = 7,
 };
 constexpr int64_t kStatusClear = std::numeric_limits<int64_t>::max();
 
@@ -104,7 +105,7 @@ class Status {
   void note_inputs_checked() { inputs_checked_ = true; }
 
   // Checked mode: copies the words to the host (one synchronisation) and raises the first error
-  // in the order the CPU kernels check: lengths, transitions, start, end, tags, emissions.
+  // in the order the CPU kernels check: lengths, transitions, start, end, tags, emissions, noise.
   // Deferred mode: returns at once.
   // `lengths` / `tags` (may be undefined) give the values quoted in the messages.
   void raise_if_bad(const Tensor& lengths, int64_t max_len, const Tensor& tags = {},

@@ -5,6 +5,7 @@ torch.ops.crfkit_emu.* (CPU tensors in, the kernels' own code running with std::
     python tools/cuda_compile_check/emulator/build.py --race-check   # ThreadSanitizer, standalone
     python tools/cuda_compile_check/emulator/build.py --race-check --kbest-per-tag  # that kernel only
     python tools/cuda_compile_check/emulator/build.py --race-check --marginals-backward  # likewise
+    python tools/cuda_compile_check/emulator/build.py --race-check --samplers  # likewise
 
 For machines without a GPU: it executes the real kernel source (index arithmetic, shared memory
 layout, synchronisation structure, host-side planning and checks), which compiling alone does
@@ -151,13 +152,16 @@ def main(argv=None) -> int:
                         help="with --race-check: only k-best's per-tag kernel (minutes instead of 40)")
     parser.add_argument("--marginals-backward", action="store_true",
                         help="with --race-check: only marginals_backward's kernel (minutes instead of 40)")
+    parser.add_argument("--samplers", action="store_true",
+                        help="with --race-check: only the two samplers' kernel (minutes instead of 40)")
     parser.add_argument("--build-dir", default=str(DEFAULT_BUILD))
     args = parser.parse_args(argv)
     if args.race_check:
         program = build_race_check(Path(args.build_dir))
         env = dict(os.environ, TSAN_OPTIONS=os.environ.get("TSAN_OPTIONS", "halt_on_error=1 exitcode=66"))
         only = [flag for flag, chosen in (("--kbest-per-tag", args.kbest_per_tag),
-                                          ("--marginals-backward", args.marginals_backward)) if chosen]
+                                          ("--marginals-backward", args.marginals_backward),
+                                          ("--samplers", args.samplers)) if chosen]
         return subprocess_run([str(program)] + only[:1], env)
     print(build(Path(args.build_dir), args.sanitize, verbose=True))
     return 0

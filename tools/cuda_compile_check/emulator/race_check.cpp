@@ -117,13 +117,39 @@ void run_marginals_backward() {
   }
 }
 
+// Both samplers alone (csrc/cuda/sampling.cu: rows published between lanes with __syncwarp, the
+// beams of two generations): T below and above a warp, n below and above it, forbidden
+// transitions, batches larger than the grid's warps, empty sentences.
+void run_samplers() {
+  using Sample = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+  const Shape shapes[] = {{5, 7, 3, 4, true}, {20, 9, 9, 40, false}, {3, 6, 37, 5, true}, {4, 5, 1, 3, false},
+                          {6, 0, 4, 2, false}};
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const Shape& s : shapes) {
+      print_shape(s, dtype, " (samplers; k = n)");
+      const Inputs x = make(s.B, s.L, s.T, dtype, s.forbid);
+      const Tensor u = at::rand({s.L, s.B, s.k, s.T}, x.emissions.options()).clamp_min(1e-30);
+      const Tensor noise = -(-u.log()).log();
+      for (const char* name : {"crfkit_emu::sample_with_replacement", "crfkit_emu::sample_without_replacement"}) {
+        op<Sample>(name).call(x.emissions, x.transitions, noise, x.lengths, x.start, x.end);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // `race_check --kbest-per-tag` runs only run_kbest_per_tag, `race_check --marginals-backward`
-// only run_marginals_backward (a few minutes each instead of 40).
+// only run_marginals_backward, `race_check --samplers` only run_samplers (a few minutes each
+// instead of 40).
 int main(int argc, char** argv) {
   at::manual_seed(0);
   at::set_num_threads(1);  // torch's own thread pool is not what is checked here
+  if (argc > 1 && std::strcmp(argv[1], "--samplers") == 0) {
+    run_samplers();
+    std::printf("all ops ran\n");
+    return 0;
+  }
   if (argc > 1 && std::strcmp(argv[1], "--marginals-backward") == 0) {
     run_marginals_backward();
     std::printf("all ops ran\n");
@@ -144,6 +170,7 @@ int main(int argc, char** argv) {
       run_all(make(s.B, s.L, s.T, dtype, s.forbid), s.k);
     }
   }
+  run_samplers();
   // The error paths: NaN emissions (reported by the kernels themselves).
   Inputs bad = make(3, 4, 3, at::kFloat, false);
   bad.emissions[0][1][2] = std::numeric_limits<float>::quiet_NaN();
