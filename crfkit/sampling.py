@@ -47,16 +47,18 @@ sample_with_replacement and replacement=False through its sample_without_replace
 compiled backend those are C++ kernels on the CPU (csrc/cpu/sampling.cpp,
 torch.ops.crfkit.sample_with_replacement and sample_without_replacement) and CUDA kernels for
 shared transitions (csrc/cuda/sampling.cu, checked in the CPU emulator, not yet timed on a GPU),
-which do this module's arithmetic in one pass per sentence, in double. Both take the Gumbel noise of every position at
-once, (L, B, n, T) in the order drawn here (position L - 1 first; reference.gumbel_noise): with
-replacement the noise of each row's logits; without replacement the unconditioned Gumbels of
-each beam's T children, which this module draws for every beam (live or not) before it
-conditions them on the parent's value (_conditional_gumbels), so that the conditioning is a
-function of that noise, which the kernel applies itself. So a generator seeded alike gives the
-same paths on both: bit for bit in float64 (up to two values within an ulp or so of each other:
-alpha's rounding, and without replacement the last bit of exp / log, which torch vectorises and
-the kernel takes from the C library), and in float32 those of this path run in float64 on the
-upcast inputs and noise (the kernels do not round alpha, the logits and the keys to float32).
+which do this module's arithmetic in one pass per sentence, in double. Both take the Gumbel
+noise of every position at once, (L, B, n, T) in the order drawn here (position L - 1 first;
+reference.gumbel_noise): with replacement the noise of each row's logits; without replacement
+the unconditioned Gumbels of each beam's T children, which this module draws for every beam
+(live or not) before it conditions them on the parent's value (_conditional_gumbels), so that
+the conditioning is a function of that noise, which the kernel applies itself. So on the CPU a
+generator seeded alike gives the same paths on both (on CUDA one draw of (L, B, n, T) is not the
+L draws of (B, n, T) this module makes, so the samples differ, each exact): bit for bit in
+float64 (up to two values within an ulp or so of each other: alpha's rounding, and without
+replacement the last bit of exp / log, which torch vectorises and the kernel takes from the C
+library), and in float32 those of this path run in float64 on the upcast inputs and noise (the
+kernels do not round alpha, the logits and the keys to float32).
 sample(..., noise=...) takes that noise instead of drawing it. Everywhere else (the numba and
 reference backends, per-example transitions on CUDA) crfkit.sample runs this module.
 

@@ -338,17 +338,9 @@ Tensor sample_cuda(const Tensor& emissions, const Tensor& transitions, const Ten
       const int64_t blocks = std::max<int64_t>(1, (wanted + kWarpsPerBlock - 1) / kWarpsPerBlock);
       const int64_t warps = blocks * kWarpsPerBlock;
       SampleParams<scalar_t> p;
-      p.emissions = a.emissions.mutable_data_ptr<scalar_t>();
-      p.transitions = a.transitions.mutable_data_ptr<scalar_t>();
-      p.start = a.start.mutable_data_ptr<scalar_t>();
-      p.end = a.end.mutable_data_ptr<scalar_t>();
-      p.lengths = a.lengths.mutable_data_ptr<int64_t>();
+      set_crf_arguments<scalar_t>(p, a, status);
       p.noise = noise.mutable_data_ptr<scalar_t>();
-      p.status = status.data();
-      p.batch = B;
-      p.max_len = L;
       p.num_samples = n;
-      p.num_tags = static_cast<int>(T);
       p.paths = paths.mutable_data_ptr<int64_t>();
       Tensor alpha = empty({warps, L, T}, doubles), into, beam_rows, beam_tags, child_rows, trace;
       p.alpha = alpha.mutable_data_ptr<double>();
