@@ -315,6 +315,31 @@ def test_a_second_writer_of_a_cache_is_refused_while_the_first_runs(tmp_path):
     assert not (tmp_path / cache_mod.WRITER_INFO).exists()
 
 
+def test_a_finished_cache_opens_while_another_job_holds_the_lock(tmp_path):
+    """Two student seeds started together on one finished cache: the second was refused with a
+    CacheBusyError while the first merely checked the cache. A complete, matching cache is now
+    read without the writer lock; an unfinished one still needs (and is refused) the lock."""
+    import filelock
+
+    from crfkit.distill import CacheBusyError
+
+    corpus = toy_corpus(30)
+    first, _ = label(tmp_path, corpus)
+    holder = filelock.FileLock(str(tmp_path / cache_mod.WRITER_LOCK), thread_local=False)
+    with holder:
+        again, teacher = label(tmp_path, corpus)
+        assert teacher.calls == 0 and len(again) == 30 and again.complete
+        assert_same_records(first, again)
+        with pytest.raises(cache_mod.CacheMismatchError, match="k: the cache has 5, this run asks for 2"):
+            label(tmp_path, corpus, k=2)  # a mismatch is still named without the lock
+        (tmp_path / "shard-00001.safetensors").unlink()  # no longer complete: needs the writer
+        with pytest.raises(CacheBusyError, match="is being labelled by another job"):
+            label(tmp_path, corpus)
+    repaired, teacher = label(tmp_path, corpus)
+    assert teacher.calls > 0 and repaired.complete
+    assert_same_records(first, repaired)
+
+
 def test_bad_arguments(tmp_path):
     corpus = toy_corpus(10)
     with pytest.raises(ValueError, match="k must be"):

@@ -64,7 +64,8 @@ Crash safety
     time (the ranks of one torchrun job count as one): label_corpus holds an flock on
     .label_corpus.lock from start to finish (the kernel releases it when the process dies, so a
     kill leaves no stale lock), and a second job is refused with a CacheBusyError naming the first
-    (pid, host, command, start time, from .label_corpus.writer.json).
+    (pid, host, command, start time, from .label_corpus.writer.json). A complete cache that
+    matches the request is opened without the lock, so many jobs can read it at once.
 
 torchrun / torch.distributed
     If torch.distributed is initialised, or RANK and WORLD_SIZE (> 1) are set in the environment
@@ -592,6 +593,11 @@ def label_corpus(
             request["with_hidden"] = True
         def lock_and_prepare():
             nonlocal lock
+            # A finished cache is only read: no lock, so any number of jobs (the seeds of one
+            # study, say) can open it at once. Anything else needs the writer.
+            finished = _prepare_directory(directory, request, shard_size, read_only=True)
+            if finished is not None:
+                return finished
             os.makedirs(directory, exist_ok=True)
             lock = _lock_for_writing(directory)
             return _prepare_directory(directory, request, shard_size)
@@ -613,17 +619,25 @@ def label_corpus(
         ctx.close()
 
 
-def _prepare_directory(directory: str, request: dict, shard_size: Optional[int]) -> dict:
+def _prepare_directory(directory: str, request: dict, shard_size: Optional[int], read_only: bool = False):
     """Rank 0, before any shard is written: check / create the manifest, delete leftover
-    temporary files, list the shards that exist and the ones still missing."""
-    os.makedirs(directory, exist_ok=True)
-    for name in os.listdir(directory):
-        if _TMP_RE.match(name):  # a write that was killed before its os.replace
-            try:
-                os.unlink(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
-    manifest = _read_manifest(directory)
+    temporary files, list the shards that exist and the ones still missing.
+
+    read_only: write nothing (no lock is held) and return the plan only for a complete cache
+    that matches the request with every shard readable; None when a writer is needed."""
+    if read_only:
+        manifest = _read_manifest(directory) if os.path.isdir(directory) else None
+        if manifest is None or not manifest.get("complete"):
+            return None
+    else:
+        os.makedirs(directory, exist_ok=True)
+        for name in os.listdir(directory):
+            if _TMP_RE.match(name):  # a write that was killed before its os.replace
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except FileNotFoundError:
+                    pass
+        manifest = _read_manifest(directory)
     existing = _scan_shards(directory)
     if manifest is None:
         if existing:
@@ -660,6 +674,8 @@ def _prepare_directory(directory: str, request: dict, shard_size: Optional[int])
         try:
             header = _shard_header(path)
         except Exception as error:  # noqa: BLE001 - any unreadable header
+            if read_only:
+                return None  # the writer deletes and relabels it
             warnings.warn(f"{path} is unreadable ({error}); deleting it and labelling its sentences again")
             os.unlink(path)
             continue
@@ -671,6 +687,8 @@ def _prepare_directory(directory: str, request: dict, shard_size: Optional[int])
     if len(num_tags) > 1:
         raise CacheMismatchError(f"the shards in {directory} disagree on num_tags: {sorted(num_tags)}")
     missing = sorted(set(range(num_shards)) - set(present))
+    if read_only and missing:
+        return None
     if manifest.get("complete") and missing:
         warnings.warn(f"{directory}: the manifest says complete but {len(missing)} shard(s) are missing; "
                       "labelling them again")
