@@ -257,9 +257,9 @@ def sample(emissions: Tensor, transitions: Tensor, n: int, lengths: Optional[Ten
 
     Where it runs: the backend's sample_with_replacement (replacement=True) or
     sample_without_replacement (replacement=False), which in the compiled backend are C++ kernels
-    on the CPU (csrc/cpu/sampling.cpp; per-example transitions too) and CUDA kernels on a GPU
-    (csrc/cuda/sampling.cu; shared transitions), and everywhere else, i.e. the numba and reference
-    backends and per-example transitions on CUDA, the PyTorch path of crfkit/sampling.py. Both
+    on the CPU (csrc/cpu/sampling.cpp) and CUDA kernels on a GPU (csrc/cuda/sampling.cu), both
+    for shared and per-example transitions, and everywhere else, i.e. the numba and reference
+    backends, the PyTorch path of crfkit/sampling.py. Both
     draw their noise from `generator` in one order and amount, so on the CPU a generator seeded
     alike gives the same paths on each (float64: bit for bit; float32: up to the PyTorch path's
     float32 rounding, which the kernels, computing in double, do not do; see crfkit/sampling.py).

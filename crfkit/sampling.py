@@ -60,7 +60,7 @@ replacement the last bit of exp / log, which torch vectorises and the kernel tak
 library), and in float32 those of this path run in float64 on the upcast inputs and noise (the
 kernels do not round alpha, the logits and the keys to float32).
 sample(..., noise=...) takes that noise instead of drawing it. Everywhere else (the numba and
-reference backends, per-example transitions on CUDA) crfkit.sample runs this module.
+reference backends) crfkit.sample runs this module.
 
 Shapes and conventions follow crfkit.functional: emissions (B, L, T); transitions (T, T), or per
 example (B, Lt, T, T) with Lt in {1, L}; start, end (T,) or (B, T); lengths (B,) int64 in [0, L];

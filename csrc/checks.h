@@ -44,11 +44,24 @@ inline void check_tag_row(const int64_t* row, int64_t n, int64_t T, int64_t b, i
 }
 
 // Per-example transitions (batch, Lt, num_tags, num_tags), and the transition counts of their
-// shape, are taken by the CPU kernels (csrc/cpu/per_example.cpp) only: `x` is the argument `name`
-// of `who`, the code that refuses them.
+// shape, are taken by the per-example kernels (csrc/cpu/per_example.cpp, csrc/cuda/per_example.cu)
+// only: `x` is the argument `name` of `who`, the code that refuses them.
 inline void check_not_per_example(const Tensor& x, const char* name, const char* who) {
   CRFKIT_CHECK(x.dim() != 4, "crfkit: per-example ", name, " (batch, Lt, num_tags, num_tags) are not supported by ",
                who, ", got ", name, " of shape ", x.sizes());
+}
+
+// transition_counts (B, Lt, T, T) with Lt = 1 or L, for marginals (B, L, T): the per-example
+// form of log_partition_backward_from_marginals' counts (shape only; dtype and device are
+// check_argument_like's).
+inline void check_per_example_counts_shape(const Tensor& counts, const Tensor& marginals) {
+  const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
+  const int64_t Lt = counts.dim() == 4 ? counts.size(1) : -1;
+  CRFKIT_CHECK_VALUE(counts.dim() == 4 && counts.size(0) == B && (Lt == 1 || Lt == L) && counts.size(2) == T &&
+                         counts.size(3) == T,
+                     "crfkit: transition_counts must be (batch, num_tags, num_tags) or, per example, (batch, Lt, "
+                     "num_tags, num_tags) with Lt = 1 or seq_len: (", B, ", 1 or ", L, ", ", T, ", ", T, "), got ",
+                     counts.sizes());
 }
 
 // lengths (B,) int64 on the device of `like` (the op's emissions, or its marginals).
@@ -122,6 +135,28 @@ inline void check_crf_inputs(const Tensor& emissions, const Tensor& transitions,
               ",), got ", start.sizes());
   CRFKIT_CHECK_VALUE(end.dim() == 1 && end.size(0) == T, "crfkit: end must be (num_tags,) = (", T,
               ",), got ", end.sizes());
+  check_lengths_argument(lengths, B, emissions);
+  check_dtypes_and_devices(emissions, transitions, lengths, start, end);
+}
+
+// The shapes, dtypes and devices of per-example CRF arguments: emissions (B, L, T), transitions
+// (B, Lt, T, T) with Lt = 1 or L, start and end (B, T), lengths (B,) int64 (values are each
+// device's kernels' to check).
+inline void check_per_example_inputs(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
+                                     const Tensor& start, const Tensor& end) {
+  check_emissions_argument(emissions);
+  const int64_t B = emissions.size(0), L = emissions.size(1), T = emissions.size(2);
+  CRFKIT_CHECK_VALUE(T >= 1, "crfkit: emissions must have at least one tag (num_tags >= 1)");
+  const Tensor& tr = transitions;
+  CRFKIT_CHECK_VALUE(tr.dim() == 4 && tr.size(0) == B && (tr.size(1) == 1 || tr.size(1) == L) && tr.size(2) == T &&
+                         tr.size(3) == T,
+                     "crfkit: transitions must be (num_tags, num_tags) or, per example, (batch, Lt, num_tags, "
+                     "num_tags) with Lt = 1 or seq_len: (", B, ", 1 or ", L, ", ", T, ", ", T, "), got ", tr.sizes());
+  for (const auto* t : {&start, &end}) {
+    CRFKIT_CHECK_VALUE(t->dim() == 2 && t->size(0) == B && t->size(1) == T, "crfkit: ", t == &start ? "start" : "end",
+                       " must be (batch, num_tags) = (", B, ", ", T,
+                       ") when transitions are per example (batch, Lt, num_tags, num_tags), got ", t->sizes());
+  }
   check_lengths_argument(lengths, B, emissions);
   check_dtypes_and_devices(emissions, transitions, lengths, start, end);
 }

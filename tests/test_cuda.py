@@ -1026,3 +1026,174 @@ def test_public_sample_runs_the_device_kernel(replacement):
         for b in range(6):
             rows = {tuple(r[: int(cpu[2][b])].tolist()) for r in paths[b]}
             assert len(rows) == min(12, 5 ** int(cpu[2][b])) or int(cpu[2][b]) == 0
+
+
+# ---- per-example transitions (csrc/cuda/per_example.cu, and sequence_score.cu / sampling.cu's
+# kernels, against csrc/cpu/per_example.cpp and sampling.cpp) ---------------------------------
+PER_EXAMPLE_SHAPES = [(1, 1, 1), (3, 4, 2), (5, 6, 3), (4, 7, 9), (3, 5, 37), (2, 3, 40)]
+
+
+def _per_example_inputs(B, L, T, per_position, dtype=torch.float64, scores="random", seed=0):
+    """emissions (B, L, T) with ragged lengths (0 and L included), transitions (B, Lt, T, T) with
+    Lt = L (per_position) or 1, start / end (B, T). scores: "random", "forbidden" (-inf in a third
+    of the transitions, every tag of one position of sentence 2) or "integer" (values in {-1, 0, 1}:
+    many exact ties)."""
+    em, _, ln, _, _ = random_crf(B, L, T, dtype=dtype, seed=seed, integer=scores == "integer")
+    g = torch.Generator().manual_seed(seed + 1)
+    Lt = max(L, 1) if per_position else 1
+
+    def draw(*shape):
+        if scores == "integer":
+            return torch.randint(-1, 2, shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    tr, st, en = draw(B, Lt, T, T), draw(B, T), draw(B, T)
+    if scores == "forbidden":
+        if T > 1:
+            tr[torch.rand(tr.shape, generator=g) < 0.3] = -math.inf
+        if B > 2 and int(ln[2]) > 0:
+            em = em.clone()
+            em[2, int(ln[2]) // 2] = -math.inf
+    return em, tr, ln, st, en
+
+
+def _per_example_outputs(ops, inputs, k):
+    """Every op that takes per-example transitions, on `ops`' kernels, as CPU tensors."""
+    em, tr, ln, st, en = inputs
+    B, L, T = em.shape
+    g = torch.linspace(0.5, 1.5, B, dtype=em.dtype, device=em.device)
+    tags = torch.randint(0, T, (B, 3, L), generator=torch.Generator().manual_seed(7)).to(em.device)
+    log_z, marginals, counts = ops.log_partition_with_marginals(em, tr, ln, st, en)
+    out = dict(
+        log_z=ops.log_partition(em, tr, ln, st, en),
+        marginals=ops.marginals(em, tr, ln, st, en),
+        with_marginals=(log_z, marginals, counts),
+        backward=ops.log_partition_backward(g, em, tr, ln, st, en),
+        counts=ops.expected_transition_counts(em, tr, ln, st, en),
+        viterbi=ops.viterbi(em, tr, ln, st, en),
+        kbest=ops.kbest_viterbi(em, tr, k, ln, st, en),
+        kbest_log_probs=ops.kbest_viterbi_with_log_probs(em, tr, k, ln, st, en),
+        sequence_score=ops.sequence_score(em, tr, tags, ln, st, en),
+    )
+    return {name: tuple(x.cpu() for x in (v if isinstance(v, tuple) else (v,))) for name, v in out.items()}
+
+
+# Decoded paths and their scores: additions in the CPU kernels' order, so equal bit for bit.
+PER_EXAMPLE_EXACT = ("viterbi", "kbest", "sequence_score")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,L,T", PER_EXAMPLE_SHAPES)
+@pytest.mark.parametrize("per_position", [False, True], ids=["per_sentence", "per_position"])
+@pytest.mark.parametrize("scores", ["random", "forbidden", "integer"])
+def test_per_example_ops_match_cpu(dtype, B, L, T, per_position, scores):
+    inputs = _per_example_inputs(B, L, T, per_position, dtype, scores, seed=B * 100 + L * 10 + T)
+    k = 4
+    want = _per_example_outputs(torch.ops.crfkit, inputs, k)
+    got = _per_example_outputs(device_ops(), to(DEVICE, inputs), k)
+    for name in want:
+        for index, (g, w) in enumerate(zip(got[name], want[name])):
+            assert g.shape == w.shape and g.dtype == w.dtype, (name, index)
+            if name in PER_EXAMPLE_EXACT or g.dtype == torch.long or (name == "kbest_log_probs" and index < 2):
+                assert torch.equal(g, w), (name, index)
+            else:
+                torch.testing.assert_close(g, w, **TOL[dtype], msg=f"{name}[{index}]")
+    # the gradients from log_partition_with_marginals' outputs, as the autograd formula takes them
+    log_z, marginals, counts = (x.to(DEVICE) for x in got["with_marginals"])
+    grad = torch.linspace(-1, 2, B, dtype=dtype).to(DEVICE)
+    from_marginals = device_ops().log_partition_backward_from_marginals(grad, marginals, counts, inputs[2].to(DEVICE))
+    cpu = torch.ops.crfkit.log_partition_backward_from_marginals(grad.cpu(), *want["with_marginals"][1:],
+                                                                 inputs[2])
+    for g, w in zip(from_marginals, cpu):
+        torch.testing.assert_close(g.cpu(), w, **TOL[dtype])
+
+
+@pytest.mark.parametrize("op", SAMPLERS)
+@pytest.mark.parametrize("per_position", [False, True], ids=["per_sentence", "per_position"])
+@pytest.mark.parametrize("scores", ["random", "forbidden"])
+def test_per_example_samplers_match_cpu(op, per_position, scores):
+    for B, L, T in PER_EXAMPLE_SHAPES:
+        em, tr, ln, st, en = _per_example_inputs(B, L, T, per_position, scores=scores, seed=T)
+        noise = _noise(em, 5, seed=B)
+        want = getattr(torch.ops.crfkit, op)(em, tr, noise, ln, st, en)
+        got = getattr(device_ops(), op)(*to(DEVICE, (em, tr, noise, ln, st, en))).cpu()
+        assert torch.equal(got, want), (B, L, T)
+
+
+def test_per_example_kernels_on_batches_larger_than_the_persistent_grid():
+    inputs = _per_example_inputs(40 if SMALL else 3000, 6, 5, per_position=True, seed=3)
+    want = _per_example_outputs(torch.ops.crfkit, inputs, 3)
+    got = _per_example_outputs(device_ops(), to(DEVICE, inputs), 3)
+    assert torch.equal(got["kbest"][1], want["kbest"][1])
+    torch.testing.assert_close(got["backward"], want["backward"], **TOL[torch.float64])
+
+
+PER_EXAMPLE_BAD = [
+    ("nan transition", lambda em, tr, ln, s, e: (em, _put(tr, (1, 0, 2, 1), math.nan), ln, s, e),
+     r"transitions contains NaN or \+inf"),
+    ("inf start", lambda em, tr, ln, s, e: (em, tr, ln, _put(s, (1, 2), math.inf), e),
+     r"start contains NaN or \+inf"),
+    ("nan end", lambda em, tr, ln, s, e: (em, tr, ln, s, _put(e, (0, 0), math.nan)), r"end contains NaN or \+inf"),
+    ("nan emission", lambda em, tr, ln, s, e: (_put(em, (1, 1, 0), math.nan), tr, ln, s, e),
+     r"emissions\[1\] contains NaN or \+inf within its length"),
+    ("length", lambda em, tr, ln, s, e: (em, tr, _put(ln, 1, 9), s, e),
+     r"lengths\[1\] = 9 is outside \[0, seq_len = 4\]"),
+    ("shared start", lambda em, tr, ln, s, e: (em, tr, ln, s[0], e),
+     r"start must be \(batch, num_tags\) = \(2, 3\) when transitions are per example"),
+    ("transitions shape", lambda em, tr, ln, s, e: (em, tr[:, :, :2], ln, s, e),
+     r"transitions must be \(num_tags, num_tags\) or, per example"),
+]
+
+
+def _per_example_good():
+    """Valid float32 per-example inputs: 2 sentences of lengths 4 and 2, 4 positions, 3 tags, one
+    transition matrix per position."""
+    em, tr, _, s, e = _per_example_inputs(2, 4, 3, per_position=True, dtype=torch.float32, seed=5)
+    return to(DEVICE, (em, tr, torch.tensor([4, 2]), s, e))
+
+
+# The second-derivative kernels take shared transitions only, on both devices (compiled.py's
+# formula runs autograd over the reference for per-example ones).
+SECOND_DERIVATIVES = ("marginals_backward", "expected_transition_counts_backward")
+
+
+@pytest.mark.parametrize("op", SECOND_DERIVATIVES)
+def test_second_derivative_kernels_refuse_per_example_transitions(op):
+    with pytest.raises(RuntimeError, match=r"per-example transitions \(batch, Lt, num_tags, num_tags\) are not "
+                                           r"supported by this CUDA kernel, got transitions of shape \[2, 4, 3, 3\]"):
+        RAW[op](*_per_example_good())
+
+
+@pytest.mark.parametrize("op", [op for op in RAW if op not in SECOND_DERIVATIVES])
+@pytest.mark.parametrize("case", PER_EXAMPLE_BAD, ids=[c[0] for c in PER_EXAMPLE_BAD])
+def test_per_example_bad_values_raise(op, case):
+    _, mutate, pattern = case
+    with pytest.raises(ValueError, match=pattern):
+        RAW[op](*mutate(*_per_example_good()))
+    em, tr, ln, s, e = _per_example_good()
+    clean = RAW[op](em, tr, ln, s, e)  # NaN beyond sentence 1's length (2) is never read
+    garbage = RAW[op](_put(em, (1, 3, 1), math.nan), tr, ln, s, e)
+    for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (clean, garbage))):
+        assert torch.equal(a, b), op
+
+
+def test_public_ops_take_per_example_transitions_on_the_device():
+    """crfkit's functions route per-example calls to the device's kernels (not the reference), with
+    gradients of the parameters' shapes."""
+    from crfkit import backends
+
+    em, tr, ln, st, en = _per_example_inputs(5, 6, 4, per_position=True, seed=9)
+    cpu_params = [x.clone().requires_grad_() for x in (em, tr, st, en)]
+    cpu = crfkit.log_partition(cpu_params[0], cpu_params[1], ln, cpu_params[2], cpu_params[3])
+    cpu_grads = torch.autograd.grad(cpu.sum(), cpu_params)
+    with on_device():
+        params = [x.to(DEVICE).requires_grad_() for x in (em, tr, st, en)]
+        assert backends.for_transitions(params[1]) is backends.current()
+        log_z = crfkit.log_partition(params[0], params[1], ln.to(DEVICE), params[2], params[3])
+        grads = torch.autograd.grad(log_z.sum(), params)
+        paths = crfkit.kbest_viterbi(*(x.detach() for x in params[:2]), 3, ln.to(DEVICE),
+                                     *(x.detach() for x in params[2:])).paths
+    torch.testing.assert_close(log_z.detach().cpu(), cpu.detach(), **TOL[torch.float64])
+    for g, w in zip(grads, cpu_grads):
+        torch.testing.assert_close(g.cpu(), w, **TOL[torch.float64])
+    assert torch.equal(paths.cpu(), crfkit.kbest_viterbi(em, tr, 3, ln, st, en).paths)

@@ -325,9 +325,10 @@ _KERNELS = {(name, key): torch._C._dispatch_has_kernel_for_dispatch_key(f"crfkit
 # check costs about 1 us there and its message gives the whole range. (The emulator's tests put
 # "cpu" here, to run the CUDA path on its CPU tensors.)
 VALUES_CHECKED_ON_DEVICE = ("cuda",) if _KERNELS[("log_partition", "CUDA")] else ()
-# Per-example transitions (B, Lt, T, T): CPU kernels only (csrc/cpu/per_example.cpp); on CUDA the
-# reference runs them (crfkit.backends.for_transitions).
-PER_EXAMPLE_DEVICES: tuple = ("cpu",)
+# Per-example transitions (B, Lt, T, T): the CPU kernels (csrc/cpu/per_example.cpp) and, where
+# built, the CUDA ones (csrc/cuda/per_example.cu); elsewhere the reference runs them
+# (crfkit.backends.for_transitions).
+PER_EXAMPLE_DEVICES: tuple = ("cpu", "cuda") if _KERNELS[("log_partition", "CUDA")] else ("cpu",)
 
 
 def _has_kernel(op_name: str, tensor: Tensor) -> bool:
@@ -410,9 +411,8 @@ def sequence_score(emissions, transitions, tags, lengths, start, end) -> Tensor:
 
 
 def _sample(op_name: str, fallback, emissions, transitions, n, lengths, start, end, generator) -> Tensor:
-    """Both samplers: the device's kernel (csrc/cpu/sampling.cpp, which takes per-example
-    transitions too; csrc/cuda/sampling.cu, shared ones: per-example CUDA calls reach the
-    reference backend first, backends.for_transitions), else the PyTorch path, `fallback`. The
+    """Both samplers: the device's kernel (csrc/cpu/sampling.cpp, csrc/cuda/sampling.cu; both
+    take per-example transitions too), else the PyTorch path, `fallback`. The
     kernel takes the standard Gumbels of every position at once, (L, B, n, T), drawn here in the
     order in which the PyTorch path draws its (B, n, T) block per position
     (reference.gumbel_noise), so on the CPU a generator seeded alike gives both the same samples;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "../kbest_merge.h"
 #include "../tensor.h"
 #include "fast_exp.h"
 #include "isa.h"
@@ -333,39 +334,6 @@ scalar_t viterbi_sentence(const Sentence<scalar_t>& x, int64_t T, scalar_t* delt
   return best;
 }
 
-// The K best of T sorted lists, kbest.cpp's merge: list s is lists[s * K + r] (descending in r),
-// each entry shifted by shift[s * shift_stride]. A round takes the largest head, the smaller s on
-// a tie (strict >), and then that list's next entry (so the earlier rank first). Writes values[r]
-// (-inf once every list is spent) and codes[r] = s * K + rank for the finite ones. heads and
-// head_values (T) are scratch.
-template <typename scalar_t>
-void merge_sorted_lists(const scalar_t* lists, const scalar_t* shift, int64_t shift_stride, int64_t T, int64_t K,
-                        scalar_t* values, int64_t* codes, int64_t* heads, scalar_t* head_values) {
-  for (int64_t s = 0; s < T; ++s) {
-    heads[s] = 0;
-    head_values[s] = lists[s * K] + shift[s * shift_stride];
-  }
-  for (int64_t r = 0; r < K; ++r) {
-    scalar_t best = head_values[0];
-    int64_t best_s = 0;
-    for (int64_t s = 1; s < T; ++s) {
-      if (head_values[s] > best) {
-        best = head_values[s];
-        best_s = s;
-      }
-    }
-    if (best == neg_inf<scalar_t>()) {  // no sequence left for these slots
-      std::fill(values + r, values + K, neg_inf<scalar_t>());
-      return;
-    }
-    values[r] = best;
-    const int64_t rank = heads[best_s]++;
-    codes[r] = best_s * K + rank;
-    head_values[best_s] =
-        rank + 1 < K ? lists[best_s * K + rank + 1] + shift[best_s * shift_stride] : neg_inf<scalar_t>();
-  }
-}
-
 // One thread's k-best space: per tag a list of K scores (T, K) for this position and the next,
 // the backpointers (L, T, K) (code = s * K + rank of the predecessor), a merge's output and scratch.
 template <typename scalar_t>
@@ -416,24 +384,8 @@ CrfArgs checked_per_example_args(const Tensor& emissions_in, const Tensor& trans
                                  const Tensor& start_in, const Tensor& end_in) {
   CrfArgs a{as_contiguous(emissions_in), as_contiguous(transitions_in), as_contiguous(lengths_in),
             as_contiguous(start_in), as_contiguous(end_in)};
-  check_emissions_argument(a.emissions);
-  const int64_t B = a.emissions.size(0), L = a.emissions.size(1), T = a.emissions.size(2);
-  CRFKIT_CHECK_VALUE(T >= 1, "crfkit: emissions must have at least one tag (num_tags >= 1)");
-  const Tensor& tr = a.transitions;
-  CRFKIT_CHECK_VALUE(tr.dim() == 4 && tr.size(0) == B && (tr.size(1) == 1 || tr.size(1) == L) && tr.size(2) == T &&
-                         tr.size(3) == T,
-                     "crfkit: transitions must be (num_tags, num_tags) or, per example, (batch, Lt, num_tags, "
-                     "num_tags) with Lt = 1 or seq_len: (", B, ", 1 or ", L, ", ", T, ", ", T, "), got ", tr.sizes());
-  auto check_per_sentence = [&](const Tensor& t, const char* name) {
-    CRFKIT_CHECK_VALUE(t.dim() == 2 && t.size(0) == B && t.size(1) == T, "crfkit: ", name,
-                       " must be (batch, num_tags) = (", B, ", ", T,
-                       ") when transitions are per example (batch, Lt, num_tags, num_tags), got ", t.sizes());
-  };
-  check_per_sentence(a.start, "start");
-  check_per_sentence(a.end, "end");
-  check_lengths_argument(a.lengths, B, a.emissions);
-  check_dtypes_and_devices(a.emissions, a.transitions, a.lengths, a.start, a.end);
-  check_lengths_cpu(a.lengths, L);
+  check_per_example_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
+  check_lengths_cpu(a.lengths, a.emissions.size(1));
   check_parameters_finite_cpu(a.transitions, a.start, a.end);
   return a;
 }
@@ -515,12 +467,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_from_marginals
   CRFKIT_CHECK_TYPE(marginals.scalar_type() == kFloat || marginals.scalar_type() == kDouble,
                     "crfkit: marginals must be float32 or float64, got ", marginals.scalar_type());
   const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
-  const int64_t Lt = counts.dim() == 4 ? counts.size(1) : -1;
-  CRFKIT_CHECK_VALUE(counts.dim() == 4 && counts.size(0) == B && (Lt == 1 || Lt == L) && counts.size(2) == T &&
-                         counts.size(3) == T,
-                     "crfkit: transition_counts must be (batch, num_tags, num_tags) or, per example, (batch, Lt, "
-                     "num_tags, num_tags) with Lt = 1 or seq_len: (", B, ", 1 or ", L, ", ", T, ", ", T, "), got ",
-                     counts.sizes());
+  check_per_example_counts_shape(counts, marginals);
+  const int64_t Lt = counts.size(1);
   check_argument_like(counts, "transition_counts", "(batch, Lt, num_tags, num_tags)", counts.sizes(), marginals,
                       "marginals");
   check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, marginals, "marginals");

@@ -48,8 +48,7 @@ int64_t grid_for(int64_t count) { return grid_stride_blocks(count, kValidateThre
 
 void launch_validate_inputs(const Tensor& lengths, int64_t max_len, const Tensor& transitions,
                             const Tensor& start, const Tensor& end, Status& status) {
-  const int64_t num_tags = transitions.defined() ? transitions.size(0) : 0;
-  const int64_t count = std::max(lengths.size(0), num_tags * num_tags);
+  const int64_t count = std::max(lengths.size(0), transitions.defined() ? transitions.numel() : 0);
   if (count == 0) return;
   const auto type = transitions.defined() ? transitions.scalar_type() : kFloat;
   CRFKIT_DISPATCH_FLOATING_TYPES(type, "crfkit_validate_inputs", [&] {

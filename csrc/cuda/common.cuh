@@ -147,10 +147,11 @@ template <typename scalar_t>
 struct InputChecks {
   const int64_t* lengths = nullptr;      // (batch,): each in [0, max_len]
   const scalar_t* transitions = nullptr;  // (T, T), start (T,), end (T,): free of NaN / +inf
-  const scalar_t* start = nullptr;
+  const scalar_t* start = nullptr;        // (or per example: (B, Lt, T, T), (B, T), (B, T))
   const scalar_t* end = nullptr;
   long long* status = nullptr;
-  int64_t batch = 0, max_len = 0, num_tags = 0;
+  int64_t batch = 0, max_len = 0;
+  int64_t transitions_count = 0, parameter_count = 0;  // elements of transitions, of start (= of end)
 };
 
 // The checks of lengths (B,) against max_len and of transitions / start / end, any of which may
@@ -167,7 +168,8 @@ InputChecks<scalar_t> input_checks_of(const Tensor& lengths, int64_t max_len, co
   c.status = status.data();
   c.batch = lengths.size(0);
   c.max_len = max_len;
-  c.num_tags = transitions.defined() ? transitions.size(0) : 0;
+  c.transitions_count = transitions.defined() ? transitions.numel() : 0;
+  c.parameter_count = start.defined() ? start.numel() : 0;
   return c;
 }
 
@@ -195,14 +197,20 @@ void set_crf_arguments(Params& p, const CrfArgs& a, Status& status) {
   p.num_tags = (int)a.emissions.size(2);
 }
 
-// The CRF arguments of a CUDA op, dense and shape-checked (values are checked on the device).
+// The CRF arguments of a CUDA op, dense and shape-checked (values are checked on the device):
+// shared transitions (T, T) with start, end (T,) or, where `per_example` (the kernels of
+// per_example.cu), transitions (B, Lt, T, T) with start, end (B, T).
 inline CrfArgs checked_cuda_args(const Tensor& emissions, const Tensor& transitions,
                                  const Tensor& lengths, const Tensor& start,
-                                 const Tensor& end) {
+                                 const Tensor& end, bool per_example = false) {
   CrfArgs a{as_contiguous(emissions), as_contiguous(transitions), as_contiguous(lengths), as_contiguous(start),
             as_contiguous(end)};
-  check_not_per_example(a.transitions, "transitions", "the CUDA kernels (only the CPU ones take them)");
-  check_crf_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
+  if (per_example) {
+    check_per_example_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
+  } else {
+    check_not_per_example(a.transitions, "transitions", "this CUDA kernel");
+    check_crf_inputs(a.emissions, a.transitions, a.lengths, a.start, a.end);
+  }
   CRFKIT_CHECK(a.emissions.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got emissions on ",
               a.emissions.device());
   return a;
@@ -211,11 +219,12 @@ inline CrfArgs checked_cuda_args(const Tensor& emissions, const Tensor& transiti
 // The frame of an op on CRF arguments: checks them, runs launch(a, status) (which queues the
 // op's kernels, the first of which usually checks the values too: input_checks), launches the
 // standalone value check where none did, then raises from the status words (one read back to
-// the host, which waits for the kernels) and returns launch's outputs.
+// the host, which waits for the kernels) and returns launch's outputs. per_example: the
+// arguments are per example (per_example.cu's launches).
 template <typename Launch>
 auto checked_launch(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
-                    const Tensor& start, const Tensor& end, Launch&& launch) {
-  const CrfArgs a = checked_cuda_args(emissions, transitions, lengths, start, end);
+                    const Tensor& start, const Tensor& end, Launch&& launch, bool per_example = false) {
+  const CrfArgs a = checked_cuda_args(emissions, transitions, lengths, start, end, per_example);
   const torch::stable::accelerator::DeviceGuard guard(a.emissions.get_device_index());
   Status status(a.emissions);
   auto outputs = launch(a, status);
@@ -245,18 +254,19 @@ __device__ __forceinline__ bool is_nan_or_pos_inf(scalar_t v) {
 template <typename scalar_t>
 __device__ __forceinline__ void check_inputs(const InputChecks<scalar_t>& c) {
   if (c.status == nullptr) return;
-  const int64_t count = c.batch > c.num_tags * c.num_tags ? c.batch : c.num_tags * c.num_tags;
+  const int64_t count = c.batch > c.transitions_count ? c.batch : c.transitions_count;
   for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < count;
        idx += (int64_t)gridDim.x * blockDim.x) {
     if (idx < c.batch) {
       const int64_t n = c.lengths[idx];
       if (n < 0 || n > c.max_len) report(c.status, kBadLength, idx);
     }
-    if (c.transitions != nullptr && idx < c.num_tags * c.num_tags && is_nan_or_pos_inf(c.transitions[idx])) {
+    if (c.transitions != nullptr && idx < c.transitions_count && is_nan_or_pos_inf(c.transitions[idx])) {
       report(c.status, kBadTransitions, idx);
     }
-    if (c.start != nullptr && idx < c.num_tags && is_nan_or_pos_inf(c.start[idx])) report(c.status, kBadStart, idx);
-    if (c.end != nullptr && idx < c.num_tags && is_nan_or_pos_inf(c.end[idx])) report(c.status, kBadEnd, idx);
+    const bool parameter = idx < c.parameter_count;
+    if (c.start != nullptr && parameter && is_nan_or_pos_inf(c.start[idx])) report(c.status, kBadStart, idx);
+    if (c.end != nullptr && parameter && is_nan_or_pos_inf(c.end[idx])) report(c.status, kBadEnd, idx);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "common.cuh"
+#include "per_example.cuh"
 #include "viterbi_common.cuh"
 
 namespace crfkit {
@@ -360,13 +361,6 @@ __global__ void __launch_bounds__(1024) kbest_per_tag_kernel(const DecodeParams<
   }
 }
 
-// Number of tag sequences of length L, saturated at `cap` (as the CPU kernel).
-int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
-  int64_t count = 1;
-  for (int64_t i = 0; i < L && count < cap; ++i) count = count > cap / T ? cap : count * T;
-  return std::min(count, cap);
-}
-
 // Which k-best kernel runs: CRFKIT_CUDA_KBEST_KERNEL =
 //   per_sentence  (the default) kbest_kernel always;
 //   per_tag       kbest_per_tag_kernel wherever it applies (launch_kbest_per_tag), else kbest_kernel;
@@ -420,7 +414,9 @@ bool launch_kbest_per_tag(const CrfArgs& a, int64_t rows, int64_t K, bool forced
   return true;
 }
 
-// log_probs (B, k) = scores - log Z, log Z clamped to the lowest finite value as
+}  // namespace
+
+// log_probs (B, k) = scores - log Z (viterbi_common.cuh), log Z clamped to the lowest finite value as
 // reference.log_probs_from_scores does (so missing rows stay -inf), by two aten ops.
 Tensor log_probs_from_scores(const Tensor& scores, const Tensor& log_z) {
   const double lowest = scores.scalar_type() == kFloat ? std::numeric_limits<float>::lowest()
@@ -434,6 +430,8 @@ Tensor log_probs_from_scores(const Tensor& scores, const Tensor& log_z) {
   const Tensor clamped = torch::stable::detail::to<Tensor>(stack[0]);
   return torch::stable::subtract(scores, torch::stable::unsqueeze(clamped, 1));
 }
+
+namespace {
 
 // scores (B, k), paths (B, k, L) int64: the k best distinct sequences per sentence, descending;
 // rows beyond the number of allowed sequences hold -1 / -inf. With log_z (B,) given (queued on
@@ -479,6 +477,8 @@ KbestOutputs launch_kbest_viterbi(const CrfArgs& a, int64_t k, Status& status, c
 std::tuple<Tensor, Tensor> kbest_viterbi_cuda(const Tensor& emissions, const Tensor& transitions,
                                                       int64_t k, const Tensor& lengths,
                                                       const Tensor& start, const Tensor& end) {
+  // per-example transitions: per_example.cu
+  if (transitions.dim() == 4) return kbest_viterbi_per_example(emissions, transitions, k, lengths, start, end);
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
     KbestOutputs out = launch_kbest_viterbi(a, k, status);
     return std::make_tuple(out.scores, out.paths);
@@ -492,6 +492,10 @@ std::tuple<Tensor, Tensor> kbest_viterbi_cuda(const Tensor& emissions, const Ten
 std::tuple<Tensor, Tensor, Tensor> kbest_viterbi_with_log_probs_cuda(
     const Tensor& emissions, const Tensor& transitions, int64_t k, const Tensor& lengths,
     const Tensor& start, const Tensor& end) {
+  // per-example transitions: per_example.cu
+  if (transitions.dim() == 4) {
+    return kbest_viterbi_with_log_probs_per_example(emissions, transitions, k, lengths, start, end);
+  }
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
     const Tensor log_z = launch_log_partition(a, status);
     KbestOutputs out = launch_kbest_viterbi(a, k, status, log_z);

@@ -37,6 +37,7 @@
 // backward is then log_partition_backward_from_marginals (below): those scaled by the upstream
 // gradient, with no second forward-backward pass and no second status read.
 #include "common.cuh"
+#include "per_example.cuh"
 #include "forward_backward.cuh"
 #include "forward_backward_chunked.cuh"
 #include "forward_backward_common.cuh"
@@ -339,12 +340,16 @@ namespace {
 // log Z per sentence: (B,).
 Tensor log_partition_cuda(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
                               const Tensor& start, const Tensor& end) {
+  // per-example transitions: per_example.cu
+  if (transitions.dim() == 4) return log_partition_per_example(emissions, transitions, lengths, start, end);
   return forward_backward_op<Output::kLogPartition>(emissions, transitions, lengths, start, end).log_z;
 }
 
 // P(y_i = t | x): (B, L, T), zero at padded positions.
 Tensor marginals_cuda(const Tensor& emissions, const Tensor& transitions, const Tensor& lengths,
                           const Tensor& start, const Tensor& end) {
+  // per-example transitions: per_example.cu
+  if (transitions.dim() == 4) return marginals_per_example(emissions, transitions, lengths, start, end);
   return forward_backward_op<Output::kMarginals>(emissions, transitions, lengths, start, end).rows;
 }
 
@@ -353,6 +358,10 @@ Tensor marginals_cuda(const Tensor& emissions, const Tensor& transitions, const 
 std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_cuda(
     const Tensor& grad_log_z, const Tensor& emissions, const Tensor& transitions,
     const Tensor& lengths, const Tensor& start, const Tensor& end) {
+  // per-example transitions: per_example.cu
+  if (transitions.dim() == 4) {
+    return log_partition_backward_per_example(grad_log_z, emissions, transitions, lengths, start, end);
+  }
   FbOutputs out = forward_backward_op<Output::kBackward>(emissions, transitions, lengths, start, end, grad_log_z);
   return {out.rows, out.grad_transitions, out.grad_start, out.grad_end};
 }
@@ -363,6 +372,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_cuda(
 std::tuple<Tensor, Tensor, Tensor> log_partition_with_marginals_cuda(
     const Tensor& emissions, const Tensor& transitions, const Tensor& lengths, const Tensor& start,
     const Tensor& end) {
+  // per-example transitions: per_example.cu
+  if (transitions.dim() == 4) {
+    return log_partition_with_marginals_per_example(emissions, transitions, lengths, start, end);
+  }
   FbOutputs out = forward_backward_op<Output::kWithMarginals>(emissions, transitions, lengths, start, end);
   return {out.log_z, out.rows, out.counts};
 }
@@ -371,6 +384,10 @@ std::tuple<Tensor, Tensor, Tensor> log_partition_with_marginals_cuda(
 Tensor expected_transition_counts_cuda(const Tensor& emissions, const Tensor& transitions,
                                            const Tensor& lengths, const Tensor& start,
                                            const Tensor& end) {
+  // per-example transitions: per_example.cu
+  if (transitions.dim() == 4) {
+    return expected_transition_counts_per_example(emissions, transitions, lengths, start, end);
+  }
   return forward_backward_op<Output::kWithMarginals>(emissions, transitions, lengths, start, end).counts;
 }
 
@@ -381,9 +398,11 @@ Tensor expected_transition_counts_cuda(const Tensor& emissions, const Tensor& tr
 std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_from_marginals_cuda(
     const Tensor& grad_log_z_in, const Tensor& marginals_in, const Tensor& counts_in,
     const Tensor& lengths_in) {
+  if (counts_in.dim() == 4) {  // per-example transitions' counts: per_example.cu
+    return log_partition_backward_from_marginals_per_example(grad_log_z_in, marginals_in, counts_in, lengths_in);
+  }
   const Tensor grad_log_z = as_contiguous(grad_log_z_in), marginals = as_contiguous(marginals_in),
                    counts = as_contiguous(counts_in), lengths = as_contiguous(lengths_in);
-  check_not_per_example(counts, "transition_counts", "the CUDA kernels (only the CPU ones take them)");
   check_backward_from_marginals_arguments(grad_log_z, marginals, counts, lengths);
   CRFKIT_CHECK(marginals.is_cuda(), "crfkit: the CUDA kernels take CUDA tensors, got marginals on ",
               marginals.device());

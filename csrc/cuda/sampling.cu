@@ -4,8 +4,8 @@
 // step of the right-to-left sweep), the arithmetic (double throughout, the PyTorch path's
 // association, ties to the smaller tag or code) and the outputs (paths (B, n, L) int64, -1 where a
 // row holds no sequence) are those of csrc/cpu/sampling.cpp, whose top comment explains them; this
-// file says only how the GPU lays the work out. Shared (T, T) transitions only: per-example ones
-// run the PyTorch path on CUDA (crfkit.backends.for_transitions).
+// file says only how the GPU lays the work out. Transitions shared (T, T) with start, end (T,), or
+// per example (B, Lt, T, T) with start, end (B, T) (csrc/cpu/per_example.h).
 //
 // Status: compiled for sm_80 / sm_90 and checked against the CPU kernels in the CPU emulator
 // (tests/test_cuda.py); not yet run or timed on a GPU, so this is the plain layout below, untuned.
@@ -38,9 +38,12 @@ constexpr double kLog2 = 0.6931471805599453;  // crfkit/sampling.py's _log1mexp 
 template <typename scalar_t>
 struct SampleParams {
   const scalar_t* emissions;    // (B, L, T)
-  const scalar_t* transitions;  // (T, T)
-  const scalar_t* start;        // (T,)
-  const scalar_t* end;          // (T,)
+  const scalar_t* transitions;  // (T, T), or per example (B, Lt, T, T)
+  const scalar_t* start;        // (T,), or per example (B, T)
+  const scalar_t* end;          // (T,), or per example (B, T)
+  // Where sentence b's parameters start: 0 for shared ones; Lt * T * T, T * T for Lt = L (else
+  // 0) and T for per-example ones.
+  int64_t trans_batch = 0, trans_step = 0, parameter_stride = 0;
   const int64_t* lengths;       // (B,)
   const scalar_t* noise;        // (L, B, n, T)
   long long* status;
@@ -62,6 +65,23 @@ enum BeamRow { kKey0, kKey1, kPhi0, kPhi1, kBeamMax, kNumBeamRows };
 enum ChildRow { kChildPhi, kChildG, kChildKey, kNumChildRows };
 
 __device__ __forceinline__ bool is_non_finite(double v) { return v != v || v == CUDART_INF || v == -CUDART_INF; }
+
+// Sentence b's parameters: start, end (T,) and, for position i >= 1, the (T, T) matrix of its
+// y_{i-1} -> y_i transitions.
+template <typename scalar_t>
+struct Parameters {
+  const scalar_t* trans;
+  int64_t trans_step;
+  const scalar_t* start;
+  const scalar_t* end;
+  __device__ const scalar_t* trans_at(int64_t i) const { return trans + i * trans_step; }
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ Parameters<scalar_t> parameters_of(const SampleParams<scalar_t>& p, int64_t b) {
+  return {p.transitions + b * p.trans_batch, p.trans_step, p.start + b * p.parameter_stride,
+          p.end + b * p.parameter_stride};
+}
 
 // Noise block of rows 0 .. n of sentence b at position i: (n, T).
 template <typename scalar_t>
@@ -93,15 +113,15 @@ __device__ bool sentence_ok(const SampleParams<scalar_t>& p, int64_t b, int64_t 
 // alpha (m, T) of sentence b in double and, where `into` is not null, into[i] for 1 <= i < m (the
 // logsumexp before the emission: alpha_i = into_i + emit_i, as the CPU kernel's record_into).
 template <typename scalar_t>
-__device__ void forward_scores(const SampleParams<scalar_t>& p, int64_t b, int64_t m, double* alpha, double* into,
-                               int lane) {
+__device__ void forward_scores(const SampleParams<scalar_t>& p, const Parameters<scalar_t>& x, int64_t b, int64_t m,
+                               double* alpha, double* into, int lane) {
   const int T = p.num_tags;
   const scalar_t* emit = p.emissions + b * p.max_len * T;
-  const scalar_t* trans = p.transitions;
-  for (int t = lane; t < T; t += kWarpSize) alpha[t] = static_cast<double>(p.start[t]) + static_cast<double>(emit[t]);
+  for (int t = lane; t < T; t += kWarpSize) alpha[t] = static_cast<double>(x.start[t]) + static_cast<double>(emit[t]);
   __syncwarp();
   for (int64_t i = 1; i < m; ++i) {
     const double* prev = alpha + (i - 1) * T;
+    const scalar_t* trans = x.trans_at(i);
     for (int t = lane; t < T; t += kWarpSize) {
       double top = neg_inf<double>();
       for (int s = 0; s < T; ++s) top = max_(top, prev[s] + static_cast<double>(trans[s * T + t]));
@@ -120,8 +140,8 @@ __device__ void forward_scores(const SampleParams<scalar_t>& p, int64_t b, int64
 
 // Rows of sentence b (length m >= 1) with replacement: lane j draws rows j, j + 32, ...
 template <typename scalar_t>
-__device__ void sample_rows(const SampleParams<scalar_t>& p, int64_t b, int64_t m, const double* alpha,
-                            int64_t* out, int lane) {
+__device__ void sample_rows(const SampleParams<scalar_t>& p, const Parameters<scalar_t>& x, int64_t b, int64_t m,
+                            const double* alpha, int64_t* out, int lane) {
   const int T = p.num_tags;
   const int64_t L = p.max_len;
   for (int64_t j = lane; j < p.num_samples; j += kWarpSize) {
@@ -133,7 +153,7 @@ __device__ void sample_rows(const SampleParams<scalar_t>& p, int64_t b, int64_t 
       double best = neg_inf<double>();
       int chosen = 0;
       for (int s = 0; s < T; ++s) {
-        const double right = static_cast<double>(tag < 0 ? p.end[s] : p.transitions[s * T + tag]);
+        const double right = static_cast<double>(tag < 0 ? x.end[s] : x.trans_at(i + 1)[s * T + tag]);
         const double v = (a[s] + right) + static_cast<double>(g[s]);
         if (v > best) {
           best = v;
@@ -148,7 +168,8 @@ __device__ void sample_rows(const SampleParams<scalar_t>& p, int64_t b, int64_t 
 
 // The n distinct rows of sentence b (length m >= 1) without replacement, log Z = log_z finite.
 template <typename scalar_t>
-__device__ void sample_distinct_rows(const SampleParams<scalar_t>& p, int64_t b, int64_t m, double log_z,
+__device__ void sample_distinct_rows(const SampleParams<scalar_t>& p, const Parameters<scalar_t>& x, int64_t b,
+                                     int64_t m, double log_z,
                                      const double* alpha, const double* into, double* beam_rows, int64_t* beam_tags,
                                      double* child_rows, int32_t* trace, int64_t* out, int lane) {
   const int T = p.num_tags;
@@ -184,11 +205,11 @@ __device__ void sample_distinct_rows(const SampleParams<scalar_t>& p, int64_t b,
       const int s = static_cast<int>(c - j * T);
       double right, norm;
       if (i == m - 1) {
-        right = static_cast<double>(p.end[s]);
+        right = static_cast<double>(x.end[s]);
         norm = log_z;
       } else {
         const int64_t t = tag[j];
-        right = static_cast<double>(p.transitions[s * T + t]);
+        right = static_cast<double>(x.trans_at(i + 1)[s * T + t]);
         norm = into[(i + 1) * T + t];
       }
       double phi_c = neg_inf<double>(), g_c = neg_inf<double>();
@@ -290,19 +311,20 @@ __global__ void sample_kernel(SampleParams<scalar_t> p) {
     __syncwarp();  // the -1s before the rows' tags, which other lanes may write
     const int64_t m = safe_length(p.lengths, b, L);
     if (!sentence_ok(p, b, m, lane) || m == 0) continue;
-    forward_scores(p, b, m, alpha, into, lane);
+    const Parameters<scalar_t> x = parameters_of(p, b);
+    forward_scores(p, x, b, m, alpha, into, lane);
     // log Z as crfkit.reference.safe_logsumexp computes it, by every lane (warp-uniform).
     const double* last = alpha + (m - 1) * T;
     double top = neg_inf<double>();
-    for (int t = 0; t < T; ++t) top = max_(top, last[t] + static_cast<double>(p.end[t]));
+    for (int t = 0; t < T; ++t) top = max_(top, last[t] + static_cast<double>(x.end[t]));
     if (top == neg_inf<double>()) continue;  // every sequence forbidden: no row holds one
     if (kWithReplacement) {
-      sample_rows(p, b, m, alpha, out, lane);
+      sample_rows(p, x, b, m, alpha, out, lane);
     } else {
       double sum = 0;
-      for (int t = 0; t < T; ++t) sum += exp_((last[t] + static_cast<double>(p.end[t])) - top);
+      for (int t = 0; t < T; ++t) sum += exp_((last[t] + static_cast<double>(x.end[t])) - top);
       const double log_z = log_(sum) + top;
-      sample_distinct_rows(p, b, m, log_z, alpha, into, p.beam_rows + warp * kNumBeamRows * n,
+      sample_distinct_rows(p, x, b, m, log_z, alpha, into, p.beam_rows + warp * kNumBeamRows * n,
                            p.beam_tags + warp * 2 * n, p.child_rows + warp * kNumChildRows * n * T,
                            p.trace + warp * 2 * L * n, out, lane);
     }
@@ -313,6 +335,7 @@ __global__ void sample_kernel(SampleParams<scalar_t> p) {
 template <bool kWithReplacement>
 Tensor sample_cuda(const Tensor& emissions, const Tensor& transitions, const Tensor& noise_in, const Tensor& lengths,
                    const Tensor& start, const Tensor& end) {
+  const bool per_example = transitions.dim() == 4;
   return checked_launch(emissions, transitions, lengths, start, end, [&](const CrfArgs& a, Status& status) {
     const Tensor noise = as_contiguous(noise_in);
     check_noise_argument(noise, a.emissions);
@@ -339,6 +362,12 @@ Tensor sample_cuda(const Tensor& emissions, const Tensor& transitions, const Ten
       const int64_t warps = blocks * kWarpsPerBlock;
       SampleParams<scalar_t> p;
       set_crf_arguments<scalar_t>(p, a, status);
+      if (a.transitions.dim() == 4) {
+        const int64_t Lt = a.transitions.size(1);
+        p.trans_batch = Lt * T * T;
+        p.trans_step = Lt == 1 ? 0 : T * T;
+        p.parameter_stride = T;
+      }
       p.noise = noise.mutable_data_ptr<scalar_t>();
       p.num_samples = n;
       p.paths = paths.mutable_data_ptr<int64_t>();
@@ -360,7 +389,7 @@ Tensor sample_cuda(const Tensor& emissions, const Tensor& transitions, const Ten
       CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
     });
     return paths;
-  });
+  }, per_example);
 }
 
 // paths (B, n, L) int64 for noise (L, B, n, T): see csrc/cpu/sampling.cpp.

@@ -7,7 +7,9 @@
 // the weights of its N sequences to its own emission gradients (no atomics, deterministic);
 // the transition / start / end gradients, shared by all sentences, use atomicAdd (the sums of
 // the weights can then differ in the last bits between runs when the weights are not
-// integers; the CPU kernel sums per sentence in a fixed order).
+// integers; the CPU kernel sums per sentence in a fixed order). sequence_score also takes
+// per-example transitions (B, Lt, T, T) with start, end (B, T) (csrc/cpu/per_example.h); its
+// backward for those is compiled.py's (_per_example_path_score_grads).
 #include "common.cuh"
 
 namespace crfkit {
@@ -27,11 +29,18 @@ __device__ __forceinline__ int64_t first_bad_tag(const int64_t* y, int64_t n, in
   return -1;
 }
 
+// Where sentence b's parameters start: shared ones (T, T), (T,) have strides 0; per-example
+// ones (B, Lt, T, T), (B, T) have trans_batch = Lt * T * T, trans_step = T * T for Lt = L (else
+// 0) and parameter = T.
+struct ParameterStrides {
+  int64_t trans_batch = 0, trans_step = 0, parameter = 0;
+};
+
 template <typename scalar_t>
 __global__ void sequence_score_kernel(const scalar_t* emissions, const scalar_t* transitions, const scalar_t* start,
                                       const scalar_t* end, const int64_t* lengths, const int64_t* tags,
                                       scalar_t* scores, int64_t batch, int64_t num_sequences, int64_t max_len,
-                                      int64_t T, long long* status) {
+                                      int64_t T, ParameterStrides strides, long long* status) {
   const int64_t count = batch * num_sequences;
   for (int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; row < count;
        row += (int64_t)gridDim.x * blockDim.x) {
@@ -48,9 +57,12 @@ __global__ void sequence_score_kernel(const scalar_t* emissions, const scalar_t*
       continue;
     }
     const scalar_t* e = emissions + b * max_len * T;
-    scalar_t score = start[y[0]] + e[y[0]];
-    for (int64_t i = 1; i < n; ++i) score = (score + transitions[y[i - 1] * T + y[i]]) + e[i * T + y[i]];
-    scores[row] = score + end[y[n - 1]];
+    const scalar_t* trans = transitions + b * strides.trans_batch;
+    scalar_t score = start[b * strides.parameter + y[0]] + e[y[0]];
+    for (int64_t i = 1; i < n; ++i) {
+      score = (score + trans[i * strides.trans_step + y[i - 1] * T + y[i]]) + e[i * T + y[i]];
+    }
+    scores[row] = score + end[b * strides.parameter + y[n - 1]];
   }
 }
 
@@ -89,7 +101,8 @@ __global__ void sequence_score_backward_kernel(const scalar_t* grad_scores, cons
 Tensor sequence_score_cuda(const Tensor& emissions_in, const Tensor& transitions_in,
                                const Tensor& tags_in, const Tensor& lengths_in, const Tensor& start_in,
                                const Tensor& end_in) {
-  const CrfArgs a = checked_cuda_args(emissions_in, transitions_in, lengths_in, start_in, end_in);
+  const bool per_example = transitions_in.dim() == 4;
+  const CrfArgs a = checked_cuda_args(emissions_in, transitions_in, lengths_in, start_in, end_in, per_example);
   const Tensor tags = as_contiguous(tags_in);
   check_tags(tags, a.emissions);
   const torch::stable::accelerator::DeviceGuard guard(a.emissions.get_device_index());
@@ -100,12 +113,17 @@ Tensor sequence_score_cuda(const Tensor& emissions_in, const Tensor& transitions
   // The same NaN / +inf rule as every other op, although a score reads one tag per position.
   launch_check_emissions(a.emissions, a.lengths, status);
   Tensor scores = empty({B, N}, options_of(a.emissions));
+  ParameterStrides strides;
+  if (per_example) {
+    const int64_t Lt = a.transitions.size(1);
+    strides = {Lt * T * T, Lt == 1 ? 0 : T * T, T};
+  }
   if (B * N > 0) {
     CRFKIT_DISPATCH_FLOATING_TYPES(a.emissions.scalar_type(), "crfkit_sequence_score_cuda", [&] {
       sequence_score_kernel<scalar_t><<<blocks_for(B * N), kThreads, 0, current_stream()>>>(
           a.emissions.mutable_data_ptr<scalar_t>(), a.transitions.mutable_data_ptr<scalar_t>(), a.start.mutable_data_ptr<scalar_t>(),
           a.end.mutable_data_ptr<scalar_t>(), a.lengths.mutable_data_ptr<int64_t>(), tags.mutable_data_ptr<int64_t>(),
-          scores.mutable_data_ptr<scalar_t>(), B, N, L, T, status.data());
+          scores.mutable_data_ptr<scalar_t>(), B, N, L, T, strides, status.data());
       CRFKIT_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }

@@ -3,6 +3,7 @@
 // the tie rule are described in viterbi_common.cuh, which holds what Viterbi shares with k-best
 // (kbest.cu).
 #include "common.cuh"
+#include "per_example.cuh"
 #include "viterbi_common.cuh"
 #include "viterbi_chunked.cuh"
 
@@ -187,6 +188,8 @@ namespace {
 std::tuple<Tensor, Tensor> viterbi_cuda(const Tensor& emissions, const Tensor& transitions,
                                                 const Tensor& lengths, const Tensor& start,
                                                 const Tensor& end) {
+  // per-example transitions: per_example.cu
+  if (transitions.dim() == 4) return viterbi_per_example(emissions, transitions, lengths, start, end);
   return checked_launch(emissions, transitions, lengths, start, end,
                         [](const CrfArgs& a, Status& status) { return launch_viterbi(a, status); });
 }

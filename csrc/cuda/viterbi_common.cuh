@@ -123,6 +123,18 @@ inline void check_sizes(int64_t T, int64_t K) {
                     ", k = ", K);
 }
 
+// Number of tag sequences of length L, saturated at `cap` (k-best's list length, as the CPU
+// kernels'; kbest.cu, per_example.cu).
+inline int64_t num_sequences_capped(int64_t T, int64_t L, int64_t cap) {
+  int64_t count = 1;
+  for (int64_t i = 0; i < L && count < cap; ++i) count = count > cap / T ? cap : count * T;
+  return std::min(count, cap);
+}
+
+// log_probs (B, k) = scores (B, k) - log Z (B,), log Z clamped to the lowest finite value as
+// reference.log_probs_from_scores does (so missing rows stay -inf); kbest.cu.
+Tensor log_probs_from_scores(const Tensor& scores, const Tensor& log_z);
+
 // Viterbi's launch (viterbi.cu), for arguments checked by checked_cuda_args, their values
 // checked into `status` by its first kernel (input_checks); k-best's launch (kbest.cu) runs it for k = 1.
 // scores (B,), paths (B, L) int64 (-1 at padded positions and where no sequence is allowed).

@@ -6,6 +6,7 @@ torch.ops.crfkit_emu.* (CPU tensors in, the kernels' own code running with std::
     python tools/cuda_compile_check/emulator/build.py --race-check --kbest-per-tag  # that kernel only
     python tools/cuda_compile_check/emulator/build.py --race-check --marginals-backward  # likewise
     python tools/cuda_compile_check/emulator/build.py --race-check --samplers  # likewise
+    python tools/cuda_compile_check/emulator/build.py --race-check --per-example  # likewise
 
 For machines without a GPU: it executes the real kernel source (index arithmetic, shared memory
 layout, synchronisation structure, host-side planning and checks), which compiling alone does
@@ -67,7 +68,7 @@ def prepare(build_dir: Path) -> list:
     src = build_dir / "src"
     (src / "csrc" / "cuda").mkdir(parents=True, exist_ok=True)
     # The csrc/ headers the CUDA sources include.
-    for shared in ("checks.h", "backpointers.h", "numerics.h", "tensor.h"):
+    for shared in ("checks.h", "backpointers.h", "kbest_merge.h", "numerics.h", "tensor.h"):
         _write_if_changed(src / "csrc" / shared, (ROOT / "csrc" / shared).read_text())
     sources, written = [], set()
     for path in sorted((ROOT / "csrc" / "cuda").iterdir()):
@@ -154,6 +155,8 @@ def main(argv=None) -> int:
                         help="with --race-check: only marginals_backward's kernel (minutes instead of 40)")
     parser.add_argument("--samplers", action="store_true",
                         help="with --race-check: only the two samplers' kernel (minutes instead of 40)")
+    parser.add_argument("--per-example", action="store_true",
+                        help="with --race-check: only the ops on per-example transitions (minutes instead of 40)")
     parser.add_argument("--build-dir", default=str(DEFAULT_BUILD))
     args = parser.parse_args(argv)
     if args.race_check:
@@ -161,7 +164,8 @@ def main(argv=None) -> int:
         env = dict(os.environ, TSAN_OPTIONS=os.environ.get("TSAN_OPTIONS", "halt_on_error=1 exitcode=66"))
         only = [flag for flag, chosen in (("--kbest-per-tag", args.kbest_per_tag),
                                           ("--marginals-backward", args.marginals_backward),
-                                          ("--samplers", args.samplers)) if chosen]
+                                          ("--samplers", args.samplers),
+                                          ("--per-example", args.per_example)) if chosen]
         return subprocess_run([str(program)] + only[:1], env)
     print(build(Path(args.build_dir), args.sanitize, verbose=True))
     return 0
