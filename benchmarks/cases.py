@@ -281,7 +281,8 @@ SAMPLE_ROWS_DIFFERING = 1e-3
 
 # Without replacement a near tie decided differently changes a sentence's set of rows (the kernel's
 # keys are in double, the float32 reference's in float32): about 1 sentence in 1,000 in the tests
-# (tests/test_sampling_kernel_without_replacement.py); the share of sentences that may differ.
+# (tests/test_sampling_kernels.py::test_float32_rows_equal_the_pytorch_path_in_float64_on_the_same_noise);
+# the share of sentences that may differ.
 SAMPLE_SENTENCES_DIFFERING = 0.05
 
 

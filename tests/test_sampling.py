@@ -9,7 +9,7 @@ probability and the first row are checked against probabilities enumerated from 
 
 The without-replacement tests and the edge cases run twice (the `sampler` fixture): on the PyTorch
 path and on the compiled backend's C++ CPU kernels (csrc/cpu/sampling.cpp), which draw their noise
-from the same generator; tests/test_sampling_kernel*.py compare the two row for row.
+from the same generator; tests/test_sampling_kernels.py compares the two row for row.
 """
 import functools
 import itertools
