@@ -17,9 +17,10 @@ features) has a section of its own: one table per (teacher, student architecture
 row judged against the baseline g100 (the same student on gold labels alone; it belongs to no
 teacher and serves every teacher's table of its student) by paired differences over the seeds
 both have, with a seeded bootstrap interval and an exact sign test; the ordering SEQ > TOKEN-POS
-> alone is judged with the same intervals. Records written since the tool recorded `distilled`
-(2026-12-02) name a teacher only when they use one: for them `teacher_sha256` None means no
-teacher, never the main one. Cross-fitting's fold teachers (variant teacher_fold) are in no table.
+> alone is judged with the same intervals, once it has five seeds (ORDERING_SEEDS). Records
+written since the tool recorded `distilled` (2026-12-02) name a teacher only when they use one:
+for them `teacher_sha256` None means no teacher, never the main one. Cross-fitting's fold
+teachers (variant teacher_fold) are in no table.
 """
 from __future__ import annotations
 
@@ -521,6 +522,18 @@ def interval_verdict(p: dict | None) -> str:
     return "not resolved (interval spans 0)"
 
 
+# Issue 60 judges the ordering over five seeds: a percentile bootstrap of fewer pairs says little
+# (of 2 positive pairs its interval is always above 0), so below this the ordering is not judged.
+ORDERING_SEEDS = 5
+
+
+def ordering_verdict(p: dict | None) -> str:
+    """interval_verdict where the comparison has ORDERING_SEEDS pairs or more, else "not judged"."""
+    if p is not None and 0 < p["n"] < ORDERING_SEEDS:
+        return f"not judged ({p['n']} of {ORDERING_SEEDS} seeds)"
+    return interval_verdict(p)
+
+
 def _interval(p: dict | None) -> str:
     if p is None or p["n"] == 0:
         return "-"
@@ -731,7 +744,7 @@ def students_section(records: list[dict], speeds: list[dict], default_k: int = 5
             table["ordering"] = ordering
             if ordering:
                 lines += ["", "The ordering SEQ > TOKEN-POS > the student alone (paired over seeds, K = "
-                          f"{default_k} for SEQ):", ""]
+                          f"{default_k} for SEQ; judged with {ORDERING_SEEDS} seeds or more):", ""]
                 lines += [f"- {o['line']}" for o in ordering]
             table["targets"] = students_targets(rows, base, teacher_f1, teacher, teacher_record, speeds, student,
                                                 dataset, ordering)
@@ -747,7 +760,8 @@ def ordering_lines(rows: dict, default_k: int) -> list[dict]:
     """Issue 60's ordering, without and with DA, for each pool and cross-fitting setting that
     has SEQ or TOKEN-POS runs: SEQ against TOKEN-POS, TOKEN-POS against the student alone (g100,
     or g100_da on the same pool: no cross-fitting, it reads no teacher output on the train text),
-    each paired over seeds; the chain holds when both hold."""
+    each paired over seeds and judged only with ORDERING_SEEDS seeds or more; the chain holds when
+    both hold."""
     out: list[dict] = []
     for form, seq_variant, pos_variant, alone_variant in ORDERING:
         settings = sorted({(key[2], key[3]) for key in rows if key[0] in (seq_variant, pos_variant)},
@@ -762,7 +776,7 @@ def ordering_lines(rows: dict, default_k: int) -> list[dict]:
             for (upper, upper_name), (lower, lower_name) in (((seq, "SEQ"), (pos, "TOKEN-POS")),
                                                              ((pos, "TOKEN-POS"), (alone, "alone"))):
                 comparison = paired(upper, lower)
-                verdict = interval_verdict(comparison)
+                verdict = ordering_verdict(comparison)
                 names = (f"{upper['variant'] if upper else '(not run)'} against "
                          f"{lower['variant'] if lower else '(not run)'}")
                 steps.append(verdict)
@@ -773,7 +787,9 @@ def ordering_lines(rows: dict, default_k: int) -> list[dict]:
                                     + verdict})
             chain = ("holds" if all(v == "holds" for v in steps) else
                      "does not hold" if "does not hold" in steps else
-                     "not run yet" if "not run yet" in steps else "not resolved")
+                     "not run yet" if "not run yet" in steps else
+                     f"not judged (fewer than {ORDERING_SEEDS} seeds)" if any(v.startswith("not judged") for v in steps)
+                     else "not resolved")
             out.append({"setting": where, "comparison": "SEQ > TOKEN-POS > alone", "paired": None, "verdict": chain,
                         "line": f"SEQ > TOKEN-POS > alone ({where}): {chain}"})
     return out
