@@ -87,9 +87,10 @@ inline void check_argument_like(const Tensor& x, const char* name, const char* l
               like.device(), "), got ", x.device());
 }
 
-// The arguments of log_partition_backward_from_marginals (CPU and CUDA): marginals (B, L, T)
-// float32 / float64, transition_counts (B, T, T) and grad_log_z (B,) like them, lengths (B,)
-// int64 on their device. The lengths' values are checked by each device's kernel code.
+// The arguments of log_partition_backward_from_marginals (CPU and CUDA, shared and per-example
+// kernels): marginals (B, L, T) float32 / float64, transition_counts (B, T, T) or, per example,
+// (B, Lt, T, T), and grad_log_z (B,) like them, lengths (B,) int64 on their device. The lengths'
+// values are checked by each device's kernel code.
 inline void check_backward_from_marginals_arguments(const Tensor& grad_log_z, const Tensor& marginals,
                                                     const Tensor& counts, const Tensor& lengths) {
   CRFKIT_CHECK_VALUE(marginals.dim() == 3, "crfkit: marginals must be (batch, seq_len, num_tags), got ",
@@ -97,8 +98,14 @@ inline void check_backward_from_marginals_arguments(const Tensor& grad_log_z, co
   CRFKIT_CHECK_TYPE(marginals.scalar_type() == kFloat || marginals.scalar_type() == kDouble,
                    "crfkit: marginals must be float32 or float64, got ", marginals.scalar_type());
   const int64_t B = marginals.size(0), T = marginals.size(2);
-  check_argument_like(counts, "transition_counts", "(batch, num_tags, num_tags)", {B, T, T}, marginals,
-                      "marginals");
+  if (counts.dim() == 4) {
+    check_per_example_counts_shape(counts, marginals);
+    check_argument_like(counts, "transition_counts", "(batch, Lt, num_tags, num_tags)", counts.sizes(), marginals,
+                        "marginals");
+  } else {
+    check_argument_like(counts, "transition_counts", "(batch, num_tags, num_tags)", {B, T, T}, marginals,
+                        "marginals");
+  }
   check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, marginals, "marginals");
   check_lengths_argument(lengths, B, marginals);
 }

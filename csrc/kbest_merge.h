@@ -6,11 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define CRFKIT_HOST_DEVICE __host__ __device__
-#else
-#define CRFKIT_HOST_DEVICE
-#endif
+#include "numerics.h"  // CRFKIT_HOST_DEVICE
 
 namespace crfkit {
 #ifdef CRFKIT_CPU_ISA  // a copy of the CPU kernels (csrc/cpu/isa.h): functions of its own

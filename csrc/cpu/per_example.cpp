@@ -462,17 +462,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> log_partition_backward_from_marginals
     const Tensor& grad_log_z_in, const Tensor& marginals_in, const Tensor& counts_in, const Tensor& lengths_in) {
   const Tensor grad_log_z = as_contiguous(grad_log_z_in), marginals = as_contiguous(marginals_in),
                counts = as_contiguous(counts_in), lengths = as_contiguous(lengths_in);
-  CRFKIT_CHECK_VALUE(marginals.dim() == 3, "crfkit: marginals must be (batch, seq_len, num_tags), got ",
-                     marginals.dim(), " dimensions");
-  CRFKIT_CHECK_TYPE(marginals.scalar_type() == kFloat || marginals.scalar_type() == kDouble,
-                    "crfkit: marginals must be float32 or float64, got ", marginals.scalar_type());
-  const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2);
-  check_per_example_counts_shape(counts, marginals);
-  const int64_t Lt = counts.size(1);
-  check_argument_like(counts, "transition_counts", "(batch, Lt, num_tags, num_tags)", counts.sizes(), marginals,
-                      "marginals");
-  check_argument_like(grad_log_z, "grad_log_z", "(batch,)", {B}, marginals, "marginals");
-  check_lengths_argument(lengths, B, marginals);
+  check_backward_from_marginals_arguments(grad_log_z, marginals, counts, lengths);
+  const int64_t B = marginals.size(0), L = marginals.size(1), T = marginals.size(2), Lt = counts.size(1);
   check_lengths_cpu(lengths, L);
   auto grad_emissions = zeros_like(marginals);
   auto grad_transitions = empty_as(counts);
