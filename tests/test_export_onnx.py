@@ -306,6 +306,9 @@ def test_int8_student_agrees_with_the_float_one(bilstm_dir, test_sentences):
     assert agreement > 0.9, agreement
     tags = small.predict(test_sentences)
     assert [len(t) for t in tags] == [len(s) for s in test_sentences]
+    # a batch without padding: the float tagger would run its padded LSTM here, the int8 one cannot
+    same_length = [list(s[:4]) for s in test_sentences if len(s) >= 4][:8]
+    assert [len(t) for t in small.predict(same_length)] == [4] * len(same_length)
     with pytest.raises(TypeError, match="cannot be saved"):
         small.save_pretrained(bilstm_dir)
     with pytest.raises(TypeError, match="must be a BiLSTMCRFTagger"):

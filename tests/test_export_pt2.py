@@ -110,8 +110,11 @@ def test_exported_program_decodes_as_the_tagger(bilstm, sentences):
 
 
 def test_the_unpacked_lstm_gives_the_packed_outputs(bilstm, sentences):
-    """What word_features runs under torch.export: the packed BiLSTM's outputs at real positions
-    (to rounding), zeros past each length, a length-0 sentence as one step, two layers too."""
+    """What word_features runs under torch.export and in eval mode on batches that pad little: the
+    packed BiLSTM's outputs at real positions (to rounding), zeros past each length, a length-0
+    sentence as one step, two layers too."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
     from crfkit.taggers import BiLSTMCRFTagger
 
     torch.manual_seed(1)
@@ -120,23 +123,16 @@ def test_the_unpacked_lstm_gives_the_packed_outputs(bilstm, sentences):
     tokens = [sentences[0].tokens, ["Rain"], [], sentences[3].tokens]
     for tagger in (bilstm, two_layers):
         batch = tagger.featurize(tokens)
+        lengths = batch["lengths"]
         with torch.no_grad():
-            packed = tagger.word_features(batch)
-            x = torch.cat([tagger.word_embedding(batch["words"]), tagger.casing(batch["casing"])]
-                          + ([_char_features(tagger, batch["chars"])] if "chars" in batch else []), dim=-1)
-            unpacked = tagger._bilstm_unpacked(x, batch["lengths"])
+            x = tagger._lstm_inputs(batch)
+            packed, _ = pad_packed_sequence(tagger.lstm(pack_padded_sequence(
+                x, lengths.clamp(min=1), batch_first=True, enforce_sorted=False))[0], batch_first=True,
+                total_length=x.shape[1])
+            unpacked = tagger._bilstm_unpacked(x, lengths)
         torch.testing.assert_close(unpacked, packed, rtol=1e-5, atol=1e-6)
-        padding = torch.arange(packed.shape[1]) >= batch["lengths"].clamp(min=1).unsqueeze(1)
+        padding = torch.arange(packed.shape[1]) >= lengths.clamp(min=1).unsqueeze(1)
         assert bool((unpacked[padding] == 0).all()) and bool((packed[padding] == 0).all())
-
-
-def _char_features(tagger, chars):
-    """BiLSTMCRFTagger.word_features' character CNN features (B, L, char_filters)."""
-    B, L, C = chars.shape
-    embedded = tagger.char_embedding(chars.reshape(B * L, C)).transpose(1, 2)
-    convolved = tagger.char_conv(embedded).masked_fill(chars.reshape(B * L, 1, C) == 0, float("-inf"))
-    pooled = convolved.max(dim=2).values
-    return torch.where(torch.isfinite(pooled), pooled, 0.0).reshape(B, L, -1)
 
 
 def test_export_pt2_refuses_a_path_without_the_suffix(bilstm, tmp_path):

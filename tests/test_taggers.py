@@ -315,6 +315,84 @@ def test_predict_refuses_a_sentence_that_no_tag_sequence_is_allowed_for():
     assert tagger.predict([["EU", "rejects", "it"]]) == [["B-PER", "I-PER", "I-PER"]]
 
 
+def _char_bilstm(sentences):
+    from crfkit.taggers import BiLSTMCRFTagger
+
+    torch.manual_seed(0)
+    words = BiLSTMCRFTagger.build_vocabulary(sentences[:24])   # the other half has unknown words
+    return BiLSTMCRFTagger(LABELS, words, embedding_dim=8, hidden_size=12, char_cnn=True,
+                           chars=["<pad>", "<unk>", *"abcdefghijklmnopqrstuvwxyz"]).eval()  # capitals: <unk>
+
+
+def test_featurize_writes_every_word_casing_and_character(sentences):
+    """featurize against the inputs built word by word: ids, casing, characters, zeros past each end."""
+    tagger = _char_bilstm(sentences)
+    tokens = [list(s.tokens) for s in sentences[20:30]] + [[], ["Rain"], ["EU", "rejects", "EU"]]
+    batch = tagger.featurize(tokens)
+    L, C = max(map(len, tokens)), max(len(w) for t in tokens for w in t)
+    assert batch["words"].shape == batch["casing"].shape == (len(tokens), L)
+    assert batch["chars"].shape == (len(tokens), L, C)
+    assert batch["lengths"].tolist() == [len(t) for t in tokens]
+    words, shapes, chars = torch.zeros(len(tokens), L), torch.zeros(len(tokens), L), torch.zeros(len(tokens), L, C)
+    for b, t in enumerate(tokens):
+        for i, w in enumerate(t):
+            words[b, i] = tagger.vocabulary[w]
+            shapes[b, i] = casing.casing_id(w)
+            for j, c in enumerate(w):
+                chars[b, i, j] = tagger.char_vocabulary[c]
+    assert torch.equal(batch["words"], words.long()) and torch.equal(batch["casing"], shapes.long())
+    assert torch.equal(batch["chars"], chars.long())
+    assert int((batch["words"] == 1).sum()) > 0 and int((batch["chars"] == 1).sum()) > 0   # unknowns were met
+    empty = tagger.featurize([])
+    assert empty["words"].shape == (0, 0) and empty["chars"].shape == (0, 0, 1)
+
+
+def test_predict_runs_longest_first_and_answers_in_the_given_order(sentences):
+    tagger = _char_bilstm(sentences)
+    tokens = [list(s.tokens) for s in sentences] + [[], ["Rain"]]
+    positions = [p for p, _, _ in tagger._batches(tokens, 5)]
+    assert sorted(sum(positions, [])) == list(range(len(tokens)))
+    lengths = [len(tokens[i]) for i in sum(positions, [])]
+    assert lengths == sorted(lengths, reverse=True) and max(len(p) for p in positions) == 5
+    one_by_one = [tagger.predict([t], batch_size=1)[0] for t in tokens]
+    assert tagger.predict(tokens, batch_size=5) == one_by_one
+    with_confidence = tagger.predict(tokens, batch_size=5, confidence=True)
+    assert [r["tags"] for r in with_confidence] == one_by_one
+    for t, r in zip(tokens, with_confidence):   # the same entities, probabilities to rounding (other batch shapes)
+        alone = tagger.predict([t], confidence=True)[0]["entities"]
+        assert [{**e, "probability": None} for e in r["entities"]] == [{**e, "probability": None} for e in alone]
+        assert [e["probability"] for e in r["entities"]] == pytest.approx([e["probability"] for e in alone], abs=1e-5)
+
+
+def test_eval_mode_runs_the_padded_lstm_on_batches_that_pad_little(sentences, monkeypatch):
+    """The padded BiLSTM (one input projection for all positions) in eval mode on the CPU when at
+    most a third of the batch is padding; packed otherwise and in training; the same features."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    tagger = _char_bilstm(sentences)
+    padded_runs = []
+    original = type(tagger)._bilstm_unpacked
+    monkeypatch.setattr(type(tagger), "_bilstm_unpacked",
+                        lambda self, x, lengths: padded_runs.append(x.shape) or original(self, x, lengths))
+    little = [list(s.tokens) for s in sentences if len(s) >= 6][:6]
+    little = [t[:6] for t in little[:5]] + [little[5][:4]]      # 2 of 36 positions padding
+    much = [list(sentences[0].tokens), ["Rain"], ["EU", "rejects"]]
+    for tokens, padded in ((little, True), (much, False)):
+        batch = tagger.featurize(tokens)
+        padded_runs.clear()
+        with torch.no_grad():
+            features = tagger.word_features(batch)
+            x = tagger._lstm_inputs(batch)
+            packed, _ = pad_packed_sequence(tagger.lstm(pack_padded_sequence(
+                x, batch["lengths"], batch_first=True, enforce_sorted=False))[0], batch_first=True)
+        assert bool(padded_runs) == padded, tokens
+        torch.testing.assert_close(features, packed, rtol=1e-5, atol=1e-6)
+    tagger.train()
+    padded_runs.clear()
+    tagger.word_features(tagger.featurize(little))
+    assert padded_runs == []
+
+
 def _edit_config(directory, edit):
     path = directory / "config.json"
     record = json.loads(path.read_text())

@@ -210,11 +210,17 @@ class CRFTagger(nn.Module):
                          "their entities cannot be read")
 
     def _batches(self, sentences: list[list[str]], batch_size: int):
-        """(first sentence index, sentences, featurize() batch on the tagger's device) per batch."""
+        """(positions, sentences, featurize() batch on the tagger's device) per batch of at most
+        batch_size, positions being the batch's indices into sentences. The sentences go longest
+        first, so that a batch's sentences have about one length: every model here computes the
+        padded positions and throws them away, and on CoNLL-2003 test in order a batch of 32 is
+        about half padding (benchmarks/results/predict_order.md measures what it saves)."""
         device = next(self.parameters()).device
-        for begin in range(0, len(sentences), batch_size):
-            chunk = sentences[begin:begin + batch_size]
-            yield begin, chunk, {name: t.to(device) for name, t in self.featurize(chunk).items()}
+        order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))   # stable: ties in order
+        for begin in range(0, len(order), batch_size):
+            positions = order[begin:begin + batch_size]
+            chunk = [sentences[i] for i in positions]
+            yield positions, chunk, {name: t.to(device) for name, t in self.featurize(chunk).items()}
 
     def _scaled_parameters(self):
         """(transitions, start, end) divided by the temperature (None stays None)."""
@@ -226,8 +232,9 @@ class CRFTagger(nn.Module):
     def predict(self, token_lists: Sequence[Sequence[str]], batch_size: int = 32,
                 confidence: bool = False) -> list:
         """Tag sentences: a list of word lists -> a list of tag-name lists (same lengths), the
-        Viterbi paths. Runs in eval mode on the tagger's device, batch_size sentences at a time. A
-        sentence that no tag sequence is allowed for (every path scores -inf) is a ValueError naming it.
+        Viterbi paths, in the order given. Runs in eval mode on the tagger's device, batch_size
+        sentences at a time, longest first (_batches). A sentence that no tag sequence is allowed
+        for (every path scores -inf) is a ValueError naming it.
 
         confidence=True: per sentence instead a dict
             {"tags": [tag names, as without confidence],
@@ -241,26 +248,24 @@ class CRFTagger(nn.Module):
         check_bool("confidence", confidence)
         was_training = self.training
         self.eval()
-        tagged: list = []
+        tagged: list = [None] * len(sentences)
         try:
-            for _, chunk, batch in self._batches(sentences, batch_size):
+            for positions, chunk, batch in self._batches(sentences, batch_size):
                 if confidence:
                     emissions = self.emissions(batch)
                     paths = self.crf.decode(emissions, lengths=batch["lengths"]).paths
                 else:
                     paths = self.decode(batch)
-                rows = paths.tolist()
-                for tokens, path in zip(chunk, rows):
+                for i, tokens, path in zip(positions, chunk, paths.tolist()):
                     if tokens and path[0] < 0:  # Viterbi's -1: no sequence has a finite score
                         raise ValueError(
-                            f"predict: sentence {len(tagged)} ({sentence_preview(tokens)}) has no tag sequence that "
+                            f"predict: sentence {i} ({sentence_preview(tokens)}) has no tag sequence that "
                             "the CRF allows: every sequence scores -inf (-inf emissions rule out each sequence that "
                             "the transition constraints leave)")
-                    tagged.append([self.labels[t] for t in path[:len(tokens)]])
+                    tagged[i] = [self.labels[t] for t in path[:len(tokens)]]
                 if confidence:
-                    first = len(tagged) - len(chunk)
-                    for i, found in enumerate(self._entities(emissions, batch["lengths"], paths, chunk)):
-                        tagged[first + i] = {"tags": tagged[first + i], "entities": found}
+                    for i, found in zip(positions, self._entities(emissions, batch["lengths"], paths, chunk)):
+                        tagged[i] = {"tags": tagged[i], "entities": found}
         finally:
             self.train(was_training)
         return tagged
@@ -308,11 +313,11 @@ class CRFTagger(nn.Module):
         self.eval()
         emissions, tags, lengths = [], [], []
         try:
-            for begin, chunk, batch in self._batches(sentences, batch_size):
+            for positions, _, batch in self._batches(sentences, batch_size):
                 em = self.emissions(batch)
                 tg = torch.zeros(em.shape[:2], dtype=torch.long, device=em.device)
-                for b, row in enumerate(gold[begin:begin + len(chunk)]):
-                    tg[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+                for b, i in enumerate(positions):
+                    tg[b, :len(gold[i])] = torch.tensor(gold[i], dtype=torch.long)
                 emissions.append(em)
                 tags.append(tg)
                 lengths.append(batch["lengths"])

@@ -180,27 +180,52 @@ class BiLSTMCRFTagger(CRFTagger):
     # ------------------------------------------------------------------ inputs
     def featurize(self, token_lists: Sequence[Sequence[str]]) -> dict[str, Tensor]:
         """B sentences -> words / casing (B, L) (0 = padding), chars (B, L, C) with char_cnn,
-        lengths (B,)."""
+        lengths (B,). Each input is one flat list of ids written through a mask of the real
+        positions (row-major, so the words in order): a tensor per word instead was a fifth of
+        predict's time."""
         sentences = _check_token_lists(token_lists)
         lengths = torch.tensor([len(s) for s in sentences], dtype=torch.long)
         L = int(lengths.max()) if len(sentences) else 0
+        real = torch.arange(L) < lengths.unsqueeze(1)                                   # (B, L)
         words = torch.zeros((len(sentences), L), dtype=torch.long)
-        for b, s in enumerate(sentences):
-            if s:
-                words[b, :len(s)] = torch.tensor(self.vocabulary.encode(s))
+        words[real] = torch.tensor([i for s in sentences for i in self.vocabulary.encode(s)], dtype=torch.long)
         batch = {"words": words, "casing": casing_tensor(sentences, L), "lengths": lengths}
         if self.char_vocabulary is not None:
-            C = max((len(w) for s in sentences for w in s), default=1)
+            flat = [w for s in sentences for w in s]
+            C = max(map(len, flat), default=1)
+            word_lengths = torch.zeros((len(sentences), L), dtype=torch.long)
+            word_lengths[real] = torch.tensor([len(w) for w in flat], dtype=torch.long)
             chars = torch.zeros((len(sentences), L, C), dtype=torch.long)
-            for b, s in enumerate(sentences):
-                for i, w in enumerate(s):
-                    chars[b, i, :len(w)] = torch.tensor(self.char_vocabulary.encode(w))
+            chars[torch.arange(C) < word_lengths.unsqueeze(2)] = torch.tensor(
+                [c for w in flat for c in self.char_vocabulary.encode(w)], dtype=torch.long)
             batch["chars"] = chars
         return batch
 
     def word_features(self, batch: Mapping[str, Tensor]) -> Tensor:
         """(B, L, hidden_size): the BiLSTM's outputs, both directions."""
-        words, lengths = batch["words"], batch["lengths"]
+        x, lengths = self._lstm_inputs(batch), batch["lengths"]
+        B, L = x.shape[:2]
+        if torch.compiler.is_exporting():  # torch.export (crfkit/export/pt2.py: L >= 1 there)
+            return self._bilstm_unpacked(x, lengths)
+        if L == 0:  # a batch of empty sentences: nothing to run the LSTM over
+            return x.new_zeros(B, 0, self.hidden_size)
+        if (not self.training and x.device.type == "cpu" and isinstance(self.lstm, nn.LSTM)
+                and B * L <= 1.5 * int(lengths.sum())):
+            # On the CPU a padded LSTM runs its input projection as one matrix product, a packed one
+            # step by step: about 1.7x slower for 32 sentences of one length, even at a third of
+            # padding (benchmarks/results/predict_order.md). predict's longest-first batches pad
+            # little. Only in eval mode: training keeps the packed run (its batches pad more). Not
+            # for quantize_student's int8 LSTM, which has no float weights to run.
+            return self._bilstm_unpacked(x, lengths)
+        # pack_padded_sequence refuses length 0; such a sentence's outputs are never read.
+        packed = pack_padded_sequence(x, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
+        output, _ = self.lstm(packed)
+        output, _ = pad_packed_sequence(output, batch_first=True, total_length=L)
+        return output
+
+    def _lstm_inputs(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """(B, L, width): each word's embedding, casing embedding and character features, after dropout."""
+        words = batch["words"]
         features = [self.word_embedding(words)]
         if self.casing is not None:
             features.append(self.casing(batch["casing"]))
@@ -210,18 +235,8 @@ class BiLSTMCRFTagger(CRFTagger):
             embedded = self.char_embedding(chars.reshape(B * L, C)).transpose(1, 2)   # (B*L, char_dim, C)
             convolved = self.char_conv(embedded).masked_fill((chars.reshape(B * L, 1, C) == 0), float("-inf"))
             pooled = convolved.max(dim=2).values
-            features.append(torch.where(torch.isfinite(pooled), pooled, 0.0).reshape(B, L, -1))
-        x = self.embedding_dropout(torch.cat(features, dim=-1))
-        B, L = x.shape[:2]
-        if torch.compiler.is_exporting():  # torch.export (crfkit/export/pt2.py: L >= 1 there)
-            return self._bilstm_unpacked(x, lengths)
-        if L == 0:  # a batch of empty sentences: nothing to run the LSTM over
-            return x.new_zeros(B, 0, self.hidden_size)
-        # pack_padded_sequence refuses length 0; such a sentence's outputs are never read.
-        packed = pack_padded_sequence(x, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
-        output, _ = self.lstm(packed)
-        output, _ = pad_packed_sequence(output, batch_first=True, total_length=L)
-        return output
+            features.append(torch.where(torch.isfinite(pooled), pooled, 0.0).reshape(B, L, self.char_conv.out_channels))
+        return self.embedding_dropout(torch.cat(features, dim=-1))
 
     def _bilstm_unpacked(self, x: Tensor, lengths: Tensor) -> Tensor:
         """The BiLSTM over padded x (B, L, width) -> (B, L, hidden_size) without packing: what
