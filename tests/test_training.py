@@ -64,6 +64,40 @@ def test_compute_metrics_reads_padded_arrays():
     assert out == {"precision": pytest.approx(100.0), "recall": pytest.approx(50.0), "f1": pytest.approx(200 / 3)}
 
 
+
+# --------------------------------------------------------------------------- timing
+def test_side_by_side_throughput_takes_each_rounds_ratio(monkeypatch):
+    """On a clock the taggers advance themselves: the first tagger's cost drifts from round to round
+    (a shared machine), the second costs 4x, 3x and 5x as much in the three rounds; "vs_first" is
+    the median of the per-round ratios (1/4), not the ratio of the medians (11.1 / 50), and each
+    speed is the median over the rounds."""
+    from crfkit.training import evaluation
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(evaluation.time, "perf_counter", lambda: clock["now"])
+
+    class Tagger:
+        def __init__(self, costs):
+            self.costs, self.calls = costs, 0   # seconds per sentence, one per round
+
+        def predict(self, token_lists, batch_size):
+            assert batch_size == 2
+            if len(token_lists) == 4:  # a timed pass (the warm-up is one batch of 2)
+                clock["now"] += self.costs[self.calls] * len(token_lists)
+                self.calls += 1
+            return [["O"] * len(t) for t in token_lists]
+
+    fast, slow = Tagger([0.01, 0.03, 0.02]), Tagger([0.04, 0.09, 0.10])
+    rows = evaluation.side_by_side_throughput([fast, slow], [["a"]] * 4, batch_size=2, rounds=3, min_seconds=0.0)
+    assert rows[0]["rounds"] == pytest.approx([100.0, 100 / 3, 50.0])
+    assert rows[0]["sentences_per_s"] == pytest.approx(50.0) and rows[0]["vs_first"] == 1.0
+    assert rows[1]["sentences_per_s"] == pytest.approx(100 / 9)
+    assert rows[1]["vs_first"] == pytest.approx(0.25) and rows[1]["vs_first_range"] == pytest.approx([0.2, 1 / 3])
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        evaluation.side_by_side_throughput([fast], [["a"]], rounds=0)
+    with pytest.raises(ValueError, match="taggers must not be empty"):
+        evaluation.side_by_side_throughput([], [["a"]])
+
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def slice_():

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from .. import _validation
 from ..taggers import load_tagger
 from .records import RESULT, command_line, git_commit, machine_description, read_results
 
@@ -33,32 +34,36 @@ def _kind(tagger) -> str:
 
 
 def write_report(workdir: str, teacher_dir: str, records: Sequence[dict], test_sentences: Sequence,
-                 batch_size: int = 32, command: Optional[str] = None, out: Optional[str] = None) -> dict:
+                 batch_size: int = 32, command: Optional[str] = None, out: Optional[str] = None,
+                 rounds: int = 3) -> dict:
     """Write report.md / report.json for the teacher (workdir/teacher/result.json) and the given
-    student records, timing each model on the first 512 test sentences at batch_size. out: the
-    path of the .md file to write instead of workdir/report.md (its .json beside it)."""
-    from ..training.evaluation import tagging_throughput
+    student records, timing every model on the first 512 test sentences at batch_size in `rounds`
+    interleaved rounds (crfkit.training.evaluation.side_by_side_throughput: a row's speed is its
+    median, "vs teacher" the median of its per-round ratios). out: the path of the .md file to
+    write instead of workdir/report.md (its .json beside it)."""
+    from ..training.evaluation import side_by_side_throughput
 
     with open(os.path.join(workdir, "teacher", RESULT), encoding="utf-8") as f:
         teacher_record = json.load(f)
     sentences = [s.tokens for s in test_sentences[:512]]
     teacher = load_tagger(teacher_dir)
-    teacher_speed = tagging_throughput(teacher, sentences, batch_size=batch_size)["sentences_per_s"]
+    students = [load_tagger(_model_dir(workdir, record)) for record in records]
+    speeds = side_by_side_throughput([teacher, *students], sentences, batch_size=batch_size, rounds=rounds)
     rows = [{"model": f"teacher ({teacher.encoder_name if os.sep not in teacher.encoder_name else 'encoder'} + CRF)",
              "test_f1": teacher_record["test_f1"], "dev_f1": teacher_record["dev_f1"],
-             "params": teacher_record["params"], "sentences_per_s": teacher_speed, "speedup": 1.0}]
-    for record in records:
-        student = load_tagger(_model_dir(workdir, record))
-        speed = tagging_throughput(student, sentences, batch_size=batch_size)["sentences_per_s"]
+             "params": teacher_record["params"], "sentences_per_s": speeds[0]["sentences_per_s"], "speedup": 1.0,
+             "rounds": speeds[0]["rounds"]}]
+    for record, student, speed in zip(records, students, speeds[1:]):
         k = f", K = {record['K']}" if record.get("K") else ""
         rows.append({"model": f"{_kind(student)} {record['variant']}{k}, seed {record['seed']}",
                      "test_f1": record["test_f1"], "dev_f1": record["dev_f1"], "params": record["params"],
-                     "trainable_params": record["trainable_params"], "sentences_per_s": speed,
-                     "speedup": speed / teacher_speed})
+                     "trainable_params": record["trainable_params"], "sentences_per_s": speed["sentences_per_s"],
+                     "speedup": speed["vs_first"], "speedup_range": speed["vs_first_range"],
+                     "rounds": speed["rounds"]})
     result = {"rows": rows, "machine": machine_description(), "git": git_commit(),
               "command": command or command_line("crfkit.tool.report"),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "batch_size": batch_size,
-              "throughput_sentences": len(sentences), "data": teacher_record.get("data")}
+              "throughput_sentences": len(sentences), "rounds": rounds, "data": teacher_record.get("data")}
     lines = ["| model | test F1 | dev F1 | parameters (trainable) | sentences/s | vs teacher |",
              "|---|---|---|---|---|---|"]
     for row in rows:
@@ -74,7 +79,8 @@ def write_report(workdir: str, teacher_dir: str, records: Sequence[dict], test_s
     data = teacher_record.get("data") or "the data"
     name = "CoNLL-2003 English" if data == "conll2003" else f"`{data}`"
     header = (f"{name}, entity F1 (seqeval, strict). Speed: tagging the first {len(sentences)} test sentences, "
-              f"batch {batch_size}, {result['machine']}, measured side by side in one run.\n")
+              f"batch {batch_size}, {result['machine']}, measured side by side in one run: {rounds} "
+              "interleaved rounds, a model's median speed and the median of its per-round ratios to the teacher.\n")
     markdown = out or os.path.join(workdir, "report.md")
     with open(os.path.splitext(markdown)[0] + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
@@ -121,6 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("workdir", help="a work folder of python -m crfkit.distill")
     parser.add_argument("--out", help="write the report to this .md file (and its .json beside it) instead of "
                         "WORKDIR/report.md, e.g. docs/wnut16_report.md")
+    parser.add_argument("--rounds", type=_validation.cli_int(minimum=1), default=3,
+                        help="interleaved timing rounds; each model's speed is its median over them (default 3)")
     args = parser.parse_args(argv)
     if args.out is not None and not args.out.endswith(".md"):
         parser.error(f"argument --out: expected a path ending in .md, got {args.out!r}")
@@ -136,7 +144,7 @@ def main(argv=None) -> int:
     if not is_trained_teacher(teacher_dir):
         teacher_dir = os.path.join(args.workdir, "teacher", "model")
     write_report(args.workdir, teacher_dir, records, tagging.test,
-                 batch_size=arguments[4].per_device_train_batch_size, out=args.out)
+                 batch_size=arguments[4].per_device_train_batch_size, out=args.out, rounds=args.rounds)
     return 0
 
 

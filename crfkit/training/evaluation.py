@@ -2,9 +2,11 @@
 
     scores = evaluate_tagger(tagger, test_sentences)          # entity P / R / F1 (fractions)
     speed = tagging_throughput(tagger, token_lists)           # sentences per second
+    rows = side_by_side_throughput([teacher, student], token_lists)   # interleaved rounds
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -12,7 +14,7 @@ import torch
 
 from .metrics import entity_scores
 
-__all__ = ["evaluate_tagger", "tagging_throughput"]
+__all__ = ["evaluate_tagger", "tagging_throughput", "side_by_side_throughput"]
 
 
 def evaluate_tagger(tagger, sentences: Sequence, batch_size: int = 64) -> dict[str, float]:
@@ -40,3 +42,27 @@ def tagging_throughput(tagger, token_lists: Sequence[Sequence[str]], batch_size:
             break
     return {"sentences_per_s": done / elapsed, "seconds": elapsed, "sentences": done, "batch_size": batch_size,
             "threads": torch.get_num_threads()}
+
+
+def side_by_side_throughput(taggers: Sequence, token_lists: Sequence[Sequence[str]], batch_size: int = 32,
+                            rounds: int = 3, min_seconds: float = 2.0) -> list[dict]:
+    """The taggers' speeds measured side by side: `rounds` rounds, each timing every tagger once
+    with tagging_throughput in the order given. A machine shared with other work drifts over
+    minutes, so the ratio to the first tagger is taken within each round, then its median over
+    rounds. Returns one dict per tagger: "sentences_per_s" (the median over rounds), "rounds"
+    (each round's speed), "vs_first" (the median over rounds of speed / the first tagger's speed
+    in that round) and "vs_first_range" ([lowest, highest] of those ratios)."""
+    if not taggers:
+        raise ValueError("taggers must not be empty")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    speeds: list[list[float]] = [[] for _ in taggers]
+    for _ in range(rounds):
+        for tagger, measured in zip(taggers, speeds):
+            measured.append(tagging_throughput(tagger, token_lists, batch_size, min_seconds)["sentences_per_s"])
+    rows = []
+    for measured in speeds:
+        ratios = [s / f for s, f in zip(measured, speeds[0])]
+        rows.append({"sentences_per_s": statistics.median(measured), "rounds": measured,
+                     "vs_first": statistics.median(ratios), "vs_first_range": [min(ratios), max(ratios)]})
+    return rows
