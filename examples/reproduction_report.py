@@ -431,10 +431,42 @@ def build(workdirs: Path | Sequence[Path], ablation_variant: str, default_k: int
     if any(r["variant"].startswith(STUDENTS_ISSUE) for r in all_records):
         section, out["students_issue"] = students_section(all_records, speeds, default_k)
         lines += [""] + section
+    architectures = ROOT / "benchmarks" / "results" / "tagging_speed.json"
+    if architectures.exists():
+        lines += [""] + tagging_speed_section(json.loads(architectures.read_text()))
     notes = DOCS / "reproduction_notes.md"
     if notes.exists():
         lines += ["", notes.read_text().strip()]
     return "\n".join(lines) + "\n", out
+
+
+def tagging_speed_section(bench: dict) -> list[str]:
+    """benchmarks/results/tagging_speed.json as a section: the students against teacher
+    architectures no teacher was trained on here (a `fresh:` model: an untrained head, which does
+    not change its speed), measured side by side; informational, not a target's measurement."""
+    rows = bench["rows"]
+    first = rows[0]["model"]
+    lines = ["## Tagging speed against other teacher architectures", "",
+             f"From `benchmarks/results/tagging_speed.md` (`{bench['command']}`, git {bench['git']}, {bench['date']}, "
+             f"{bench['machine']}, {bench['threads']} thread(s)): {bench['sentences']} CoNLL-2003 test sentences, "
+             f"batch {bench['batch_size']}, interleaved rounds; a ratio is the median of the per-round ratios. "
+             "A model marked untrained is an encoder with a fresh head: its speed is its architecture's, its "
+             "tags mean nothing. The issue-60 speed target is read from the trained teacher's report above.", "",
+             f"| model | architecture | parameters | sentences/s | vs {first} |", "|---|---|---|---|---|"]
+    for r in rows:
+        untrained = " (untrained)" if str(r["source"]).startswith("fresh:") else ""
+        lines.append(f"| {r['model']}{untrained} | {r['describe']} | {r['params'] / 1e6:.1f}M | "
+                     f"{r['sentences_per_s']:.0f} | {r['vs_first']:.2f}x |")
+    students = [r for r in rows if r["describe"].startswith("BiLSTM")]
+    teachers = [r for r in rows if not r["describe"].startswith("BiLSTM")]
+    if students and teachers:
+        lines.append("")
+    for student in students:
+        for teacher in teachers:
+            ratios = sorted(s / t for s, t in zip(student["rounds"], teacher["rounds"]))
+            lines.append(f"- {student['model']} over {teacher['model']}: {statistics.median(ratios):.1f}x "
+                         f"(rounds {ratios[0]:.1f}x to {ratios[-1]:.1f}x)")
+    return lines
 
 
 def targets(table1: dict) -> list[str]:

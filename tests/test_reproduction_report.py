@@ -351,3 +351,28 @@ def test_encoder_name_from_the_tools_command(report):
     assert report.encoder_name({"command": "python -m crfkit.tool --teacher_model_name_or_path mpnet"}) == "mpnet"
     assert report.encoder_name({"command": "python -m crfkit.tool --teacher_model_name_or_path "
                                            "../mpnet_xf/teacher/model"}) == "mpnet_xf"
+
+
+def test_tagging_speed_section_gives_each_student_over_each_teacher(report, tmp_path):
+    """The benchmark's rows become a table, and each student's speed over each teacher's is the
+    median of the per-round ratios (here 20, 25 and 30 against the trained teacher: 25)."""
+    def row(model, source, describe, rounds):
+        return {"model": model, "source": source, "describe": describe, "params": 2_000_000,
+                "sentences_per_s": sorted(rounds)[1], "rounds": rounds, "vs_first": 1.0}
+
+    bench = {"command": "python benchmarks/tagging_speed.py", "git": "abc", "date": "2026-12-04", "machine": "m",
+             "threads": 1, "sentences": 512, "batch_size": 32,
+             "rows": [row("MiniLM teacher", "runs/t/model", "minilm (6 layers), casing 16, CRF", [100, 80, 60]),
+                      row("MPNet-base", "fresh:mpnet", "mpnet (12 layers), casing 16, CRF", [20, 10, 12]),
+                      row("student", "runs/s/model", "BiLSTM 1x(2x300), CRF", [2000, 2000, 1800])]}
+    lines = report.tagging_speed_section(bench)
+    assert "| MPNet-base (untrained) | mpnet (12 layers), casing 16, CRF | 2.0M | 12 | 1.00x |" in lines
+    assert "- student over MiniLM teacher: 25.0x (rounds 20.0x to 30.0x)" in lines
+    assert "- student over MPNet-base: 150.0x (rounds 100.0x to 200.0x)" in lines
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "tagging_speed.json").write_text(json.dumps(bench))
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    (workdir / "results.jsonl").write_text(json.dumps(record("teacher", 0, 89.0)) + "\n")
+    text, _ = report.build(workdir, "te_da_seq", 5)
+    assert "## Tagging speed against other teacher architectures" in text
