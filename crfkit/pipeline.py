@@ -91,7 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "largest K asked for; 15 with --full, so that every run of the K ablation shares one cache)")
     parser.add_argument("--crossfit", type=count, default=0, metavar="N",
                         help="cross-fitted teacher labels for the train text: N fold teachers, each fine-tuned "
-                        "without its fold, label it (0: off, the default)")
+                        "without its fold, label it (0: off, the default); the same command with --stages teacher in a "
+                        "second process shares the teachers' training")
     parser.add_argument("--seeds", nargs="+", type=count, help="student seeds (" + _default("seeds") + ")")
     parser.add_argument("--student-epochs", type=positive, help=_default("student_epochs"))
     parser.add_argument("--student-lr", type=positive, default=1e-3, help="default 1e-3")

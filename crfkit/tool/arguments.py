@@ -161,7 +161,8 @@ class DistillationArguments:
         "paths kept in the teacher-label cache (default: the largest K asked for)"))
     crossfit_folds: int = field(default=0, metadata=_help(
         "cross-fitted teacher labels for the training text: N teachers, each fine-tuned without one of N "
-        "contiguous folds, label that fold (the DA pool keeps the teacher trained on all of it); 0: off"))
+        "contiguous folds, label that fold (the DA pool keeps the teacher trained on all of it); 0: off. A second "
+        "process given the same command with --stages teacher trains the teachers the first has not taken"))
     seeds: list[int] = field(default_factory=lambda: [0], metadata=_help("student seeds"))
     stages: list[str] = field(default_factory=lambda: list(STAGES), metadata=_help(
         "stages to run, in order", choices=STAGES))

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -222,34 +222,34 @@ class DistillationJob:
     def fold_teacher_dir(self, fold: int) -> str:
         return os.path.join(self.workdir, f"teacher-fold{fold}of{self.distillation.crossfit_folds}", "model")
 
-    def train_fold_teachers(self) -> None:
-        """The N cross-fitting teachers: teacher i is fine-tuned as the teacher is (the same encoder,
-        recipe and seed; selected on the same validation sentences) on the training text without
-        fold i, and scored once like the teacher (variant "teacher_fold")."""
+    def train_fold_teacher(self, fold: int) -> None:
+        """Cross-fitting teacher `fold` of N: fine-tuned as the teacher is (the same encoder, recipe
+        and seed; selected on the same validation sentences) on the training text without fold
+        `fold`, and scored once like the teacher (variant "teacher_fold"). Nothing when done already."""
         import transformers
 
         from ..training import RunClock, fit_tagger, tagging_items
 
+        out = os.path.dirname(self.fold_teacher_dir(fold))
+        if finished_record(self.workdir, out) is not None:
+            return
         encoder = load_tagger(self.teacher_dir).encoder_name if self.given_teacher else self.encoder
-        for fold, (lo, hi) in enumerate(self.folds()):
-            out = os.path.dirname(self.fold_teacher_dir(fold))
-            if finished_record(self.workdir, out) is not None:
-                continue
-            train = self.data.train[:lo] + self.data.train[hi:]
-            log(f"teacher fold {fold}: fine-tuning {encoder} + CRF on {len(train)} sentences (all but [{lo}, {hi}))")
-            transformers.set_seed(self.training.seed)
-            teacher = TransformerCRFTagger(self.data.labels, encoder=encoder, scheme=self.data.scheme)
-            arguments = self.teacher_training_arguments(out)
-            clock = RunClock(out)
-            trainer = fit_tagger(teacher, tagging_items(train), tagging_items(self.data.selection), arguments,
-                                 callbacks=[clock])
-            if is_main_process():
-                self.finish_run(trainer.model.tagger, out, {
-                    "variant": "teacher_fold", "K": None, "seed": self.training.seed, "fold": fold,
-                    "folds": len(self.folds()), "fold_sentences": [lo, hi], "distilled": False,
-                    "teacher_sha256": self.teacher_sha256(self.fold_teacher_dir(fold)), "dataset":
-                    self.record_fields()["data"]}, clock, trainer)
-            _barrier()
+        lo, hi = self.folds()[fold]
+        train = self.data.train[:lo] + self.data.train[hi:]
+        log(f"teacher fold {fold}: fine-tuning {encoder} + CRF on {len(train)} sentences (all but [{lo}, {hi}))")
+        transformers.set_seed(self.training.seed)
+        teacher = TransformerCRFTagger(self.data.labels, encoder=encoder, scheme=self.data.scheme)
+        arguments = self.teacher_training_arguments(out)
+        clock = RunClock(out)
+        trainer = fit_tagger(teacher, tagging_items(train), tagging_items(self.data.selection), arguments,
+                             callbacks=[clock])
+        if is_main_process():
+            self.finish_run(trainer.model.tagger, out, {
+                "variant": "teacher_fold", "K": None, "seed": self.training.seed, "fold": fold,
+                "folds": len(self.folds()), "fold_sentences": [lo, hi], "distilled": False,
+                "teacher_sha256": self.teacher_sha256(self.fold_teacher_dir(fold)), "dataset":
+                self.record_fields()["data"]}, clock, trainer)
+        _barrier()
 
     # ------------------------------------------------------------------ stage 2
     def label_transfer_set(self, with_hidden: bool = False, layer: Optional[int] = None, general: bool = False):
@@ -526,9 +526,11 @@ class DistillationJob:
             for spec in self.runs)
         crossfit = any(spec.crossfit for spec in self.runs)
         if "teacher" in stages:
-            self.train_teacher()
+            teachers = [(os.path.join(self.workdir, "teacher"), self.train_teacher)]
             if crossfit:
-                self.train_fold_teachers()
+                teachers += [(os.path.dirname(self.fold_teacher_dir(fold)),
+                              functools.partial(self.train_fold_teacher, fold)) for fold in range(len(self.folds()))]
+            share_teacher_training(self.workdir, teachers)
         elif needs_teacher and not os.path.isfile(os.path.join(self.teacher_dir, "config.json")):
             raise ConfigurationError(f"no trained teacher in {self.teacher_dir}: run the 'teacher' stage first")
 
@@ -575,6 +577,46 @@ class DistillationJob:
             write_report(self.workdir, self.teacher_dir, records, self.data.test,
                          batch_size=self.training.per_device_train_batch_size, command=self.command)
         return records
+
+
+TRAINING_LOCK = ".training.lock"   # in a teacher's folder: held (flock) by the process training it
+
+
+def share_teacher_training(workdir: str, teachers: list[tuple[str, Callable[[], object]]]) -> None:
+    """Train the teachers (folder, train) in order, sharing them with other processes given the
+    same command: a teacher whose TRAINING_LOCK another process holds is skipped, and waited for
+    once the others are done; if that process died before finishing it (the kernel drops an flock
+    with its process), this one trains it. So two lanes can split the N cross-fitting teachers;
+    only one of them may run the label stage (the label cache takes one writer). train() itself
+    returns at once for a finished teacher. Under torchrun every rank trains every teacher
+    together, in order, without locks."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        for _, train in teachers:
+            train()
+        return
+    import filelock
+
+    taken_elsewhere = []
+    for folder, train in teachers:
+        if finished_record(workdir, folder) is not None:
+            train()   # logs that it is done (the teacher) or returns (a fold teacher)
+            continue
+        os.makedirs(folder, exist_ok=True)
+        lock = filelock.FileLock(os.path.join(folder, TRAINING_LOCK), thread_local=False)
+        try:
+            lock.acquire(blocking=False)
+        except filelock.Timeout:
+            log(f"{_relative(folder, workdir)}: another process is training it; on to the next teacher")
+            taken_elsewhere.append((folder, train, lock))
+            continue
+        try:
+            train()
+        finally:
+            lock.release()
+    for folder, train, lock in taken_elsewhere:
+        log(f"{_relative(folder, workdir)}: waiting for the process training it")
+        with lock:
+            train()
 
 
 def _load_projection(projection, stage_out: str) -> None:
