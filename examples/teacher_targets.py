@@ -4,7 +4,9 @@ the DA pool in the same cache, and the validation text (the teacher run again, o
 
     python examples/teacher_targets.py --workdir runs/full --workdir runs/mpnet
 
-For each workdir (one teacher, its `labels-k*` cache and `teacher/model`), and each text:
+For each workdir (one teacher, its `labels-k*` cache and `teacher/model`; with `--crossfit N`,
+also its fold caches, read as the text "train, cross-fitted": each fold labelled by the fold
+teacher that never saw it), and each text:
 the teacher's probability of its best sequence and of the gold one, how often its best sequence
 is the gold one, the mass of its K best, and the share of each target off the gold labels
 (sequence level: 1 - p(gold sequence); token level: 1 - the mean marginal of the gold tag).
@@ -80,30 +82,52 @@ def _gold(sentences, L: int) -> torch.Tensor:
     return gold
 
 
-def cached_texts(cache_dir: Path, batch_size: int = 256) -> dict:
-    """The cache's train text (gold from CoNLL-2003 train) and its DA pool: {text: means}."""
+CROSSFIT_TEXT = "train, cross-fitted ({folds} folds)"
+
+
+def cached_sums(cache_dir: Path, train: list, batch_size: int = 256) -> dict:
+    """Per-text sums of one cache: {text: sums}. The transfer set's cache: its train text (gold
+    from CoNLL-2003 train) and its DA pool. A cross-fitting fold cache (its manifest's
+    train_sentences is [lo, hi]): the fold train[lo:hi], labelled by the fold teacher that never
+    saw it, each read with its own cache's teacher CRF."""
     cache = distill.load_cache(str(cache_dir))
     corpus = cache.manifest["corpus"]
-    train = data.load_conll2003("train")[:corpus["train_sentences"]]
     transitions, start, end = cache.teacher_crf()
-    texts = {"train": range(0, len(train)), "DA pool": range(len(train), len(cache))}
+    if isinstance(corpus["train_sentences"], list):
+        lo, hi = corpus["train_sentences"]
+        texts = {CROSSFIT_TEXT.format(folds=cache.manifest["teacher"]["folds"]): (range(0, hi - lo), lo)}
+    else:
+        n = corpus["train_sentences"]
+        texts = {"train": (range(0, n), 0), "DA pool": (range(n, len(cache)), None)}
     out = {}
-    for text, ids in texts.items():
+    for text, (ids, offset) in texts.items():
         total: dict = {}
         for first in range(ids.start, ids.stop, batch_size):
             batch_ids = list(range(first, min(first + batch_size, ids.stop)))
             batch = cache.batch(batch_ids)
             gold = None
-            if text == "train":
-                sentences = [train[i] for i in batch_ids]
+            if offset is not None:
+                sentences = [train[offset + i] for i in batch_ids]
                 if any(len(s.tokens) != int(n) for s, n in zip(sentences, batch.lengths)):
                     raise ValueError(f"{cache_dir}: the cache's sentences are not CoNLL-2003 train in order")
                 gold = _gold(sentences, batch.emissions.shape[1])
             _add(total, _statistics(batch.emissions, transitions, start, end, batch.lengths,
                                     batch.kbest.log_probs, gold))
         if total:
-            out[text] = _means(total)
+            out[text] = total
     return out
+
+
+def cached_texts(caches: list[Path], batch_size: int = 256, train=None) -> dict:
+    """{text: means} over the caches of one work folder: the transfer set's, and the fold caches
+    of cross-fitting (their folds summed into one cross-fitted train text). train: the labelled
+    train sentences (default CoNLL-2003 train)."""
+    train = data.load_conll2003("train") if train is None else train
+    totals: dict = {}
+    for cache_dir in caches:
+        for text, sums in cached_sums(cache_dir, train, batch_size).items():
+            _add(totals.setdefault(text, {}), sums)
+    return {text: _means(sums) for text, sums in totals.items()}
 
 
 def validation_text(teacher_dir: Path, k: int, max_sentences=None, batch_size: int = 64) -> dict:
@@ -174,7 +198,8 @@ def rewrite_from_docs(out: str) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", action="append",
-                        help="a pipeline workdir with teacher/model and one labels-k* cache; repeat for more")
+                        help="a pipeline workdir with teacher/model and one labels-k* cache (and, with --crossfit, "
+                        "its labels-k*-fold* caches: the cross-fitted train text); repeat for more")
     parser.add_argument("--from-docs", action="store_true", help="rewrite the docs from the records already in "
                         "<out>.json (no work folder: e.g. on a machine without the runs), their work folders named "
                         "without the machine's path")
@@ -194,13 +219,17 @@ def main(argv=None) -> int:
     commit = git_commit()  # read now: the record names the code this process runs, not a later edit
     records = []
     for workdir in map(Path, args.workdir):
-        caches = sorted(p for p in workdir.glob("labels-k*") if not p.name.split("-")[-1].startswith("hidden"))
+        caches = sorted(p for p in workdir.glob("labels-k*")
+                        if not p.name.split("-")[-1].startswith(("hidden", "fold")))
         if len(caches) != 1:
             raise SystemExit(f"--workdir {workdir}: expected one labels-k* cache, found {[c.name for c in caches]}")
+        folds = sorted(workdir.glob("labels-k*-fold*"))
         manifest = json.loads((caches[0] / "manifest.json").read_text())
         record = {"workdir": shown(workdir), "cache": caches[0].name, "encoder": manifest["teacher"]["encoder"],
                   "teacher": manifest["teacher"]["weights_sha256"], "k": manifest["k"],
-                  "texts": cached_texts(caches[0])}
+                  "texts": cached_texts(caches + folds)}
+        if folds:
+            record["fold_caches"] = [f.name for f in folds]
         if not args.no_validation:
             teacher_dir = workdir / "teacher" / "model"
             if file_sha256(str(teacher_dir / "model.safetensors")) != record["teacher"]:

@@ -82,6 +82,60 @@ def test_teacher_targets_statistics_match_brute_force_enumeration():
         assert sums[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
 
 
+def test_teacher_targets_reads_each_fold_cache_with_its_own_teacher(tmp_path):
+    """Two cross-fitting fold caches (train [0, 3) and [3, 5), two teachers with their own CRFs):
+    the cross-fitted train text sums each fold's statistics under its own teacher's CRF, against
+    the gold tags of its own slice of train."""
+    import torch
+
+    import crfkit
+    from crfkit import data, distill
+    from crfkit.distill import TeacherOutput
+
+    teacher_targets = _load_example("teacher_targets")
+    T = len(data.CONLL2003_TAGS)
+    train = [data.Sentence(tuple(f"w{i}{j}" for j in range(1 + i % 3)),
+                           tags=tuple(data.CONLL2003_TAGS[(i + j) % T] for j in range(1 + i % 3))) for i in range(5)]
+
+    def teacher_of(seed):
+        g = torch.Generator().manual_seed(seed)
+        crf = (torch.randn(T, T, generator=g), torch.randn(T, generator=g), torch.randn(T, generator=g))
+
+        def teacher(sentences):
+            L = max(len(s) for s in sentences)
+            rows = torch.Generator().manual_seed(seed + len(sentences))
+            return TeacherOutput(torch.randn(len(sentences), L, T, generator=rows), crf[0],
+                                 torch.tensor([len(s) for s in sentences]), crf[1], crf[2])
+        return teacher
+
+    expected = {}
+    for fold, (lo, hi) in enumerate([(0, 3), (3, 5)]):
+        teacher = teacher_of(10 + fold)
+        sentences = [s.tokens for s in train[lo:hi]]
+        distill.label_corpus(teacher, sentences, str(tmp_path / f"labels-k3-n{hi - lo}-ab-fold{fold}of2"), k=3,
+                             with_emissions=True, progress=False, batch_size=8,
+                             teacher_info={"encoder": "x", "weights_sha256": "ab", "fold": fold, "folds": 2},
+                             corpus_info={"train_sentences": [lo, hi]})
+        out = teacher(sentences)
+        log_probs = crfkit.kbest_viterbi(out.emissions, out.transitions, 3, out.lengths, out.start, out.end).log_probs
+        gold = teacher_targets._gold(train[lo:hi], int(out.lengths.max()))
+        expected[fold] = teacher_targets._statistics(out.emissions, out.transitions, out.start, out.end, out.lengths,
+                                                     log_probs, gold)
+    text = "train, cross-fitted (2 folds)"
+    for fold in (0, 1):
+        directory, = tmp_path.glob(f"labels-k3-*-fold{fold}of2")
+        sums = teacher_targets.cached_sums(directory, train)[text]
+        assert sums.keys() == expected[fold].keys()
+        for key, value in expected[fold].items():
+            assert sums[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (fold, key)
+    assert expected[0]["p_gold"] != pytest.approx(expected[1]["p_gold"])
+    # one text over both folds: the summed sums' means
+    means = teacher_targets.cached_texts(sorted(tmp_path.glob("labels-k3-*")), train=train)
+    total = {key: expected[0][key] + expected[1][key] for key in expected[0]}
+    assert means.keys() == {text} and means[text] == pytest.approx(teacher_targets._means(total))
+    assert means[text]["sentences"] == 5
+
+
 @pytest.mark.parametrize("example, argv, message", [
     ("conll_teacher_labels", ["--train", "-5"], "argument --train: expected a positive int, got '-5'"),
     ("conll_teacher_labels", ["--augment", "-1"], "argument --augment: expected a non-negative int, got '-1'"),
