@@ -728,8 +728,9 @@ def students_section(records: list[dict], speeds: list[dict], default_k: int = 5
              f"({BOOTSTRAP_RESAMPLES:,} resamples, numpy's generator seeded with {BOOTSTRAP_SEED}) and the "
              "two-sided exact sign test's p (with 5 pairs its smallest value is 0.0625). Speed: the "
              "student's sentences per second over the teacher's, measured side by side in one run "
-             "(the work folder's report.json) where that was done, else \"(records)\": the ratio of the "
-             "speeds each run recorded when it finished, while other runs may have shared the machine."]
+             "(the work folder's report.json; the newest one that timed this student architecture, whichever "
+             "variant: every variant tags with the same network) where that was done, else \"(records)\": the "
+             "ratio of the speeds each run recorded when it finished, while other runs may have shared the machine."]
     folds = [r for r in records if r["variant"] == FOLD_TEACHER]
     if folds:
         tests = [r["test_f1"] for r in folds]
@@ -759,7 +760,9 @@ def students_section(records: list[dict], speeds: list[dict], default_k: int = 5
         for key, row in rows.items():
             comparison = None if row is base else paired(row, base)
             gap = None if teacher_f1 is None else round(teacher_f1 - row["test_mean"], 6)
-            speed = _speed(row, teacher, teacher_record, speeds, student, dataset) if teacher else None
+            # every variant of one student tags with the same network: its newest side-by-side timing
+            speed = ((_speed(None, teacher, teacher_record, speeds, student, dataset)
+                      or _speed(row, teacher, teacher_record, speeds, student, dataset)) if teacher else None)
             pool = "-" if not row["pool"] else row["pool"] + (
                 f" ({row['pool_sentences']:,})" if row["pool_sentences"] else "")
             if row is base:
