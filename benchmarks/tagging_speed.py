@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import shlex
-import subprocess
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,7 +56,7 @@ def main(argv=None) -> int:
     import torch
 
     from crfkit.packaged import load_conll2003
-    from crfkit.tool.records import machine_description
+    from crfkit.tool.records import git_commit, machine_description
     from crfkit.training.evaluation import side_by_side_throughput
 
     torch.set_num_threads(args.threads)
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     first = models[0][0]
     rows = [{"model": name, "source": where, "describe": tagger.describe(), "params": tagger.num_parameters(),
              **speed} for (name, where), tagger, speed in zip(models, taggers, speeds)]
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    git = git_commit()
     report = {"command": shlex.join(["python", "benchmarks/tagging_speed.py", *(argv or sys.argv[1:])]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_description(),
               "git": git, "threads": args.threads, "batch_size": args.batch_size, "sentences": len(sentences),

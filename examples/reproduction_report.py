@@ -666,23 +666,21 @@ def _find(rows: dict, variant: str, k=None, pool=None, crossfit=0) -> dict | Non
     return rows.get((variant, k, pool, crossfit))
 
 
-def _speed(row: dict | None, teacher: str | None, teacher_record: dict | None, speeds: list[dict],
+def _speed(row: dict, teacher: str | None, teacher_record: dict | None, speeds: list[dict],
            student: str, dataset) -> dict | None:
-    """A row's tagging speed against its teacher: side by side (report.json) where measured, else
-    the ratio of the records' own speeds (each run's, measured when it finished). Of several
-    side-by-side reports, the newest (the last code; predict got faster over time) gives the
-    mean over its rows. row None: any variant of this student and teacher (the speed is the
-    architecture's: every g100 variant tags with the same network)."""
+    """A row's tagging speed against its teacher: side by side (report.json) where this student
+    architecture was timed with this teacher, whichever variant (every variant of one student
+    tags with the same network), else the ratio of the row's records' own speeds (each run's,
+    measured when it finished). Of several side-by-side reports, the newest (the last code;
+    predict got faster over time) gives the mean over its rows."""
     same = [e for e in speeds if e["teacher_sha256"] == teacher and e["student"] == student
-            and e["dataset"] == dataset and (row is None or (e["variant"], e.get("K"), e.get("pool"),
-                                                             e.get("crossfit_folds") or 0)
-                                             == (row["variant"], row["K"], row["pool"], row["crossfit_folds"]))]
+            and e["dataset"] == dataset]
     if same:
         newest = max(e.get("date") or "" for e in same)
         chosen = [e for e in same if (e.get("date") or "") == newest]
         return {"ratio": statistics.fmean(e["speedup"] for e in chosen), "n": len(chosen), "source": "side by side",
                 "date": newest or None}
-    if row is None or teacher_record is None or not teacher_record.get("sentences_per_s"):
+    if teacher_record is None or not teacher_record.get("sentences_per_s"):
         return None
     return {"ratio": row["sentences_per_s"] / teacher_record["sentences_per_s"], "n": row["n"], "source": "records"}
 
@@ -760,9 +758,7 @@ def students_section(records: list[dict], speeds: list[dict], default_k: int = 5
         for key, row in rows.items():
             comparison = None if row is base else paired(row, base)
             gap = None if teacher_f1 is None else round(teacher_f1 - row["test_mean"], 6)
-            # every variant of one student tags with the same network: its newest side-by-side timing
-            speed = ((_speed(None, teacher, teacher_record, speeds, student, dataset)
-                      or _speed(row, teacher, teacher_record, speeds, student, dataset)) if teacher else None)
+            speed = _speed(row, teacher, teacher_record, speeds, student, dataset) if teacher else None
             pool = "-" if not row["pool"] else row["pool"] + (
                 f" ({row['pool_sentences']:,})" if row["pool_sentences"] else "")
             if row is base:
@@ -869,9 +865,7 @@ def students_targets(rows: dict, base: dict | None, teacher_f1: float | None, te
         out.append({"target": "baseline", "verdict": "met" if met else "NOT met", "paired": comparison,
                     "line": f"at least 1.0 F1 above the baseline g100 ({_f1(base)}; paired): "
                             f"{_difference(comparison)}, {'met' if met else 'NOT met'}{sure}"})
-    # The newest side-by-side timing of this student architecture, whichever variant it was run for.
-    speed = (_speed(None, teacher, teacher_record, speeds, student, dataset)
-             or _speed(best_row, teacher, teacher_record, speeds, student, dataset))
+    speed = _speed(best_row, teacher, teacher_record, speeds, student, dataset)
     if speed is None:
         out.append({"target": "speed", "verdict": None, "line": "at least 20x the teacher's sentences per second: "
                                                                 "not measured"})

@@ -381,15 +381,17 @@ def test_tagging_speed_section_gives_each_student_over_each_teacher(report, tmp_
 
 def test_the_speed_target_reads_the_newest_side_by_side_report(report):
     """Two report stages timed the same student architecture: the newer one (faster code) gives
-    the target's ratio, whichever variant it timed; a row's own column keeps to its variant."""
+    every row's ratio, whichever variant it timed; another teacher's row falls back to records."""
     def entry(variant, date, speedup):
         return {"teacher_sha256": "t", "student": "s", "dataset": "conll2003", "variant": variant, "K": None,
                 "pool": None, "crossfit_folds": 0, "date": date, "speedup": speedup}
 
     speeds = [entry("g100_da_seq", "2026-12-02", 15.0), entry("g100_da_token_pos", "2026-12-04", 18.0),
               entry("g100_da_token_pos", "2026-12-04", 20.0)]
-    row = {"variant": "g100_da_seq", "K": None, "pool": None, "crossfit_folds": 0}
-    assert report._speed(None, "t", None, speeds, "s", "conll2003") == {
+    row = {"variant": "g100_da_seq", "K": None, "pool": None, "crossfit_folds": 0, "sentences_per_s": 1500.0,
+           "n": 3}
+    assert report._speed(row, "t", None, speeds, "s", "conll2003") == {
         "ratio": 19.0, "n": 2, "source": "side by side", "date": "2026-12-04"}
-    assert report._speed(row, "t", None, speeds, "s", "conll2003")["ratio"] == 15.0
-    assert report._speed(None, "other teacher", None, speeds, "s", "conll2003") is None
+    assert report._speed(row, "other teacher", None, speeds, "s", "conll2003") is None
+    assert report._speed(row, "other teacher", {"sentences_per_s": 100.0}, speeds, "s", "conll2003") == {
+        "ratio": 15.0, "n": 3, "source": "records"}
