@@ -117,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--teacher-hidden-layer", type=count, default=3,
                         help="the teacher layer that the hidden loss (te_da_stagewise) distils: 3 of MiniLM's 6, "
                         "half way up as in the multi-stage paper (6-7 of 12); 0 is the embeddings")
+    parser.add_argument("--teacher-group-by-length", action="store_true",
+                        help="fine-tune the teacher and fold teachers on batches of similar length (transformers' "
+                        "LengthGroupedSampler): fewer padded words per epoch; the students keep random batches")
     parser.add_argument("--seed", type=count, default=0, help="the teacher's seed (default 0)")
     args = parser.parse_args(argv)
     if args.student_hidden % 2:
@@ -156,7 +159,8 @@ def tool_arguments(args: argparse.Namespace):
                           da_news_articles=args.da_news_articles, da_augment=args.da_augment),
             TeacherArguments(teacher_model_name_or_path=args.teacher_encoder, teacher_epochs=args.teacher_epochs,
                              teacher_learning_rate=args.teacher_lr, teacher_head_learning_rate=args.teacher_head_lr,
-                             teacher_layer_decay=args.layer_decay, teacher_hidden_layer=args.teacher_hidden_layer),
+                             teacher_layer_decay=args.layer_decay, teacher_hidden_layer=args.teacher_hidden_layer,
+                             teacher_group_by_length=args.teacher_group_by_length),
             StudentArguments(student_epochs=args.student_epochs, student_learning_rate=args.student_lr,
                              student_hidden=args.student_hidden, student_dropout=args.student_dropout,
                              student_char_cnn=args.student_char_cnn),

@@ -235,6 +235,33 @@ def test_the_label_stage_rejects_a_hidden_layer_the_teacher_lacks(tmp_path, monk
         job.label_transfer_set(with_hidden=True)
 
 
+@pytest.mark.parametrize("tool_option", [None, "random", "group_by_length"])
+def test_teacher_group_by_length_is_the_teacher_stages_alone(tmp_path, tool_option):
+    """--teacher-group-by-length (the pipeline) and --teacher_group_by_length (the tool) batch the
+    teacher's fine-tuning by length; the students keep the tool's --train_sampling_strategy."""
+    from crfkit import pipeline
+    from crfkit.tool import job as job_module
+    from crfkit.tool.arguments import parse_arguments
+    from crfkit.tool.datasets import TaggingData
+
+    tagging = TaggingData([], [], [], [], ("O",), "BIO", description={})
+    by_pipeline = pipeline.tool_arguments(pipeline.parse_args(["--runs", "te", "--workdir", str(tmp_path),
+                                                               "--teacher-group-by-length"]))
+    assert by_pipeline[1].teacher_group_by_length is True
+    argv = ["--runs", "te", "--output_dir", str(tmp_path)]
+    student = tool_option or "random"
+    for grouped in (False, True):
+        job = job_module.DistillationJob(
+            parse_arguments(argv + (["--teacher_group_by_length"] if grouped else [])
+                            + (["--train_sampling_strategy", tool_option] if tool_option else [])), tagging)
+        teacher = job.teacher_training_arguments(str(tmp_path / "teacher"))
+        assert teacher.train_sampling_strategy == ("group_by_length" if grouped else student)
+        assert job.stage_arguments(str(tmp_path / "student")).train_sampling_strategy == student
+    job = job_module.DistillationJob(by_pipeline, tagging)
+    assert job.teacher_training_arguments(str(tmp_path / "t")).train_sampling_strategy == "group_by_length"
+    assert job.stage_arguments(str(tmp_path / "s")).train_sampling_strategy == "random"
+
+
 @needs_conll
 @pytest.mark.skipif(importlib.util.find_spec("gensim") is None,
                     reason="needs gensim: pip install --no-deps gensim==4.4.0")

@@ -105,6 +105,10 @@ class TeacherArguments:
         "encoder layer i of N trains at lr * decay ** (N - 1 - i)"))
     teacher_hidden_layer: int = field(default=3, metadata=_help(
         "the teacher layer the hidden loss distils (0: the embeddings)"))
+    teacher_group_by_length: bool = field(default=False, metadata=_help(
+        "fine-tune the teacher (and the fold teachers) on batches of similar length (train_sampling_strategy "
+        "group_by_length, for this stage only): on a CPU most of a random batch is padding; the students keep "
+        "--train_sampling_strategy"))
 
     def __post_init__(self):
         for name in ("teacher_epochs", "teacher_learning_rate", "teacher_head_learning_rate"):

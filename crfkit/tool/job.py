@@ -203,11 +203,13 @@ class DistillationJob:
 
     def teacher_training_arguments(self, output_dir: str):
         """The teacher's fine-tuning recipe (the teacher and every fold teacher share it)."""
+        sampling = ({"train_sampling_strategy": "group_by_length"} if self.teacher_args.teacher_group_by_length
+                    else {})
         return self.stage_arguments(output_dir, num_train_epochs=self.teacher_args.teacher_epochs,
                                     learning_rate=self.teacher_args.teacher_learning_rate,
                                     head_learning_rate=self.teacher_args.teacher_head_learning_rate,
                                     layer_decay=self.teacher_args.teacher_layer_decay, weight_decay=0.01,
-                                    warmup_steps=0.1)
+                                    warmup_steps=0.1, **sampling)
 
     def teacher_sha256(self, teacher_dir: Optional[str] = None) -> str:
         return file_sha256(os.path.join(teacher_dir or self.teacher_dir, "model.safetensors"))
@@ -502,6 +504,7 @@ class DistillationJob:
                   "trainable_params": tagger.num_parameters(trainable_only=True),
                   "sentences_per_s": round(speed["sentences_per_s"], 1), "wall_s": round(wall_s, 1),
                   "epochs": trainer.state.epoch if trainer else None,
+                  "train_sampling_strategy": trainer.args.train_sampling_strategy if trainer else None,
                   "best_checkpoint": _relative(trainer.state.best_model_checkpoint, self.workdir) if trainer else None,
                   **self.record_fields(), "command": self.command, "git": git_commit(),
                   "machine": machine_description(), "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -123,6 +123,29 @@ class DistillationTrainer(transformers.Trainer):
                                                eps=args.adam_epsilon)
         return self.optimizer
 
+    # train_sampling_strategy="group_by_length": transformers' LengthGroupedSampler (batches of
+    # similar length from shuffled megabatches, the longest first; evaluation in seeded groups),
+    # given each item's word count. The stock samplers measure an item's input_ids, which tagging
+    # items do not have (they hold words), and raise. On a CPU most of a random batch of CoNLL
+    # sentences is padding (benchmarks/results/length_grouping.md).
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.train_sampling_strategy == "group_by_length" and dataset is not None:
+            return self._by_word_count(dataset, self.args.train_batch_size * self.args.gradient_accumulation_steps)
+        return super()._get_train_sampler(train_dataset)
+
+    def _get_eval_sampler(self, eval_dataset):
+        if self.args.train_sampling_strategy == "group_by_length" and eval_dataset is not None:
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return self._by_word_count(eval_dataset, self.args.eval_batch_size, torch.Generator().manual_seed(seed))
+        return super()._get_eval_sampler(eval_dataset)
+
+    @staticmethod
+    def _by_word_count(items, batch_size: int, generator=None):
+        from transformers.trainer_pt_utils import LengthGroupedSampler
+
+        return LengthGroupedSampler(batch_size, lengths=[len(item["tokens"]) for item in items], generator=generator)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The configured loss of one training batch: the objective's terms (LOSS_TERMS) combined
         by its weighting, the adaptive one at this step. The terms are computed in the model's
