@@ -862,9 +862,15 @@ def students_targets(rows: dict, base: dict | None, teacher_f1: float | None, te
         sure = ("" if comparison["low"] is None else
                 "; the interval is above 1.0" if comparison["low"] >= 1.0 else
                 "; the interval is below 1.0" if comparison["high"] < 1.0 else "; the interval contains 1.0")
+        # A teacher that scores below the student it is to lift bounds what its targets can add: say so
+        # beside the verdict, it is the measurement that explains a miss.
+        weaker = ("" if teacher_f1 is None or base is None or teacher_f1 >= base["test_mean"] else
+                  f"; the teacher itself ({teacher_f1:.2f}) is {base['test_mean'] - teacher_f1:.2f} F1 below "
+                  "this baseline")
         out.append({"target": "baseline", "verdict": "met" if met else "NOT met", "paired": comparison,
+                    "teacher_below_baseline": bool(weaker),
                     "line": f"at least 1.0 F1 above the baseline g100 ({_f1(base)}; paired): "
-                            f"{_difference(comparison)}, {'met' if met else 'NOT met'}{sure}"})
+                            f"{_difference(comparison)}, {'met' if met else 'NOT met'}{sure}{weaker}"})
     speed = _speed(best_row, teacher, teacher_record, speeds, student, dataset)
     if speed is None:
         out.append({"target": "speed", "verdict": None, "line": "at least 20x the teacher's sentences per second: "
